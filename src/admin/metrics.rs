@@ -1,0 +1,327 @@
+//! The metrics of SPEC §5, registered once per process.
+//!
+//! Labels are bounded: listener and route names and fixed reason strings, never raw SNI or
+//! client addresses. Hot paths resolve per-route handles once per connection
+//! ([`Metrics::route`]) and then only touch atomics.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// `listener` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerLabel {
+    /// Listener name.
+    pub listener: String,
+}
+
+/// `listener`, `outcome` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// Listener name.
+    pub listener: String,
+    /// `routed`, `no_route`, `not_tls`, `bad_request`, `timeout`, `limited`, `closed_early`.
+    pub outcome: &'static str,
+}
+
+/// `listener`, `result` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerResultLabels {
+    /// Listener name.
+    pub listener: String,
+    /// Result of parsing.
+    pub result: &'static str,
+}
+
+/// `route` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabel {
+    /// Route name.
+    pub route: String,
+}
+
+/// `route`, `direction` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteDirectionLabels {
+    /// Route name.
+    pub route: String,
+    /// `rx` (from client) or `tx` (to client).
+    pub direction: &'static str,
+}
+
+/// `route`, `reason` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteReasonLabels {
+    /// Route name.
+    pub route: String,
+    /// Failure reason.
+    pub reason: &'static str,
+}
+
+/// `result` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    /// `applied`, `rejected` or `unchanged`.
+    pub result: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn seconds_histogram() -> Histogram {
+    // 1 ms .. ~9 h.
+    Histogram::new(exponential_buckets(0.001, 4.0, 13))
+}
+
+fn bytes_histogram() -> Histogram {
+    // 128 B .. 64 KiB.
+    Histogram::new(exponential_buckets(128.0, 2.0, 10))
+}
+
+fn connect_histogram() -> Histogram {
+    // 100 µs .. ~13 s.
+    Histogram::new(exponential_buckets(0.0001, 2.0, 18))
+}
+
+/// All metrics of the process.
+#[derive(Debug)]
+pub struct Metrics {
+    /// The registry that `/metrics` encodes.
+    pub registry: Registry,
+    /// `trellis_downstream_connections_total`.
+    pub downstream_total: Family<OutcomeLabels, Counter>,
+    /// `trellis_downstream_connections_active`.
+    pub downstream_active: Family<ListenerLabel, Gauge>,
+    /// `trellis_route_connections_total`.
+    pub route_total: Family<RouteLabel, Counter>,
+    /// `trellis_route_connections_active`.
+    pub route_active: Family<RouteLabel, Gauge>,
+    /// `trellis_route_bytes_total`.
+    pub route_bytes: Family<RouteDirectionLabels, Counter>,
+    /// `trellis_upstream_connect_failures_total`.
+    pub connect_failures: Family<RouteReasonLabels, Counter>,
+    /// `trellis_upstream_connect_duration_seconds`.
+    pub connect_duration: HistogramFamily<RouteLabel>,
+    /// `trellis_client_hello_bytes`.
+    pub client_hello_bytes: HistogramFamily<ListenerLabel>,
+    /// `trellis_connection_duration_seconds`.
+    pub connection_duration: HistogramFamily<ListenerLabel>,
+    /// `trellis_proxy_protocol_headers_total`.
+    pub proxy_headers: Family<ListenerResultLabels, Counter>,
+    /// `trellis_routing_table_routes`.
+    pub table_routes: Gauge,
+    /// `trellis_routing_table_generation`.
+    pub table_generation: Gauge,
+    /// `trellis_routing_table_reloads_total`.
+    pub table_reloads: Family<ResultLabel, Counter>,
+    /// `trellis_half_closed_connections`.
+    pub half_closed: Gauge,
+}
+
+/// Per-route handles, resolved once per connection.
+#[derive(Debug, Clone)]
+pub struct RouteMetrics {
+    /// Route name.
+    pub route: String,
+    /// Connections routed here.
+    pub total: Counter,
+    /// Connections open now.
+    pub active: Gauge,
+    /// Bytes from clients.
+    pub rx: Counter,
+    /// Bytes to clients.
+    pub tx: Counter,
+    /// Backend connect time.
+    pub connect_duration: Histogram,
+}
+
+/// Per-listener handles, resolved once per listener.
+#[derive(Debug, Clone)]
+pub struct ListenerMetrics {
+    /// Listener name.
+    pub listener: String,
+    /// Connections open now on this listener.
+    pub active: Gauge,
+    /// ClientHello sizes.
+    pub client_hello_bytes: Histogram,
+    /// Connection lifetimes.
+    pub connection_duration: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric under the `trellis_` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("trellis");
+        let m = Metrics {
+            downstream_total: Family::default(),
+            downstream_active: Family::default(),
+            route_total: Family::default(),
+            route_active: Family::default(),
+            route_bytes: Family::default(),
+            connect_failures: Family::default(),
+            connect_duration: Family::new_with_constructor(connect_histogram),
+            client_hello_bytes: Family::new_with_constructor(bytes_histogram),
+            connection_duration: Family::new_with_constructor(seconds_histogram),
+            proxy_headers: Family::default(),
+            table_routes: Gauge::default(),
+            table_generation: Gauge::default(),
+            table_reloads: Family::default(),
+            half_closed: Gauge::default(),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register(
+            "downstream_connections",
+            "Client connections by listener and outcome",
+            m.downstream_total.clone(),
+        );
+        r.register(
+            "downstream_connections_active",
+            "Client connections open now",
+            m.downstream_active.clone(),
+        );
+        r.register(
+            "route_connections",
+            "Connections routed, by route",
+            m.route_total.clone(),
+        );
+        r.register(
+            "route_connections_active",
+            "Routed connections open now",
+            m.route_active.clone(),
+        );
+        r.register(
+            "route_bytes",
+            "Bytes relayed, rx from client, tx to client",
+            m.route_bytes.clone(),
+        );
+        r.register(
+            "upstream_connect_failures",
+            "Failed backend connects by reason",
+            m.connect_failures.clone(),
+        );
+        r.register(
+            "upstream_connect_duration_seconds",
+            "Time to connect to a backend",
+            m.connect_duration.clone(),
+        );
+        r.register(
+            "client_hello_bytes",
+            "Size of ClientHellos, record headers included",
+            m.client_hello_bytes.clone(),
+        );
+        r.register(
+            "connection_duration_seconds",
+            "Lifetime of client connections",
+            m.connection_duration.clone(),
+        );
+        r.register(
+            "proxy_protocol_headers",
+            "PROXY protocol headers by result",
+            m.proxy_headers.clone(),
+        );
+        r.register(
+            "routing_table_routes",
+            "Routes in the active table",
+            m.table_routes.clone(),
+        );
+        r.register(
+            "routing_table_generation",
+            "Generation of the active table",
+            m.table_generation.clone(),
+        );
+        r.register(
+            "routing_table_reloads",
+            "Routing table reloads by result",
+            m.table_reloads.clone(),
+        );
+        r.register(
+            "half_closed_connections",
+            "Connections with one direction closed",
+            m.half_closed.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// Counts a finished or rejected downstream connection.
+    pub fn outcome(&self, listener: &str, outcome: &'static str) {
+        self.downstream_total
+            .get_or_create(&OutcomeLabels {
+                listener: listener.to_owned(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Counts a failed backend connect.
+    pub fn connect_failure(&self, route: &str, reason: &'static str) {
+        self.connect_failures
+            .get_or_create(&RouteReasonLabels {
+                route: route.to_owned(),
+                reason,
+            })
+            .inc();
+    }
+
+    /// Counts a routing table reload.
+    pub fn reload(&self, result: &'static str) {
+        self.table_reloads
+            .get_or_create(&ResultLabel { result })
+            .inc();
+    }
+
+    /// Handles for one route.
+    pub fn route(&self, route: &str) -> RouteMetrics {
+        let label = RouteLabel {
+            route: route.to_owned(),
+        };
+        let dir = |direction| RouteDirectionLabels {
+            route: route.to_owned(),
+            direction,
+        };
+        RouteMetrics {
+            route: route.to_owned(),
+            total: self.route_total.get_or_create_owned(&label),
+            active: self.route_active.get_or_create_owned(&label),
+            rx: self.route_bytes.get_or_create_owned(&dir("rx")),
+            tx: self.route_bytes.get_or_create_owned(&dir("tx")),
+            connect_duration: self.connect_duration.get_or_create_owned(&label),
+        }
+    }
+
+    /// Handles for one listener.
+    pub fn listener(&self, listener: &str) -> ListenerMetrics {
+        let label = ListenerLabel {
+            listener: listener.to_owned(),
+        };
+        ListenerMetrics {
+            listener: listener.to_owned(),
+            active: self.downstream_active.get_or_create_owned(&label),
+            client_hello_bytes: self.client_hello_bytes.get_or_create_owned(&label),
+            connection_duration: self.connection_duration.get_or_create_owned(&label),
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Seconds as f64 for histograms.
+pub fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}

@@ -1,0 +1,582 @@
+//! `kind: GatewayConfiguration`: raw schema and the validated [`GatewayConfig`].
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{ConfigError, Errors, at};
+
+/// The `kind` of gateway configuration files.
+pub const KIND: &str = "GatewayConfiguration";
+
+/// Smallest accepted `maxClientHelloBytes`: a minimal ClientHello with one record header.
+pub const MIN_CLIENT_HELLO_BYTES: usize = 512;
+/// Largest accepted `maxClientHelloBytes`: four full TLS records.
+pub const MAX_CLIENT_HELLO_BYTES: usize = 65_536;
+
+/// A gateway configuration file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawGateway {
+    /// Always `trellis.gardener.cloud/v1alpha1`.
+    pub api_version: String,
+    /// Always `GatewayConfiguration`.
+    pub kind: String,
+    /// The gateway's own availability zone, for zone-preferring backend choice.
+    #[serde(default)]
+    pub zone: Option<String>,
+    /// Where the routing table comes from.
+    pub routes: RawRoutesSource,
+    /// The listeners; names and addresses must be unique.
+    pub listeners: Vec<RawListener>,
+    /// Admin endpoint (`/ready`, `/metrics`, `/routes`).
+    pub admin: RawAdmin,
+    /// Timeouts for all listeners.
+    #[serde(default)]
+    pub timeouts: RawTimeouts,
+    /// TCP keepalive on both legs.
+    #[serde(default)]
+    pub keepalive: RawKeepalive,
+    /// Resource limits.
+    #[serde(default)]
+    pub limits: RawLimits,
+    /// Access log settings.
+    #[serde(default)]
+    pub access_log: RawAccessLog,
+}
+
+/// Where the routing table is read from.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawRoutesSource {
+    /// Path of the `RoutingTable` file; relative paths are relative to this config file.
+    pub file: String,
+    /// How often the file is re-read even without a change event (default `10s`).
+    #[serde(default)]
+    pub check_interval: Option<String>,
+}
+
+/// One listener as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawListener {
+    /// Unique name, used in metrics and logs.
+    pub name: String,
+    /// `IP:port` to bind.
+    pub address: String,
+    /// `sni` (more protocols arrive with later releases).
+    pub protocol: String,
+    /// PROXY protocol from a load balancer in front.
+    #[serde(default)]
+    pub proxy_protocol: Option<RawProxyProtocol>,
+    /// Route for traffic that matches no route.
+    #[serde(default)]
+    pub default_route: Option<String>,
+    /// CONNECT destination header name (`http-connect` only).
+    #[serde(default)]
+    pub destination_header: Option<String>,
+}
+
+/// PROXY protocol settings as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawProxyProtocol {
+    /// `off` (default), `optional` or `required`.
+    #[serde(default)]
+    pub mode: Option<String>,
+    /// Peers (CIDRs) that may send a PROXY header.
+    #[serde(default)]
+    pub trusted_sources: Vec<String>,
+}
+
+/// Admin endpoint as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawAdmin {
+    /// `IP:port` to bind.
+    pub address: String,
+}
+
+/// Timeouts as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawTimeouts {
+    /// Budget to connect to a backend, failover included (default `5s`).
+    pub connect: Option<String>,
+    /// Time for a client to send its ClientHello or request head (default `10s`).
+    pub handshake: Option<String>,
+    /// Close connections idle this long (default `1h`).
+    pub idle: Option<String>,
+    /// How long a half-closed connection may stay open (default `1m`).
+    pub half_close: Option<String>,
+    /// How long established connections may finish on shutdown (default `60s`).
+    pub drain: Option<String>,
+}
+
+/// TCP keepalive as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawKeepalive {
+    /// Towards clients (default idle `55s`, interval `55s`).
+    pub downstream: Option<RawKeepaliveSide>,
+    /// Towards backends (default idle `2h`, interval `75s`).
+    pub upstream: Option<RawKeepaliveSide>,
+}
+
+/// Keepalive of one leg as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawKeepaliveSide {
+    /// Idle time before the first probe.
+    pub idle: Option<String>,
+    /// Time between probes.
+    pub interval: Option<String>,
+}
+
+/// Limits as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawLimits {
+    /// Most client connections open at once (default 100000).
+    pub max_connections: Option<u64>,
+    /// Most connections from one client address (0 = unlimited, the default).
+    pub max_connections_per_source: Option<u64>,
+    /// Largest ClientHello, record headers included (default 16384).
+    pub max_client_hello_bytes: Option<u64>,
+    /// Largest CONNECT request head (default 8192).
+    pub max_header_bytes: Option<u64>,
+}
+
+/// Access log settings as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawAccessLog {
+    /// Log a line for long-lived connections this often (off by default).
+    pub interval: Option<String>,
+}
+
+/// What a listener speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// TLS passthrough routed by SNI.
+    Sni,
+}
+
+/// A validated listener.
+#[derive(Debug, Clone)]
+pub struct ListenerConfig {
+    /// Unique name.
+    pub name: String,
+    /// Bind address.
+    pub address: SocketAddr,
+    /// Protocol.
+    pub protocol: Protocol,
+    /// Route for unmatched traffic.
+    pub default_route: Option<String>,
+}
+
+/// Validated timeouts.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// Backend connect budget.
+    pub connect: Duration,
+    /// ClientHello / request head deadline.
+    pub handshake: Duration,
+    /// Idle timeout.
+    pub idle: Duration,
+    /// Half-close bound.
+    pub half_close: Duration,
+    /// Drain deadline.
+    pub drain: Duration,
+}
+
+/// TCP keepalive of one leg.
+#[derive(Debug, Clone, Copy)]
+pub struct KeepaliveSide {
+    /// Idle time before the first probe.
+    pub idle: Duration,
+    /// Time between probes.
+    pub interval: Duration,
+}
+
+/// Validated limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Most connections at once.
+    pub max_connections: usize,
+    /// Most connections per client address; 0 = unlimited.
+    pub max_connections_per_source: usize,
+    /// Largest ClientHello.
+    pub max_client_hello_bytes: usize,
+    /// Largest request head.
+    pub max_header_bytes: usize,
+}
+
+/// A validated gateway configuration.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Own zone.
+    pub zone: Option<String>,
+    /// Routing table file (absolute, or relative to the working directory).
+    pub routes_file: PathBuf,
+    /// Periodic re-read interval of the routing table.
+    pub routes_check_interval: Duration,
+    /// Listeners.
+    pub listeners: Vec<ListenerConfig>,
+    /// Admin bind address.
+    pub admin: SocketAddr,
+    /// Timeouts.
+    pub timeouts: Timeouts,
+    /// Keepalive towards clients.
+    pub keepalive_downstream: KeepaliveSide,
+    /// Keepalive towards backends.
+    pub keepalive_upstream: KeepaliveSide,
+    /// Limits.
+    pub limits: Limits,
+    /// Periodic access log interval.
+    pub access_log_interval: Option<Duration>,
+}
+
+/// Reads and validates a gateway configuration file.
+pub fn load(file: &Path) -> Result<GatewayConfig, ConfigError> {
+    let bytes = super::read_file(file)?;
+    let doc = super::parse_document(file, &bytes)?;
+    from_document(file, doc)
+}
+
+pub(super) fn from_document(
+    file: &Path,
+    doc: serde_json::Value,
+) -> Result<GatewayConfig, ConfigError> {
+    let raw: RawGateway = super::decode(file, doc)?;
+    let mut errors = Errors::default();
+    let config = validate(file, raw, &mut errors);
+    errors.finish(file, config)
+}
+
+fn validate(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
+    if raw.kind != KIND {
+        errors.push("kind", format!("expected {KIND:?}"));
+    }
+    let mut names = HashSet::new();
+    let mut addresses = HashSet::new();
+    let mut listeners = Vec::new();
+    if raw.listeners.is_empty() {
+        errors.push("listeners", "at least one listener is required");
+    }
+    for (i, l) in raw.listeners.iter().enumerate() {
+        let path = format!("listeners[{i}]");
+        if l.name.is_empty()
+            || !l
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
+        {
+            errors.push(
+                at(&path, "name"),
+                format!(
+                    "invalid listener name {:?} (letters, digits, '-', '_')",
+                    l.name
+                ),
+            );
+        } else if !names.insert(l.name.clone()) {
+            errors.push(
+                at(&path, "name"),
+                format!("duplicate listener name {:?}", l.name),
+            );
+        }
+        let address = socket_addr(errors, &at(&path, "address"), &l.address);
+        if let Some(a) = address
+            && !addresses.insert(a)
+        {
+            errors.push(
+                at(&path, "address"),
+                format!("address {a} is used by another listener"),
+            );
+        }
+        let protocol = match l.protocol.as_str() {
+            "sni" => Some(Protocol::Sni),
+            "http-connect" | "proxy-destination" | "egress-connect" | "wireguard" => {
+                errors.push(
+                    at(&path, "protocol"),
+                    format!(
+                        "protocol {:?} is not supported by this build yet",
+                        l.protocol
+                    ),
+                );
+                None
+            }
+            other => {
+                errors.push(
+                    at(&path, "protocol"),
+                    format!("unknown protocol {other:?}, expected one of sni, http-connect, proxy-destination, egress-connect, wireguard"),
+                );
+                None
+            }
+        };
+        if let Some(pp) = &l.proxy_protocol {
+            match pp.mode.as_deref() {
+                None | Some("off") => {}
+                Some("optional" | "required") => errors.push(
+                    format!("{path}.proxyProtocol.mode"),
+                    "PROXY protocol is not supported by this build yet; use off",
+                ),
+                Some(other) => errors.push(
+                    format!("{path}.proxyProtocol.mode"),
+                    format!("expected off, optional or required, got {other:?}"),
+                ),
+            }
+        }
+        if l.destination_header.is_some() && protocol == Some(Protocol::Sni) {
+            errors.push(
+                at(&path, "destinationHeader"),
+                "only valid for http-connect listeners",
+            );
+        }
+        if let Some(r) = &l.default_route
+            && r.is_empty()
+        {
+            errors.push(at(&path, "defaultRoute"), "must not be empty");
+        }
+        if let (Some(address), Some(protocol)) = (address, protocol) {
+            listeners.push(ListenerConfig {
+                name: l.name.clone(),
+                address,
+                protocol,
+                default_route: l.default_route.clone(),
+            });
+        }
+    }
+    let admin = socket_addr(errors, "admin.address", &raw.admin.address);
+    if let Some(a) = admin
+        && addresses.contains(&a)
+    {
+        errors.push(
+            "admin.address",
+            format!("address {a} is used by a listener"),
+        );
+    }
+    if raw.routes.file.is_empty() {
+        errors.push("routes.file", "must not be empty");
+    }
+    let t = &raw.timeouts;
+    let mut positive_or = |path: &str, v: Option<&str>, default: Duration| match v {
+        Some(v) => super::routes::positive(errors, path, v).unwrap_or(default),
+        None => default,
+    };
+    let timeouts = Timeouts {
+        connect: positive_or(
+            "timeouts.connect",
+            t.connect.as_deref(),
+            Duration::from_secs(5),
+        ),
+        handshake: positive_or(
+            "timeouts.handshake",
+            t.handshake.as_deref(),
+            Duration::from_secs(10),
+        ),
+        idle: positive_or(
+            "timeouts.idle",
+            t.idle.as_deref(),
+            Duration::from_secs(3600),
+        ),
+        half_close: positive_or(
+            "timeouts.halfClose",
+            t.half_close.as_deref(),
+            Duration::from_secs(60),
+        ),
+        drain: errors.duration_or(
+            "timeouts.drain",
+            t.drain.as_deref(),
+            Duration::from_secs(60),
+        ),
+    };
+    let keepalive_downstream = keepalive(
+        errors,
+        "keepalive.downstream",
+        raw.keepalive.downstream.as_ref(),
+        (55, 55),
+    );
+    let keepalive_upstream = keepalive(
+        errors,
+        "keepalive.upstream",
+        raw.keepalive.upstream.as_ref(),
+        (7200, 75),
+    );
+    let l = &raw.limits;
+    let limits = Limits {
+        max_connections: bounded(
+            errors,
+            "limits.maxConnections",
+            l.max_connections,
+            100_000,
+            1..=10_000_000,
+        ),
+        max_connections_per_source: bounded(
+            errors,
+            "limits.maxConnectionsPerSource",
+            l.max_connections_per_source,
+            0,
+            0..=10_000_000,
+        ),
+        max_client_hello_bytes: bounded(
+            errors,
+            "limits.maxClientHelloBytes",
+            l.max_client_hello_bytes,
+            16_384,
+            MIN_CLIENT_HELLO_BYTES..=MAX_CLIENT_HELLO_BYTES,
+        ),
+        max_header_bytes: bounded(
+            errors,
+            "limits.maxHeaderBytes",
+            l.max_header_bytes,
+            8192,
+            256..=65_536,
+        ),
+    };
+    let access_log_interval = raw
+        .access_log
+        .interval
+        .as_deref()
+        .and_then(|v| super::routes::positive(errors, "accessLog.interval", v));
+    let routes_check_interval = raw
+        .routes
+        .check_interval
+        .as_deref()
+        .and_then(|v| super::routes::positive(errors, "routes.checkInterval", v))
+        .unwrap_or(Duration::from_secs(10));
+    let routes_file = PathBuf::from(&raw.routes.file);
+    let routes_file = if routes_file.is_relative() {
+        file.parent().unwrap_or(Path::new(".")).join(routes_file)
+    } else {
+        routes_file
+    };
+    GatewayConfig {
+        zone: raw.zone,
+        routes_file,
+        routes_check_interval,
+        listeners,
+        admin: admin.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0))),
+        timeouts,
+        keepalive_downstream,
+        keepalive_upstream,
+        limits,
+        access_log_interval,
+    }
+}
+
+fn socket_addr(errors: &mut Errors, path: &str, value: &str) -> Option<SocketAddr> {
+    value
+        .parse()
+        .map_err(|_| errors.push(path, format!("expected IP:port, got {value:?}")))
+        .ok()
+}
+
+fn keepalive(
+    errors: &mut Errors,
+    path: &str,
+    raw: Option<&RawKeepaliveSide>,
+    default: (u64, u64),
+) -> KeepaliveSide {
+    let (idle, interval) = raw
+        .map(|r| (r.idle.as_deref(), r.interval.as_deref()))
+        .unwrap_or_default();
+    let mut get = |field: &str, v: Option<&str>, d: u64| match v {
+        Some(v) => {
+            super::routes::positive(errors, &at(path, field), v).unwrap_or(Duration::from_secs(d))
+        }
+        None => Duration::from_secs(d),
+    };
+    KeepaliveSide {
+        idle: get("idle", idle, default.0),
+        interval: get("interval", interval, default.1),
+    }
+}
+
+fn bounded(
+    errors: &mut Errors,
+    path: &str,
+    value: Option<u64>,
+    default: usize,
+    range: std::ops::RangeInclusive<usize>,
+) -> usize {
+    let Some(v) = value else { return default };
+    match usize::try_from(v) {
+        Ok(v) if range.contains(&v) => v,
+        _ => {
+            errors.push(
+                path,
+                format!("{v} is out of range {}..={}", range.start(), range.end()),
+            );
+            default
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(yaml: &str) -> Result<GatewayConfig, String> {
+        let file = Path::new("/etc/trellis/gateway.yaml");
+        let doc = super::super::parse_document(file, yaml.as_bytes()).map_err(|e| e.to_string())?;
+        from_document(file, doc).map_err(|e| e.to_string())
+    }
+
+    const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\n";
+
+    #[test]
+    fn minimal_with_defaults() {
+        let c = check(&format!(
+            "{HEAD}routes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"0.0.0.0:9443\", protocol: sni}}\nadmin: {{address: \"127.0.0.1:15021\"}}\n"
+        ))
+        .unwrap();
+        assert_eq!(c.routes_file, Path::new("/etc/trellis/routes.yaml"));
+        assert_eq!(c.timeouts.connect, Duration::from_secs(5));
+        assert_eq!(c.limits.max_client_hello_bytes, 16_384);
+        assert_eq!(c.keepalive_upstream.idle, Duration::from_secs(7200));
+    }
+
+    #[test]
+    fn every_error_has_a_path() {
+        let err = check(&format!(
+            "{HEAD}routes: {{file: routes.yaml}}
+listeners:
+- {{name: tls, address: \"0.0.0.0:9443\", protocol: sni}}
+- {{name: tls, address: \"0.0.0.0:9443\", protocol: sni}}
+- {{name: x, address: \"nope\", protocol: gopher}}
+admin: {{address: \"0.0.0.0:9443\"}}
+timeouts: {{connect: 0s, idle: soon}}
+limits: {{maxClientHelloBytes: 10}}
+"
+        ))
+        .unwrap_err();
+        for needle in [
+            "gateway.yaml: listeners[1].name: duplicate listener name",
+            "gateway.yaml: listeners[1].address: address 0.0.0.0:9443 is used",
+            "gateway.yaml: listeners[2].address: expected IP:port",
+            "gateway.yaml: listeners[2].protocol: unknown protocol \"gopher\"",
+            "gateway.yaml: admin.address: address 0.0.0.0:9443 is used by a listener",
+            "gateway.yaml: timeouts.connect: must be greater than 0",
+            "gateway.yaml: timeouts.idle: invalid duration",
+            "gateway.yaml: limits.maxClientHelloBytes: 10 is out of range",
+        ] {
+            assert!(err.contains(needle), "{needle} not in:\n{err}");
+        }
+    }
+
+    #[test]
+    fn unknown_and_mistyped_fields() {
+        let err = check(&format!(
+            "{HEAD}routes: {{file: r.yaml}}\nlisteners: []\nadmin: {{address: x, port: 1}}\n"
+        ))
+        .unwrap_err();
+        assert!(err.contains("admin.port: unknown field `port`"), "{err}");
+        let err = check(&format!("{HEAD}routes: {{file: r.yaml}}\nlisteners: []\nadmin: {{address: x}}\nlimits: {{maxConnections: lots}}\n"))
+            .unwrap_err();
+        assert!(err.contains("limits.maxConnections: invalid type"), "{err}");
+    }
+}

@@ -1,0 +1,297 @@
+//! Configuration files: raw serde types and their conversion into validated domain types.
+//!
+//! Every file is YAML (JSON is YAML too) with `apiVersion: trellis.gardener.cloud/v1alpha1`
+//! and a `kind`. Parsing happens in two steps: serde reads the structure (unknown fields and
+//! wrong types are errors, reported with their field path), then `TryFrom`-style validation
+//! checks every value and collects *all* problems with their paths. `trellis check` and the
+//! processes themselves run exactly this path, so what `check` accepts is what runs. This
+//! module reads files but never opens sockets.
+
+pub mod gateway;
+pub mod routes;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use thiserror::Error;
+
+/// The only API version this build understands.
+pub const API_VERSION: &str = "trellis.gardener.cloud/v1alpha1";
+
+/// Largest config or routing file we read (a 10,000-route table is ~2 MB).
+pub const MAX_FILE_BYTES: u64 = 64 << 20;
+
+/// One problem in a file, at a field path such as `listeners[2].address`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// Field path; empty for the document itself.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// Why a file could not be used.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{}: {source}", file.display())]
+    Read {
+        /// The file.
+        file: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file was read but is not valid; every problem found is listed.
+    #[error("{}", Invalid(file, errors))]
+    Invalid {
+        /// The file.
+        file: PathBuf,
+        /// Every problem, each with its field path.
+        errors: Vec<FieldError>,
+    },
+}
+
+struct Invalid<'a>(&'a Path, &'a [FieldError]);
+
+impl fmt::Display for Invalid<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.1.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{}: {e}", self.0.display())?;
+        }
+        Ok(())
+    }
+}
+
+impl ConfigError {
+    /// Stable short name for metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ConfigError::Read { .. } => "read",
+            ConfigError::Invalid { .. } => "invalid",
+        }
+    }
+}
+
+/// Collects validation errors with their paths.
+#[derive(Debug, Default)]
+pub struct Errors(Vec<FieldError>);
+
+impl Errors {
+    /// Records a problem at `path`.
+    pub fn push(&mut self, path: impl fmt::Display, message: impl fmt::Display) {
+        self.0.push(FieldError {
+            path: path.to_string(),
+            message: message.to_string(),
+        });
+    }
+
+    /// Parses a duration at `path`, recording an error and returning `None` if invalid.
+    pub fn duration(&mut self, path: impl fmt::Display, value: &str) -> Option<Duration> {
+        parse_duration(value).map_err(|e| self.push(path, e)).ok()
+    }
+
+    /// Parses an optional duration, falling back to `default`.
+    pub fn duration_or(
+        &mut self,
+        path: impl fmt::Display,
+        value: Option<&str>,
+        default: Duration,
+    ) -> Duration {
+        match value {
+            Some(v) => self.duration(path, v).unwrap_or(default),
+            None => default,
+        }
+    }
+
+    /// Turns the collected errors into a result for `file`.
+    pub fn finish<T>(self, file: &Path, value: T) -> Result<T, ConfigError> {
+        if self.0.is_empty() {
+            Ok(value)
+        } else {
+            Err(ConfigError::Invalid {
+                file: file.to_owned(),
+                errors: self.0,
+            })
+        }
+    }
+}
+
+/// Parses a duration such as `500ms`, `5s`, `1m30s`, `1h`, `1.5s` (Go-style units
+/// `ns`, `us`, `ms`, `s`, `m`, `h`).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let err = || format!("invalid duration {s:?} (expected e.g. 500ms, 5s, 1m, 1h)");
+    if s.is_empty() {
+        return Err(err());
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(err)?;
+        let (num, tail) = rest.split_at(num_len);
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_len);
+        let value: f64 = num.parse().map_err(|_| err())?;
+        let unit_secs = match unit {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(err()),
+        };
+        total += Duration::try_from_secs_f64(value * unit_secs).map_err(|_| err())?;
+        rest = tail;
+    }
+    Ok(total)
+}
+
+/// Reads a file with a size cap.
+pub fn read_file(file: &Path) -> Result<Vec<u8>, ConfigError> {
+    use std::io::Read;
+    let read_err = |source| ConfigError::Read {
+        file: file.to_owned(),
+        source,
+    };
+    let f = std::fs::File::open(file).map_err(read_err)?;
+    let mut bytes = Vec::new();
+    f.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_err)?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(invalid(
+            file,
+            "",
+            format!("file larger than {MAX_FILE_BYTES} bytes"),
+        ));
+    }
+    Ok(bytes)
+}
+
+fn invalid(file: &Path, path: &str, message: impl fmt::Display) -> ConfigError {
+    ConfigError::Invalid {
+        file: file.to_owned(),
+        errors: vec![FieldError {
+            path: path.into(),
+            message: message.to_string(),
+        }],
+    }
+}
+
+/// Parses YAML into a generic document, for kind detection and typed decoding.
+fn parse_document(file: &Path, bytes: &[u8]) -> Result<serde_json::Value, ConfigError> {
+    let text =
+        std::str::from_utf8(bytes).map_err(|e| invalid(file, "", format!("not UTF-8: {e}")))?;
+    let doc: serde_json::Value =
+        serde_saphyr::from_str(text).map_err(|e| invalid(file, "", format!("YAML: {e}")))?;
+    if !doc.is_object() {
+        return Err(invalid(
+            file,
+            "",
+            "expected a mapping with apiVersion and kind",
+        ));
+    }
+    let mut errors = Errors::default();
+    match doc.get("apiVersion").and_then(|v| v.as_str()) {
+        Some(API_VERSION) => {}
+        Some(other) => errors.push(
+            "apiVersion",
+            format!("unsupported {other:?}, expected {API_VERSION:?}"),
+        ),
+        None => errors.push("apiVersion", format!("missing, expected {API_VERSION:?}")),
+    }
+    if doc.get("kind").and_then(|v| v.as_str()).is_none() {
+        errors.push("kind", "missing");
+    }
+    errors.finish(file, doc)
+}
+
+/// Decodes a document into raw serde types; structural errors carry the field path.
+fn decode<T: DeserializeOwned>(file: &Path, doc: serde_json::Value) -> Result<T, ConfigError> {
+    serde_path_to_error::deserialize(doc).map_err(|e| {
+        let path = e.path().to_string();
+        let path = if path == "." { String::new() } else { path };
+        invalid(file, &path, e.into_inner())
+    })
+}
+
+/// Any file `trellis check` understands, validated.
+#[derive(Debug)]
+pub enum AnyFile {
+    /// `kind: GatewayConfiguration`.
+    Gateway(gateway::GatewayConfig),
+    /// `kind: RoutingTable`.
+    Routes(routes::LoadedTable),
+}
+
+impl AnyFile {
+    /// The file's kind, as written in it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            AnyFile::Gateway(_) => gateway::KIND,
+            AnyFile::Routes(_) => routes::KIND,
+        }
+    }
+}
+
+/// Reads and validates any trellis file, dispatching on its `kind`.
+pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
+    let bytes = read_file(file)?;
+    let doc = parse_document(file, &bytes)?;
+    match doc.get("kind").and_then(|v| v.as_str()) {
+        Some(gateway::KIND) => gateway::from_document(file, doc).map(AnyFile::Gateway),
+        Some(routes::KIND) => {
+            let registry = crate::route::BackendRegistry::default();
+            routes::from_document(file, &bytes, doc, &registry).map(AnyFile::Routes)
+        }
+        Some(other) => Err(invalid(
+            file,
+            "kind",
+            format!(
+                "unknown kind {other:?}, expected one of {:?}",
+                [gateway::KIND, routes::KIND]
+            ),
+        )),
+        None => Err(invalid(file, "kind", "missing")),
+    }
+}
+
+/// Joins `name[index]` or `name.field` paths.
+pub(crate) fn at(base: &str, field: impl fmt::Display) -> String {
+    format!("{base}.{field}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+        for bad in ["", "5", "s", "5 s", "-1s", "1d", "1.2.3s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,374 @@
+//! `kind: RoutingTable` files: raw schema and conversion into a [`RoutingTable`].
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::{ConfigError, Errors, at};
+use crate::route::{Backend, BackendAddress, BackendRegistry, Route, RouteTimeouts, RoutingTable};
+
+/// The `kind` of routing table files.
+pub const KIND: &str = "RoutingTable";
+
+/// Longest route name (it ends up in metric labels).
+pub const MAX_ROUTE_NAME: usize = 253;
+
+/// A routing table file as written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawRoutingTable {
+    /// Always `trellis.gardener.cloud/v1alpha1`.
+    pub api_version: String,
+    /// Always `RoutingTable`.
+    pub kind: String,
+    /// The routes; names and keys must be unique.
+    #[serde(default)]
+    pub routes: Vec<RawRoute>,
+}
+
+/// One route as written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawRoute {
+    /// Unique name, used in metrics and logs.
+    pub name: String,
+    /// TLS server names: exact, or `*.` followed by a suffix.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sni: Vec<String>,
+    /// Values of the CONNECT destination header.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub destinations: Vec<String>,
+    /// Original destinations (`IP:port`) carried in a PROXY header.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub proxy_destinations: Vec<String>,
+    /// Where connections go.
+    #[serde(default)]
+    pub backends: Vec<RawBackend>,
+    /// Per-route timeout overrides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeouts: Option<RawRouteTimeouts>,
+    /// Close connections after this long (e.g. `24h`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connection_duration: Option<String>,
+}
+
+/// One backend as written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawBackend {
+    /// `IP:port` or `DNS-name:port` (resolved at connect time).
+    pub address: String,
+    /// Availability zone, for zone-preferring backend choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+}
+
+/// Per-route timeout overrides as written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawRouteTimeouts {
+    /// Connect budget for this route (failover included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connect: Option<String>,
+    /// Idle timeout for this route's connections.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle: Option<String>,
+}
+
+/// A validated table together with what it was built from.
+#[derive(Debug)]
+pub struct LoadedTable {
+    /// The indexed table.
+    pub table: RoutingTable,
+    /// The file contents as parsed, for `/routes`.
+    pub raw: RawRoutingTable,
+    /// FNV-1a 64 hash of the file bytes, hex.
+    pub hash: String,
+}
+
+/// FNV-1a, 64 bit: a stable content hash for "has the table changed" and `/routes`.
+pub fn content_hash(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Reads, parses and validates a routing table file.
+pub fn load(file: &Path, registry: &BackendRegistry) -> Result<LoadedTable, ConfigError> {
+    let bytes = super::read_file(file)?;
+    parse(file, &bytes, registry)
+}
+
+/// Parses and validates routing table bytes read from `file`.
+pub fn parse(
+    file: &Path,
+    bytes: &[u8],
+    registry: &BackendRegistry,
+) -> Result<LoadedTable, ConfigError> {
+    let doc = super::parse_document(file, bytes)?;
+    from_document(file, bytes, doc, registry)
+}
+
+pub(super) fn from_document(
+    file: &Path,
+    bytes: &[u8],
+    doc: serde_json::Value,
+    registry: &BackendRegistry,
+) -> Result<LoadedTable, ConfigError> {
+    let raw: RawRoutingTable = super::decode(file, doc)?;
+    let mut errors = Errors::default();
+    if raw.kind != KIND {
+        errors.push("kind", format!("expected {KIND:?}"));
+    }
+    let routes: Vec<Route> = raw
+        .routes
+        .iter()
+        .enumerate()
+        .map(|(i, r)| validate_route(&format!("routes[{i}]"), r, registry, &mut errors))
+        .collect();
+    let table = if errors.0.is_empty() {
+        match RoutingTable::new(routes) {
+            Ok(t) => t,
+            Err(conflicts) => {
+                for c in conflicts {
+                    errors.push(
+                        format!("routes[{}]", c.second_index),
+                        format!("{c} (routes[{}])", c.first_index),
+                    );
+                }
+                RoutingTable::default()
+            }
+        }
+    } else {
+        RoutingTable::default()
+    };
+    errors.finish(
+        file,
+        LoadedTable {
+            table,
+            raw,
+            hash: content_hash(bytes),
+        },
+    )
+}
+
+fn validate_route(
+    path: &str,
+    raw: &RawRoute,
+    registry: &BackendRegistry,
+    errors: &mut Errors,
+) -> Route {
+    let name_ok = !raw.name.is_empty()
+        && raw.name.len() <= MAX_ROUTE_NAME
+        && raw
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if !name_ok {
+        errors.push(
+            at(path, "name"),
+            format!(
+                "invalid route name {:?} (letters, digits, '-', '_', '.'; 1-253)",
+                raw.name
+            ),
+        );
+    }
+    let sni = raw
+        .sni
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            let n = crate::route::normalize_sni_pattern(s);
+            if n.is_none() {
+                errors.push(
+                    format!("{path}.sni[{i}]"),
+                    format!("invalid server name {s:?} (a DNS name or \"*.\" + suffix)"),
+                );
+            }
+            n
+        })
+        .collect();
+    for (i, d) in raw.destinations.iter().enumerate() {
+        if d.is_empty() || d.len() > 1024 || d.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+            errors.push(
+                format!("{path}.destinations[{i}]"),
+                format!("invalid destination {d:?}"),
+            );
+        }
+    }
+    let proxy_destinations = raw
+        .proxy_destinations
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| {
+            d.parse::<SocketAddr>()
+                .map_err(|_| {
+                    errors.push(
+                        format!("{path}.proxyDestinations[{i}]"),
+                        format!("expected IP:port, got {d:?}"),
+                    )
+                })
+                .ok()
+        })
+        .collect();
+    if raw.backends.is_empty() {
+        errors.push(at(path, "backends"), "at least one backend is required");
+    }
+    let backends = raw
+        .backends
+        .iter()
+        .enumerate()
+        .filter_map(|(i, b)| match BackendAddress::parse(&b.address) {
+            Ok(address) => Some(Backend {
+                state: registry.state(&address),
+                address,
+                zone: b.zone.clone(),
+            }),
+            Err(e) => {
+                errors.push(
+                    format!("{path}.backends[{i}].address"),
+                    format!("{e}: {:?}", b.address),
+                );
+                None
+            }
+        })
+        .collect();
+    let timeouts = match &raw.timeouts {
+        Some(t) => RouteTimeouts {
+            connect: t
+                .connect
+                .as_deref()
+                .and_then(|v| positive(errors, &format!("{path}.timeouts.connect"), v)),
+            idle: t
+                .idle
+                .as_deref()
+                .and_then(|v| positive(errors, &format!("{path}.timeouts.idle"), v)),
+        },
+        None => RouteTimeouts::default(),
+    };
+    let max_connection_duration = raw
+        .max_connection_duration
+        .as_deref()
+        .and_then(|v| positive(errors, &at(path, "maxConnectionDuration"), v));
+    Route {
+        name: raw.name.clone(),
+        sni,
+        destinations: raw.destinations.clone(),
+        proxy_destinations,
+        backends,
+        timeouts,
+        max_connection_duration,
+    }
+}
+
+/// A duration that must be greater than zero.
+pub(super) fn positive(
+    errors: &mut Errors,
+    path: &str,
+    value: &str,
+) -> Option<std::time::Duration> {
+    let d = errors.duration(path, value)?;
+    if d.is_zero() {
+        errors.push(path, "must be greater than 0");
+        return None;
+    }
+    Some(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(yaml: &str) -> Result<LoadedTable, String> {
+        parse(
+            Path::new("routes.yaml"),
+            yaml.as_bytes(),
+            &BackendRegistry::default(),
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\n";
+
+    #[test]
+    fn accepts_spec_example() {
+        let t = check(&format!(
+            "{HEAD}routes:
+- name: shoot--dev--alpha
+  sni: [api.alpha.dev.internal.example.com, \"*.alpha.example.com\"]
+  destinations: [\"outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local\"]
+  proxyDestinations: [\"240.168.102.23:443\"]
+  backends:
+  - {{address: \"10.1.2.3:443\", zone: eu-1a}}
+  - address: \"kube-apiserver.shoot--dev--alpha.svc.cluster.local:443\"
+  timeouts: {{connect: 5s, idle: 1h}}
+  maxConnectionDuration: 24h
+"
+        ))
+        .unwrap();
+        assert_eq!(t.table.routes().len(), 1);
+        assert!(t.table.by_sni("x.alpha.example.com").is_some());
+    }
+
+    #[test]
+    fn reports_every_error_with_path() {
+        let err = check(&format!(
+            "{HEAD}routes:
+- name: a
+  sni: [\"bad name\"]
+  backends: [{{address: nope}}]
+  timeouts: {{connect: 5x}}
+- name: b
+  backends: []
+"
+        ))
+        .unwrap_err();
+        for needle in [
+            "routes.yaml: routes[0].sni[0]: invalid server name",
+            "routes.yaml: routes[0].backends[0].address: expected HOST:PORT",
+            "routes.yaml: routes[0].timeouts.connect: invalid duration",
+            "routes.yaml: routes[1].backends: at least one backend",
+        ] {
+            assert!(err.contains(needle), "{needle} not in {err}");
+        }
+    }
+
+    #[test]
+    fn unknown_field_has_path() {
+        let err = check(&format!(
+            "{HEAD}routes:\n- name: a\n  backends: [{{address: \"1.2.3.4:1\", weight: 3}}]\n"
+        ))
+        .unwrap_err();
+        assert!(
+            err.contains("routes[0].backends[0].weight: unknown field `weight`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn duplicate_keys_name_both_routes() {
+        let err = check(&format!(
+            "{HEAD}routes:
+- {{name: a, sni: [x.example.com], backends: [{{address: \"1.2.3.4:1\"}}]}}
+- {{name: b, sni: [X.example.com.], backends: [{{address: \"1.2.3.4:2\"}}]}}
+"
+        ))
+        .unwrap_err();
+        assert!(
+            err.contains(
+                "routes[1]: sni \"x.example.com\" of route \"b\" is already claimed by route \"a\""
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn rejects_wrong_header() {
+        let err = check("apiVersion: v1\nkind: RoutingTable\n").unwrap_err();
+        assert!(err.contains("apiVersion: unsupported"), "{err}");
+    }
+}

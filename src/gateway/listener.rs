@@ -1,0 +1,230 @@
+//! The accept loop shared by every listener protocol: limits, accept-error back-off, and one
+//! task per connection. Protocol detection and handshakes never run here; they run in the
+//! connection's own task under a deadline.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, watch};
+
+use super::Shared;
+use crate::config::gateway::ListenerConfig;
+
+/// Longest pause after a resource-exhaustion accept error (EMFILE and friends).
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Counts open connections, globally and per source, and wakes the drain when none is left.
+#[derive(Debug, Default)]
+pub struct Tracker {
+    active: AtomicUsize,
+    per_source: Mutex<HashMap<IpAddr, usize>>,
+    idle: Notify,
+}
+
+/// One open connection in the [`Tracker`]; released on drop.
+#[derive(Debug)]
+pub struct ConnGuard {
+    tracker: Arc<Tracker>,
+    source: Option<IpAddr>,
+}
+
+impl Tracker {
+    /// Connections open now.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::SeqCst)
+    }
+
+    /// Admits a connection from `source` unless a limit is reached (`per_source` 0 =
+    /// unlimited).
+    pub fn admit(
+        self: &Arc<Self>,
+        source: IpAddr,
+        max: usize,
+        per_source: usize,
+    ) -> Option<ConnGuard> {
+        if self.active.fetch_add(1, Ordering::SeqCst) >= max {
+            self.release(None);
+            return None;
+        }
+        if per_source > 0 {
+            // Poisoning cannot leave the map inconsistent: every update is one statement.
+            let mut map = self.per_source.lock().unwrap_or_else(|e| e.into_inner());
+            let n = map.entry(source).or_insert(0);
+            if *n >= per_source {
+                drop(map);
+                self.release(None);
+                return None;
+            }
+            *n += 1;
+            return Some(ConnGuard {
+                tracker: self.clone(),
+                source: Some(source),
+            });
+        }
+        Some(ConnGuard {
+            tracker: self.clone(),
+            source: None,
+        })
+    }
+
+    fn release(&self, source: Option<IpAddr>) {
+        if let Some(ip) = source {
+            let mut map = self.per_source.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = map.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&ip);
+                }
+            }
+        }
+        if self.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.idle.notify_waiters();
+        }
+    }
+
+    /// Waits until no connection is open.
+    pub async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.active() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        self.tracker.release(self.source);
+    }
+}
+
+/// What a connection task gets besides its socket.
+pub struct Accepted {
+    /// The client connection.
+    pub stream: TcpStream,
+    /// The TCP peer.
+    pub peer: SocketAddr,
+    /// Keeps the connection counted.
+    pub guard: ConnGuard,
+    /// When it was accepted.
+    pub accepted_at: std::time::Instant,
+}
+
+/// Accepts on `listener` until `stop` turns true, then closes the socket.
+pub async fn accept_loop(
+    listener: TcpListener,
+    config: Arc<ListenerConfig>,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let lm = Arc::new(shared.metrics.listener(&config.name));
+    let limits = shared.config.limits;
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(x) => {
+                backoff = Duration::from_millis(5);
+                x
+            }
+            Err(e) => {
+                if is_resource_error(&e) {
+                    tracing::warn!(listener = %config.name, error = %e, ?backoff, "accept failed; backing off");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_ACCEPT_BACKOFF);
+                } else {
+                    tracing::debug!(listener = %config.name, error = %e, "accept failed");
+                }
+                continue;
+            }
+        };
+        let peer = normalize(peer);
+        let Some(guard) = shared.tracker.admit(
+            peer.ip(),
+            limits.max_connections,
+            limits.max_connections_per_source,
+        ) else {
+            shared.metrics.outcome(&config.name, "limited");
+            tracing::debug!(listener = %config.name, %peer, "connection limit reached; closed");
+            drop(stream);
+            continue;
+        };
+        let accepted = Accepted {
+            stream,
+            peer,
+            guard,
+            accepted_at: std::time::Instant::now(),
+        };
+        let (config, shared, lm) = (config.clone(), shared.clone(), lm.clone());
+        tokio::spawn(async move {
+            lm.active.inc();
+            match config.protocol {
+                crate::config::gateway::Protocol::Sni => {
+                    super::sni::handle(accepted, &config, &shared, &lm).await
+                }
+            }
+            lm.active.dec();
+        });
+    }
+    tracing::info!(listener = %config.name, "listener closed");
+}
+
+/// Maps IPv4-mapped IPv6 addresses to IPv4.
+pub fn normalize(addr: SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => addr,
+        },
+        v4 => v4,
+    }
+}
+
+fn is_resource_error(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
+            || code == rustix::io::Errno::NFILE.raw_os_error()
+            || code == rustix::io::Errno::NOBUFS.raw_os_error()
+            || code == rustix::io::Errno::NOMEM.raw_os_error()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_global_and_per_source() {
+        let t = Arc::new(Tracker::default());
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let g1 = t.admit(a, 3, 1).unwrap();
+        assert!(t.admit(a, 3, 1).is_none());
+        let g2 = t.admit(b, 3, 1).unwrap();
+        assert_eq!(t.active(), 2);
+        drop(g1);
+        let _g3 = t.admit(a, 2, 1).unwrap();
+        assert!(t.admit("10.0.0.3".parse().unwrap(), 2, 0).is_none());
+        drop(g2);
+        assert_eq!(t.active(), 1);
+    }
+
+    #[test]
+    fn mapped_v6_is_normalized() {
+        let a: SocketAddr = "[::ffff:10.1.2.3]:5".parse().unwrap();
+        assert_eq!(normalize(a), "10.1.2.3:5".parse::<SocketAddr>().unwrap());
+    }
+}

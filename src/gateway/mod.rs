@@ -1,0 +1,234 @@
+//! The seed ingress gateway: binds every listener and the admin endpoint, keeps the routing
+//! table current, serves connections, and drains on SIGTERM/SIGINT.
+//!
+//! Startup binds everything before it reports ready, so a configuration that cannot be
+//! served fails before any traffic is accepted. One file per listener protocol; the accept
+//! loop and the shared forwarding path (connect, relay, log) live here.
+
+pub mod access;
+pub mod listener;
+pub mod sni;
+pub mod table;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::net::TcpStream;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::{mpsc, watch};
+
+use crate::admin::metrics::ListenerMetrics;
+use crate::admin::{self, AdminState, Metrics};
+use crate::config::ConfigError;
+use crate::config::gateway::GatewayConfig;
+use crate::net::{relay, socket, upstream};
+use crate::route::Route;
+use access::AccessLog;
+use listener::Tracker;
+use table::Tables;
+
+/// How long connections cut at the drain deadline get to write their log lines.
+const HARD_STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// Why the gateway could not start or run.
+#[derive(Debug, Error)]
+pub enum GatewayError {
+    /// The routing table could not be loaded at startup.
+    #[error("routing table: {0}")]
+    Routes(#[from] ConfigError),
+    /// A listener or the admin endpoint could not be bound.
+    #[error("cannot bind {what} on {address}: {source}")]
+    Bind {
+        /// `listener NAME` or `admin`.
+        what: String,
+        /// The address.
+        address: SocketAddr,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// Signal handlers could not be installed.
+    #[error("signal handling: {0}")]
+    Signals(std::io::Error),
+}
+
+/// What every connection task shares.
+pub struct Shared {
+    /// The validated configuration.
+    pub config: GatewayConfig,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// The live routing table.
+    pub tables: Arc<Tables>,
+    /// Open connections.
+    pub tracker: Arc<Tracker>,
+    /// Turns true when the drain deadline has passed and connections must close.
+    pub hard_stop: watch::Receiver<bool>,
+}
+
+/// Runs the gateway until SIGTERM/SIGINT and a completed drain.
+pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
+    let metrics = Arc::new(Metrics::new());
+    let tables = Arc::new(Tables::load(&config.routes_file, metrics.clone())?);
+    let mut sigterm = signal(SignalKind::terminate()).map_err(GatewayError::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(GatewayError::Signals)?;
+    let mut sighup = signal(SignalKind::hangup()).map_err(GatewayError::Signals)?;
+
+    // Bind everything before serving anything.
+    let mut bound = Vec::new();
+    for l in &config.listeners {
+        let sock = socket::bind_tcp(l.address, socket::LISTEN_BACKLOG).map_err(|source| {
+            GatewayError::Bind {
+                what: format!("listener {}", l.name),
+                address: l.address,
+                source,
+            }
+        })?;
+        bound.push((Arc::new(l.clone()), sock));
+    }
+    let admin_sock = admin::bind(config.admin)
+        .await
+        .map_err(|source| GatewayError::Bind {
+            what: "admin".into(),
+            address: config.admin,
+            source,
+        })?;
+
+    let json_tables = tables.clone();
+    let admin_state = Arc::new(AdminState::new(
+        metrics.clone(),
+        Some(Box::new(move || json_tables.to_json())),
+    ));
+    let admin_task = tokio::spawn(admin::serve(admin_sock, admin_state.clone()));
+
+    let (hup_tx, hup_rx) = mpsc::channel(1);
+    let watch_task = tokio::spawn(tables.clone().watch(config.routes_check_interval, hup_rx));
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (hard_tx, hard_rx) = watch::channel(false);
+    let drain_timeout = config.timeouts.drain;
+    let shared = Arc::new(Shared {
+        config,
+        metrics: metrics.clone(),
+        tables: tables.clone(),
+        tracker: Arc::new(Tracker::default()),
+        hard_stop: hard_rx,
+    });
+    let mut accept_tasks = Vec::new();
+    for (l, sock) in bound {
+        let addr = sock.local_addr().ok();
+        tracing::info!(listener = %l.name, address = ?addr, protocol = ?l.protocol, "listening");
+        accept_tasks.push(tokio::spawn(listener::accept_loop(
+            sock,
+            l,
+            shared.clone(),
+            stop_rx.clone(),
+        )));
+    }
+    admin_state.set_ready(true);
+    tracing::info!(admin = %shared.config.admin, generation = tables.snapshot().generation, "gateway ready");
+
+    loop {
+        tokio::select! {
+            _ = sighup.recv() => { let _ = hup_tx.try_send(()); }
+            _ = sigterm.recv() => { tracing::info!("SIGTERM: draining"); break; }
+            _ = sigint.recv() => { tracing::info!("SIGINT: draining"); break; }
+        }
+    }
+
+    // Drain: fail readiness, close listeners, let connections finish until the deadline.
+    admin_state.set_ready(false);
+    let _ = stop_tx.send(true);
+    for t in accept_tasks {
+        let _ = t.await;
+    }
+    let active = shared.tracker.active();
+    tracing::info!(active, timeout = ?drain_timeout, "listeners closed; waiting for connections");
+    if tokio::time::timeout(drain_timeout, shared.tracker.wait_idle())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            active = shared.tracker.active(),
+            "drain deadline reached; closing remaining connections"
+        );
+        let _ = hard_tx.send(true);
+        let _ = tokio::time::timeout(HARD_STOP_GRACE, shared.tracker.wait_idle()).await;
+    }
+    watch_task.abort();
+    admin_task.abort();
+    tracing::info!("gateway stopped");
+    Ok(())
+}
+
+/// Connects `route`'s backend, replays `initial`, relays until the end, and logs — the path
+/// every routed connection takes after its protocol chose a route.
+pub async fn forward(
+    client: &mut TcpStream,
+    route: &Arc<Route>,
+    initial: &[u8],
+    shared: &Shared,
+    mut log: AccessLog,
+    lm: &ListenerMetrics,
+) {
+    let cfg = &shared.config;
+    shared.metrics.outcome(&log.listener, "routed");
+    log.route = Some(route.name.clone());
+    let rm = shared.metrics.route(&route.name);
+    rm.total.inc();
+    rm.active.inc();
+    socket::tune(
+        client,
+        cfg.keepalive_downstream.idle,
+        cfg.keepalive_downstream.interval,
+    );
+
+    let budget = route.timeouts.connect.unwrap_or(cfg.timeouts.connect);
+    let connected = upstream::connect(route, cfg.zone.as_deref(), budget, |reason| {
+        shared.metrics.connect_failure(&route.name, reason)
+    })
+    .await;
+    let (end, stats) = match connected {
+        Err(e) => {
+            tracing::debug!(error = %e, "no backend");
+            (format!("error:{}", e.kind()), relay::Stats::default())
+        }
+        Ok(mut up) => {
+            rm.connect_duration.observe(up.elapsed.as_secs_f64());
+            socket::tune(
+                &up.stream,
+                cfg.keepalive_upstream.idle,
+                cfg.keepalive_upstream.interval,
+            );
+            log.backend = Some(up.backend.clone());
+            let limits = relay::Limits {
+                idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
+                half_close: cfg.timeouts.half_close,
+                max_duration: route.max_connection_duration,
+                progress: cfg.access_log_interval,
+            };
+            let counters = relay::Counters {
+                rx: &rm.rx,
+                tx: &rm.tx,
+                half_closed: &shared.metrics.half_closed,
+            };
+            let progress = |s: relay::Stats| log.emit(s, "open", true);
+            let (end, stats) = relay::relay(
+                client,
+                &mut up.stream,
+                initial,
+                limits,
+                counters,
+                &progress,
+                shared.hard_stop.clone(),
+            )
+            .await;
+            (end.reason(), stats)
+        }
+    };
+    rm.active.dec();
+    lm.connection_duration
+        .observe(log.accepted_at.elapsed().as_secs_f64());
+    log.emit(stats, &end, false);
+}

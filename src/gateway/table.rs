@@ -1,0 +1,218 @@
+//! The live routing table: loaded at start, re-read on file change, SIGHUP and a timer, and
+//! published in one atomic swap. A table that fails to parse or validate is never applied;
+//! the last good one stays. Connections take one snapshot when they are accepted.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crate::admin::Metrics;
+use crate::config::ConfigError;
+use crate::config::routes::{self, LoadedTable, RawRoutingTable};
+use crate::route::{BackendRegistry, RoutingTable};
+
+/// One published table.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// Increments with every applied change, starting at 1.
+    pub generation: u64,
+    /// The table and what it was built from.
+    pub loaded: LoadedTable,
+    /// When it was applied.
+    pub applied_at: SystemTime,
+}
+
+impl Snapshot {
+    /// The indexed table.
+    pub fn table(&self) -> &RoutingTable {
+        &self.loaded.table
+    }
+}
+
+/// Result of one reload attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reload {
+    /// A new table is active.
+    Applied,
+    /// The file is byte-for-byte what is active.
+    Unchanged,
+    /// The file is invalid or unreadable; the previous table stays.
+    Rejected,
+}
+
+impl Reload {
+    /// Metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Reload::Applied => "applied",
+            Reload::Unchanged => "unchanged",
+            Reload::Rejected => "rejected",
+        }
+    }
+}
+
+/// Holds the active table and reloads it.
+pub struct Tables {
+    current: ArcSwap<Snapshot>,
+    file: PathBuf,
+    registry: BackendRegistry,
+    metrics: Arc<Metrics>,
+    /// Serialises reloads so generations are applied in order.
+    reload_lock: Mutex<()>,
+}
+
+impl Tables {
+    /// Loads the initial table; an invalid table is an error (nothing to fall back to).
+    pub fn load(file: &Path, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
+        let registry = BackendRegistry::default();
+        let loaded = routes::load(file, &registry)?;
+        let snapshot = Snapshot {
+            generation: 1,
+            loaded,
+            applied_at: SystemTime::now(),
+        };
+        metrics.table_generation.set(1);
+        metrics
+            .table_routes
+            .set(snapshot.table().routes().len() as i64);
+        metrics.reload(Reload::Applied.label());
+        Ok(Tables {
+            current: ArcSwap::from_pointee(snapshot),
+            file: file.to_owned(),
+            registry,
+            metrics,
+            reload_lock: Mutex::new(()),
+        })
+    }
+
+    /// The table new connections use now.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.current.load_full()
+    }
+
+    /// Re-reads the file and applies it if it changed and is valid.
+    pub fn reload(&self) -> Reload {
+        // The lock guards no data, only ordering; a poisoned lock is still usable.
+        let _guard = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let result = self.try_reload();
+        self.metrics.reload(result.label());
+        result
+    }
+
+    fn try_reload(&self) -> Reload {
+        let bytes = match crate::config::read_file(&self.file) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(error = %e, "routing table not reloaded; keeping the last good table");
+                return Reload::Rejected;
+            }
+        };
+        let current = self.current.load();
+        if routes::content_hash(&bytes) == current.loaded.hash {
+            return Reload::Unchanged;
+        }
+        match routes::parse(&self.file, &bytes, &self.registry) {
+            Ok(loaded) => {
+                let generation = current.generation + 1;
+                let count = loaded.table.routes().len();
+                let hash = loaded.hash.clone();
+                self.current.store(Arc::new(Snapshot {
+                    generation,
+                    loaded,
+                    applied_at: SystemTime::now(),
+                }));
+                self.metrics.table_generation.set(generation as i64);
+                self.metrics.table_routes.set(count as i64);
+                tracing::info!(generation, routes = count, hash, "routing table applied");
+                Reload::Applied
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "routing table rejected; keeping the last good table");
+                Reload::Rejected
+            }
+        }
+    }
+
+    /// The active table as JSON, for `/routes`.
+    pub fn to_json(&self) -> String {
+        #[derive(Serialize)]
+        struct View<'a> {
+            generation: u64,
+            hash: &'a str,
+            #[serde(rename = "appliedAt")]
+            applied_at: u64,
+            file: &'a Path,
+            #[serde(flatten)]
+            table: &'a RawRoutingTable,
+        }
+        let s = self.snapshot();
+        let view = View {
+            generation: s.generation,
+            hash: &s.loaded.hash,
+            applied_at: s
+                .applied_at
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            file: &self.file,
+            table: &s.loaded.raw,
+        };
+        serde_json::to_string_pretty(&view).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+
+    /// Reloads whenever the file's directory changes (ConfigMap volumes swap a symlink in
+    /// it), every `interval`, and whenever `hup` fires. Runs until the task is dropped.
+    pub async fn watch(self: Arc<Self>, interval: Duration, mut hup: mpsc::Receiver<()>) {
+        let (tx, mut events) = mpsc::channel::<()>(1);
+        let _watcher = match self.start_watcher(tx) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, dir = %self.dir().display(), "cannot watch the routing table directory; relying on SIGHUP and the periodic re-read");
+                None
+            }
+        };
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                Some(()) = events.recv() => {
+                    // Let a burst of events (write, rename, symlink swap) settle.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    while events.try_recv().is_ok() {}
+                }
+                Some(()) = hup.recv() => tracing::info!("SIGHUP: re-reading the routing table"),
+                _ = tick.tick() => {}
+            }
+            let this = self.clone();
+            // Parsing a large table is CPU work; keep it off the reactor threads.
+            let _ = tokio::task::spawn_blocking(move || this.reload()).await;
+        }
+    }
+
+    fn dir(&self) -> PathBuf {
+        match self.file.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+            _ => PathBuf::from("."),
+        }
+    }
+
+    fn start_watcher(&self, tx: mpsc::Sender<()>) -> notify::Result<notify::RecommendedWatcher> {
+        use notify::{RecursiveMode, Watcher};
+        let mut watcher =
+            notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+                if let Ok(ev) = res
+                    && !ev.kind.is_access()
+                {
+                    // A full channel already holds a pending reload.
+                    let _ = tx.try_send(());
+                }
+            })?;
+        watcher.watch(&self.dir(), RecursiveMode::NonRecursive)?;
+        Ok(watcher)
+    }
+}

@@ -1,0 +1,110 @@
+//! Command line: parse arguments, load and validate the config, hand over to the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// trellis: L4 data plane for hosted Kubernetes control planes.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Json,
+    Text,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the seed ingress gateway.
+    Gateway {
+        /// GatewayConfiguration file.
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Validate trellis config and routing table files; exit 1 if any is invalid.
+    Check {
+        /// Files to check.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+}
+
+fn init_logging(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("TRELLIS_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+fn check(files: &[PathBuf]) -> ExitCode {
+    let mut ok = true;
+    for file in files {
+        match trellis::config::check_file(file) {
+            Ok(f) => println!("{}: valid {}", file.display(), f.kind()),
+            Err(e) => {
+                ok = false;
+                eprintln!("{e}");
+            }
+        }
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let config = match trellis::config::gateway::load(config_file) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    match trellis::net::socket::raise_nofile_limit() {
+        Ok(n) => tracing::debug!(nofile = n, "open files limit"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open files limit"),
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("trellis")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(trellis::gateway::run(config))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let result = match &cli.command {
+        Command::Check { files } => Ok(check(files)),
+        Command::Gateway { config } => gateway(config),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("trellis: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

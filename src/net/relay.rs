@@ -1,0 +1,256 @@
+//! The duplex copy loop between a client and a backend.
+//!
+//! Each direction waits for readability without holding a buffer, reads into a buffer that
+//! is only allocated while data is in flight (and sized by how much the direction has
+//! carried), writes everything on, and counts the bytes. End of stream in one direction is
+//! forwarded as a TCP half-close (`shutdown(SHUT_WR)`) and the other direction may continue
+//! for at most `half_close`. The loop also ends on idle timeout, maximum lifetime, or a drain
+//! signal. It never parses the bytes.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::net::tcp::{ReadHalf, WriteHalf};
+use tokio::sync::watch;
+use tokio::time::sleep_until;
+
+/// Buffer for a direction that has carried little (interactive traffic).
+const SMALL_BUF: usize = 4 * 1024;
+/// Buffer once a direction has carried [`GROW_AFTER`] bytes.
+const MEDIUM_BUF: usize = 16 * 1024;
+/// Buffer once a direction has carried [`BULK_AFTER`] bytes.
+const LARGE_BUF: usize = 64 * 1024;
+const GROW_AFTER: u64 = 128 * 1024;
+const BULK_AFTER: u64 = 4 * 1024 * 1024;
+
+/// Bounds of one relayed connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Close after this long without bytes in either direction.
+    pub idle: Duration,
+    /// Close this long after the first direction ended, if the other has not.
+    pub half_close: Duration,
+    /// Close after this total lifetime.
+    pub max_duration: Option<Duration>,
+    /// Call the progress callback this often (periodic access log lines).
+    pub progress: Option<Duration>,
+}
+
+/// Counters a relay updates per read.
+#[derive(Debug, Clone, Copy)]
+pub struct Counters<'a> {
+    /// Bytes from the client.
+    pub rx: &'a Counter,
+    /// Bytes to the client.
+    pub tx: &'a Counter,
+    /// Connections with one direction closed.
+    pub half_closed: &'a Gauge,
+}
+
+/// Why a relayed connection ended (access log `reason`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    /// The client finished first (and then the backend, or the half-close bound hit).
+    ClientClosed,
+    /// The backend finished first.
+    BackendClosed,
+    /// No bytes for `idle`.
+    IdleTimeout,
+    /// Lived for `max_duration`.
+    MaxDuration,
+    /// Cut at the end of a drain.
+    Drain,
+    /// An I/O error; the string is a stable kind.
+    Error(&'static str),
+}
+
+impl End {
+    /// The access-log reason string.
+    pub fn reason(&self) -> String {
+        match self {
+            End::ClientClosed => "client_closed".into(),
+            End::BackendClosed => "backend_closed".into(),
+            End::IdleTimeout => "idle_timeout".into(),
+            End::MaxDuration => "max_duration".into(),
+            End::Drain => "drain".into(),
+            End::Error(kind) => format!("error:{kind}"),
+        }
+    }
+}
+
+/// Bytes moved by a relay.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// From the client to the backend (including replayed bytes).
+    pub rx: u64,
+    /// From the backend to the client.
+    pub tx: u64,
+}
+
+/// A stable kind string for an I/O error, for `error:<kind>`.
+pub fn io_kind(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::ConnectionReset => "reset",
+        io::ErrorKind::BrokenPipe => "broken_pipe",
+        io::ErrorKind::ConnectionAborted => "aborted",
+        io::ErrorKind::TimedOut => "timed_out",
+        _ => "io",
+    }
+}
+
+/// Which side an I/O error happened on, for the access log.
+fn side_error(side: &'static str, e: &io::Error) -> End {
+    tracing::debug!(side, error = %e, "relay error");
+    End::Error(io_kind(e))
+}
+
+/// Relays between `client` and `backend` until both directions end or a bound hits.
+/// `initial` (bytes already read from the client) is written to the backend first.
+pub async fn relay(
+    client: &mut TcpStream,
+    backend: &mut TcpStream,
+    initial: &[u8],
+    limits: Limits,
+    counters: Counters<'_>,
+    progress: &(dyn Fn(Stats) + Sync),
+    mut drain: watch::Receiver<bool>,
+) -> (End, Stats) {
+    let start = Instant::now();
+    let activity = AtomicU64::new(0);
+    let rx = AtomicU64::new(0);
+    let tx = AtomicU64::new(0);
+    let stats = || Stats {
+        rx: rx.load(Ordering::Relaxed),
+        tx: tx.load(Ordering::Relaxed),
+    };
+
+    if !initial.is_empty() {
+        if let Err(e) = backend.write_all(initial).await {
+            return (side_error("backend", &e), stats());
+        }
+        rx.fetch_add(initial.len() as u64, Ordering::Relaxed);
+        counters.rx.inc_by(initial.len() as u64);
+    }
+
+    let (mut cr, mut cw) = client.split();
+    let (mut br, mut bw) = backend.split();
+    let up = pump(&mut cr, &mut bw, counters.rx, &rx, &activity, start);
+    let down = pump(&mut br, &mut cw, counters.tx, &tx, &activity, start);
+    tokio::pin!(up, down);
+
+    let tokio_start = tokio::time::Instant::from_std(start);
+    let far_future = tokio_start + Duration::from_secs(86400 * 365 * 30);
+    let max_at = limits
+        .max_duration
+        .map(|d| tokio_start + d)
+        .unwrap_or(far_future);
+    let max_sleep = sleep_until(max_at);
+    let idle_sleep = sleep_until(tokio_start + limits.idle);
+    let half_sleep = sleep_until(far_future);
+    let progress_every = limits.progress.unwrap_or(Duration::from_secs(86400 * 365));
+    let progress_sleep = sleep_until(tokio_start + progress_every);
+    tokio::pin!(max_sleep, idle_sleep, half_sleep, progress_sleep);
+
+    let mut up_done = false;
+    let mut down_done = false;
+    let mut first: Option<End> = None;
+    let mut half_gauge = false;
+    let end = loop {
+        tokio::select! {
+            r = &mut up, if !up_done => {
+                up_done = true;
+                if let Err((side, e)) = r { break side_error(side, &e); }
+                first.get_or_insert(End::ClientClosed);
+            }
+            r = &mut down, if !down_done => {
+                down_done = true;
+                if let Err((side, e)) = r { break side_error(side, &e); }
+                first.get_or_insert(End::BackendClosed);
+            }
+            _ = &mut idle_sleep => {
+                let last = Duration::from_millis(activity.load(Ordering::Relaxed));
+                let idle_until = tokio_start + last + limits.idle;
+                if idle_until <= tokio::time::Instant::now() {
+                    break End::IdleTimeout;
+                }
+                idle_sleep.as_mut().reset(idle_until);
+                continue;
+            }
+            _ = &mut max_sleep => break End::MaxDuration,
+            _ = &mut progress_sleep, if limits.progress.is_some() => {
+                progress(stats());
+                progress_sleep.as_mut().reset(tokio::time::Instant::now() + progress_every);
+                continue;
+            }
+            _ = &mut half_sleep => break first.clone().unwrap_or(End::ClientClosed),
+            r = drain.changed() => {
+                if r.is_err() || *drain.borrow() {
+                    break End::Drain;
+                }
+                continue;
+            }
+        }
+        if up_done && down_done {
+            break first.clone().unwrap_or(End::ClientClosed);
+        }
+        if !half_gauge {
+            half_gauge = true;
+            counters.half_closed.inc();
+            half_sleep
+                .as_mut()
+                .reset(tokio::time::Instant::now() + limits.half_close);
+        }
+    };
+    if half_gauge {
+        counters.half_closed.dec();
+    }
+    (end, stats())
+}
+
+/// Copies one direction until end of stream, then half-closes the writer.
+/// Errors carry the side they happened on (`client` or `backend`).
+async fn pump(
+    r: &mut ReadHalf<'_>,
+    w: &mut WriteHalf<'_>,
+    counter: &Counter,
+    total: &AtomicU64,
+    activity: &AtomicU64,
+    start: Instant,
+) -> Result<(), (&'static str, io::Error)> {
+    let src: &TcpStream = r.as_ref();
+    loop {
+        // Wait without a buffer: an idle connection holds none.
+        src.readable().await.map_err(|e| ("read", e))?;
+        let carried = total.load(Ordering::Relaxed);
+        let size = if carried >= BULK_AFTER {
+            LARGE_BUF
+        } else if carried >= GROW_AFTER {
+            MEDIUM_BUF
+        } else {
+            SMALL_BUF
+        };
+        let mut buf = vec![0u8; size];
+        loop {
+            let n = match src.try_read(&mut buf) {
+                Ok(0) => {
+                    // End of stream: forward the half-close.
+                    let _ = w.shutdown().await;
+                    return Ok(());
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(("read", e)),
+            };
+            w.write_all(&buf[..n]).await.map_err(|e| ("write", e))?;
+            total.fetch_add(n as u64, Ordering::Relaxed);
+            counter.inc_by(n as u64);
+            activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        }
+    }
+}
