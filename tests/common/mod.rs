@@ -1,0 +1,502 @@
+//! Shared harness for integration tests: runs the real `trellis` binary on loopback with
+//! real peers (rustls clients and servers, plain TCP backends, openssl, curl).
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream as StdTcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_trellis");
+
+/// A directory removed when dropped.
+pub struct TestDir(pub PathBuf);
+
+impl TestDir {
+    pub fn new(name: &str) -> TestDir {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "trellis-test-{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TestDir(dir)
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Polls `f` until it returns `Some` or `limit` passes.
+pub fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if start.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `GET path` on `addr`; returns (status, body).
+pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut s = StdTcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let status = out.split(' ').nth(1)?.parse().ok()?;
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// One route for [`routes_yaml`].
+pub struct R<'a> {
+    pub name: &'a str,
+    pub sni: &'a [&'a str],
+    pub backends: &'a [SocketAddr],
+}
+
+/// Renders a routing table.
+pub fn routes_yaml(routes: &[R]) -> String {
+    let mut out =
+        String::from("apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes:\n");
+    for r in routes {
+        out += &format!(
+            "- name: {}\n  sni: [{}]\n  backends:\n",
+            r.name,
+            r.sni
+                .iter()
+                .map(|s| format!("{s:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for b in r.backends {
+            out += &format!("  - address: \"{b}\"\n");
+        }
+    }
+    out
+}
+
+/// A running gateway process.
+pub struct Gateway {
+    pub child: Child,
+    pub tls: SocketAddr,
+    pub admin: SocketAddr,
+    pub dir: TestDir,
+}
+
+impl Gateway {
+    /// Starts `trellis gateway` with one `sni` listener named `tls`; `extra` is appended to
+    /// the configuration (timeouts, limits, ...), `listener_extra` to the listener.
+    pub fn start(routes: &str, extra: &str) -> Gateway {
+        Self::start_with(routes, extra, "")
+    }
+
+    pub fn start_with(routes: &str, extra: &str, listener_extra: &str) -> Gateway {
+        let dir = TestDir::new("gw");
+        let tls: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        std::fs::write(dir.path("routes.yaml"), routes).unwrap();
+        let config = format!(
+            "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: GatewayConfiguration
+routes: {{file: routes.yaml}}
+listeners:
+- name: tls
+  address: \"{tls}\"
+  protocol: sni
+{listener_extra}
+admin: {{address: \"{admin}\"}}
+{extra}
+"
+        );
+        std::fs::write(dir.path("gateway.yaml"), config).unwrap();
+        let log = std::fs::File::create(dir.path("gateway.log")).unwrap();
+        let child = Command::new(BIN)
+            .args(["--log-format", "json", "gateway", "--config"])
+            .arg(dir.path("gateway.yaml"))
+            .env("TRELLIS_LOG", "info,trellis=debug")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let mut gw = Gateway {
+            child,
+            tls,
+            admin,
+            dir,
+        };
+        let ready = wait_for(Duration::from_secs(20), || {
+            match http_get(admin, "/ready") {
+                Some((200, _)) => Some(()),
+                _ => None,
+            }
+        });
+        if ready.is_none() {
+            let _ = gw.child.kill();
+            panic!("gateway did not become ready:\n{}", gw.logs());
+        }
+        gw
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(self.dir.path("gateway.log")).unwrap_or_default()
+    }
+
+    /// Replaces the routing table atomically (write, rename), as the controller does.
+    pub fn write_routes(&self, yaml: &str) {
+        let tmp = self.dir.path(".routes.yaml.tmp");
+        std::fs::write(&tmp, yaml).unwrap();
+        std::fs::rename(&tmp, self.dir.path("routes.yaml")).unwrap();
+    }
+
+    pub fn metrics(&self) -> String {
+        http_get(self.admin, "/metrics")
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    }
+
+    /// The value of the sample whose name and labels start with `prefix` (0 if absent).
+    pub fn metric(&self, prefix: &str) -> f64 {
+        metric_in(&self.metrics(), prefix)
+    }
+
+    /// Waits until the metric satisfies `pred`; returns its value.
+    pub fn wait_metric(&self, prefix: &str, pred: impl Fn(f64) -> bool) -> f64 {
+        let v = wait_for(Duration::from_secs(10), || {
+            let v = self.metric(prefix);
+            pred(v).then_some(v)
+        });
+        v.unwrap_or_else(|| {
+            panic!(
+                "metric {prefix} = {} never satisfied the condition\n{}",
+                self.metric(prefix),
+                self.metrics()
+            )
+        })
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Open file descriptors of the gateway process.
+    pub fn fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn metric_in(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A TLS server (rustls) with its own self-signed certificate; answers any request with an
+/// HTTP response whose body is its name.
+pub struct TlsBackend {
+    pub addr: SocketAddr,
+    pub name: String,
+    pub cert_der: Vec<u8>,
+    pub cert_pem: String,
+    pub connections: Arc<AtomicUsize>,
+}
+
+impl TlsBackend {
+    pub async fn start(name: &str, sans: &[&str]) -> TlsBackend {
+        let ck = rcgen::generate_simple_self_signed(
+            sans.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        )
+        .unwrap();
+        let cert_der = ck.cert.der().to_vec();
+        let key =
+            rustls::pki_types::PrivateKeyDer::try_from(ck.signing_key.serialize_der()).unwrap();
+        let config = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(vec![ck.cert.der().clone()], key)
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let body = name.to_string();
+        let count = connections.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    continue;
+                };
+                count.fetch_add(1, Ordering::SeqCst);
+                let acceptor = acceptor.clone();
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut req = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match tls.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => req.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = tls.write_all(resp.as_bytes()).await;
+                    let _ = tls.shutdown().await;
+                });
+            }
+        });
+        TlsBackend {
+            addr,
+            name: name.to_string(),
+            cert_der,
+            cert_pem: ck.cert.pem(),
+            connections,
+        }
+    }
+
+    pub fn write_pem(&self, dir: &TestDir) -> PathBuf {
+        let p = dir.path(&format!("{}.pem", self.name));
+        std::fs::write(&p, &self.cert_pem).unwrap();
+        p
+    }
+}
+
+/// What a rustls client saw.
+pub struct TlsResult {
+    pub body: String,
+    pub peer_cert: Vec<u8>,
+    pub group: Option<rustls::NamedGroup>,
+}
+
+/// Connects through `addr` with SNI `sni`, trusting only `trust`'s certificate, and sends a
+/// GET. `mss` forces small TCP segments so the ClientHello spans several of them.
+pub async fn tls_get(
+    addr: SocketAddr,
+    sni: &str,
+    trust: &TlsBackend,
+    mss: Option<u32>,
+) -> std::io::Result<TlsResult> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from(
+            trust.cert_der.clone(),
+        ))
+        .unwrap();
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = connect_with_mss(addr, mss).await?;
+    let name = rustls::pki_types::ServerName::try_from(sni.to_string()).unwrap();
+    let mut tls =
+        tokio::time::timeout(Duration::from_secs(10), connector.connect(name, tcp)).await??;
+    tls.write_all(format!("GET / HTTP/1.1\r\nHost: {sni}\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut out)).await?;
+    let (_, conn) = tls.get_ref();
+    let peer_cert = conn
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .unwrap_or_default();
+    let group = conn.negotiated_key_exchange_group().map(|g| g.name());
+    let text = String::from_utf8_lossy(&out).to_string();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok(TlsResult {
+        body,
+        peer_cert,
+        group,
+    })
+}
+
+pub async fn connect_with_mss(addr: SocketAddr, mss: Option<u32>) -> std::io::Result<TcpStream> {
+    let sock = tokio::net::TcpSocket::new_v4()?;
+    if let Some(mss) = mss {
+        socket2::SockRef::from(&sock).set_tcp_mss(mss)?;
+    }
+    sock.set_nodelay(true)?;
+    sock.connect(addr).await
+}
+
+/// A real ClientHello, as rustls (with its default post-quantum key share) writes it.
+pub fn rustls_client_hello(sni: &str) -> Vec<u8> {
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from(sni.to_string()).unwrap();
+    let mut conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+    let mut out = Vec::new();
+    while conn.wants_write() {
+        conn.write_tls(&mut out).unwrap();
+    }
+    out
+}
+
+/// A plain TCP backend: reads each connection to EOF (or `limit` bytes), reports what it
+/// read, answers `reply` and closes.
+pub struct RawBackend {
+    pub addr: SocketAddr,
+    pub received: mpsc::UnboundedReceiver<Vec<u8>>,
+}
+
+impl RawBackend {
+    pub async fn start(reply: &'static [u8], limit: usize) -> RawBackend {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, received) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    continue;
+                };
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let mut got = Vec::new();
+                    let mut buf = [0u8; 8192];
+                    while got.len() < limit {
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let _ = tx.send(got);
+                    let _ = s.write_all(reply).await;
+                    let _ = s.shutdown().await;
+                });
+            }
+        });
+        RawBackend { addr, received }
+    }
+
+    pub async fn next(&mut self) -> Vec<u8> {
+        tokio::time::timeout(Duration::from_secs(10), self.received.recv())
+            .await
+            .expect("backend got no connection")
+            .unwrap()
+    }
+}
+
+/// An echo backend: writes back everything, half-closes after the client does.
+pub async fn echo_backend() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+                let _ = w.shutdown().await;
+            });
+        }
+    });
+    addr
+}
+
+/// Reads until EOF with a time limit.
+pub async fn read_all(s: &mut TcpStream, limit: Duration) -> std::io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    tokio::time::timeout(limit, s.read_to_end(&mut out)).await??;
+    Ok(out)
+}
+
+/// Runs a command with a time limit; returns (status success, stdout + stderr).
+pub fn run(cmd: &mut Command, stdin: &[u8], limit: Duration) -> (bool, String) {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin).unwrap();
+    drop(input);
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut out = String::new();
+            child
+                .stdout
+                .take()
+                .unwrap()
+                .read_to_string(&mut out)
+                .unwrap();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut out)
+                .unwrap();
+            return (status.success(), out);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("command {cmd:?} did not finish in {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub fn exists(path: &Path) -> bool {
+    path.exists()
+}
