@@ -124,6 +124,16 @@ impl Gateway {
     }
 
     pub fn start_with(routes: &str, extra: &str, listener_extra: &str) -> Gateway {
+        Self::start_opts(routes, extra, listener_extra, "routes: {file: routes.yaml}")
+    }
+
+    /// Full control: `routes_source` is the `routes:` line of the configuration.
+    pub fn start_opts(
+        routes: &str,
+        extra: &str,
+        listener_extra: &str,
+        routes_source: &str,
+    ) -> Gateway {
         let dir = TestDir::new("gw");
         let tls: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
@@ -131,7 +141,7 @@ impl Gateway {
         let config = format!(
             "apiVersion: trellis.gardener.cloud/v1alpha1
 kind: GatewayConfiguration
-routes: {{file: routes.yaml}}
+{routes_source}
 listeners:
 - name: tls
   address: \"{tls}\"

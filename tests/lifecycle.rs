@@ -1,0 +1,174 @@
+//! Process lifecycle: graceful drain on SIGTERM, the drain deadline, and no descriptor leak
+//! after thousands of concurrent connections.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn hello(sni: &str) -> Vec<u8> {
+    trellis::wire::tls::testing::client_hello(Some(sni), &[], 0)
+}
+
+async fn open_echo(gw: &Gateway, sni: &str) -> TcpStream {
+    let mut s = TcpStream::connect(gw.tls).await.unwrap();
+    let h = hello(sni);
+    s.write_all(&h).await.unwrap();
+    let mut back = vec![0u8; h.len()];
+    s.read_exact(&mut back).await.unwrap();
+    s
+}
+
+async fn roundtrip(s: &mut TcpStream, msg: &[u8]) {
+    s.write_all(msg).await.unwrap();
+    let mut back = vec![0u8; msg.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(back, msg);
+}
+
+fn wait_exit(gw: &mut Gateway, limit: Duration) -> std::process::ExitStatus {
+    wait_for(limit, || gw.child.try_wait().unwrap())
+        .unwrap_or_else(|| panic!("gateway did not exit:\n{}", gw.logs()))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_then_exits_zero() {
+    let echo = echo_backend().await;
+    let mut gw = Gateway::start(
+        &routes_yaml(&[R {
+            name: "e",
+            sni: &["e.example.com"],
+            backends: &[echo],
+        }]),
+        "timeouts: {drain: 30s}",
+    );
+    let mut conn = open_echo(&gw, "e.example.com").await;
+    roundtrip(&mut conn, b"before").await;
+
+    gw.signal("TERM");
+    // Readiness fails at once (the admin endpoint stays up during the drain).
+    let not_ready = wait_for(Duration::from_secs(5), || {
+        (http_get(gw.admin, "/ready")?.0 == 503).then_some(())
+    });
+    assert!(not_ready.is_some(), "/ready must turn 503 on SIGTERM");
+    // Listeners are closed: new connections are refused.
+    let refused = wait_for(Duration::from_secs(5), || {
+        std::net::TcpStream::connect(gw.tls).is_err().then_some(())
+    });
+    assert!(refused.is_some(), "listener must close on SIGTERM");
+    // The established connection still works.
+    roundtrip(&mut conn, b"during drain").await;
+    assert!(
+        gw.child.try_wait().unwrap().is_none(),
+        "must wait for the open connection"
+    );
+    conn.shutdown().await.unwrap();
+    assert_eq!(
+        read_all(&mut conn, Duration::from_secs(5)).await.unwrap(),
+        b""
+    );
+    let status = wait_exit(&mut gw, Duration::from_secs(10));
+    assert!(status.success(), "exit status {status}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn drain_deadline_closes_remaining_connections() {
+    let echo = echo_backend().await;
+    let mut gw = Gateway::start(
+        &routes_yaml(&[R {
+            name: "e",
+            sni: &["e.example.com"],
+            backends: &[echo],
+        }]),
+        "timeouts: {drain: 1s}",
+    );
+    let mut conn = open_echo(&gw, "e.example.com").await;
+    let start = Instant::now();
+    gw.signal("TERM");
+    assert_eq!(
+        read_all(&mut conn, Duration::from_secs(10)).await.unwrap(),
+        b""
+    );
+    assert!(
+        start.elapsed() >= Duration::from_millis(900),
+        "not before the drain deadline"
+    );
+    let status = wait_exit(&mut gw, Duration::from_secs(10));
+    assert!(status.success(), "exit status {status}");
+    assert!(gw.logs().contains("\"reason\":\"drain\""), "{}", gw.logs());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_thousand_connections_leave_no_descriptors_behind() {
+    trellis::net::socket::raise_nofile_limit().unwrap();
+    let echo = echo_backend().await;
+    let gw = Gateway::start(
+        &routes_yaml(&[R {
+            name: "e",
+            sni: &["e.example.com"],
+            backends: &[echo],
+        }]),
+        "",
+    );
+    let before = gw.fd_count();
+    let h = hello("e.example.com");
+    let mut conns = Vec::new();
+    for chunk in 0..20 {
+        let mut batch = Vec::new();
+        for _ in 0..100 {
+            let addr = gw.tls;
+            let h = h.clone();
+            batch.push(tokio::spawn(async move {
+                let mut s = TcpStream::connect(addr).await.unwrap();
+                s.write_all(&h).await.unwrap();
+                let mut back = vec![0u8; h.len()];
+                tokio::time::timeout(Duration::from_secs(20), s.read_exact(&mut back))
+                    .await
+                    .unwrap()
+                    .unwrap();
+                s
+            }));
+        }
+        for t in batch {
+            conns.push(t.await.unwrap_or_else(|e| panic!("batch {chunk}: {e}")));
+        }
+    }
+    assert_eq!(conns.len(), 2000);
+    gw.wait_metric(
+        "trellis_downstream_connections_active{listener=\"tls\"}",
+        |v| v == 2000.0,
+    );
+    assert!(
+        gw.fd_count() >= before + 4000,
+        "two descriptors per proxied connection"
+    );
+    // Half close by the client, others by dropping.
+    for (i, mut c) in conns.into_iter().enumerate() {
+        if i % 2 == 0 {
+            let _ = c.shutdown().await;
+        }
+    }
+    gw.wait_metric(
+        "trellis_downstream_connections_active{listener=\"tls\"}",
+        |v| v == 0.0,
+    );
+    let after = wait_for(Duration::from_secs(10), || {
+        let n = gw.fd_count();
+        (n <= before).then_some(n)
+    });
+    assert!(
+        after.is_some(),
+        "descriptors before {before}, after {}",
+        gw.fd_count()
+    );
+    assert_eq!(
+        gw.metric("trellis_route_connections_total{route=\"e\"}"),
+        2000.0
+    );
+}

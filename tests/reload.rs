@@ -1,0 +1,244 @@
+//! Routing table reloads under traffic: established connections keep their snapshot, new
+//! connections follow the new table, invalid tables are rejected and counted. Covers the
+//! directory watch (plain rename and ConfigMap-style symlink swap), SIGHUP, and the periodic
+//! re-read.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const APPLIED: &str = "trellis_routing_table_reloads_total{result=\"applied\"}";
+const REJECTED: &str = "trellis_routing_table_reloads_total{result=\"rejected\"}";
+
+fn hello(sni: &str) -> Vec<u8> {
+    trellis::wire::tls::testing::client_hello(Some(sni), &[], 0)
+}
+
+/// Streams a deterministic byte pattern through an echo route and checks every byte that
+/// comes back, until `stop`; returns the number of bytes verified.
+async fn stream_through(gateway: SocketAddr, sni: &str, stop: Arc<AtomicBool>) -> u64 {
+    let mut s = TcpStream::connect(gateway).await.unwrap();
+    let h = hello(sni);
+    s.write_all(&h).await.unwrap();
+    let mut echoed = vec![0u8; h.len()];
+    s.read_exact(&mut echoed).await.unwrap();
+    assert_eq!(echoed, h);
+    let (mut r, mut w) = s.into_split();
+    let writer = tokio::spawn(async move {
+        let mut sent = 0u64;
+        let mut chunk = vec![0u8; 16 * 1024];
+        while !stop.load(Ordering::SeqCst) {
+            for (i, b) in chunk.iter_mut().enumerate() {
+                *b = ((sent + i as u64) % 251) as u8;
+            }
+            w.write_all(&chunk)
+                .await
+                .expect("stream broken while writing");
+            sent += chunk.len() as u64;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        w.shutdown().await.unwrap();
+        sent
+    });
+    let mut got = 0u64;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(10), r.read(&mut buf))
+            .await
+            .expect("stream stalled")
+            .expect("stream broken");
+        if n == 0 {
+            break;
+        }
+        for &b in &buf[..n] {
+            assert_eq!(b, (got % 251) as u8, "corrupted byte at offset {got}");
+            got += 1;
+        }
+    }
+    let sent = writer.await.unwrap();
+    assert_eq!(got, sent, "every byte sent came back");
+    got
+}
+
+async fn answer(gateway: SocketAddr, sni: &str) -> Vec<u8> {
+    let mut s = TcpStream::connect(gateway).await.unwrap();
+    s.write_all(&hello(sni)).await.unwrap();
+    read_all(&mut s, Duration::from_secs(10)).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_survive_route_change_removal_and_invalid_table() {
+    let echo1 = echo_backend().await;
+    let echo2 = RawBackend::start(b"echo2", 0).await;
+    let x = RawBackend::start(b"X", 0).await;
+    let y = RawBackend::start(b"Y", 0).await;
+    let gw = Gateway::start(
+        &routes_yaml(&[
+            R {
+                name: "stream",
+                sni: &["stream.example.com"],
+                backends: &[echo1],
+            },
+            R {
+                name: "other",
+                sni: &["other.example.com"],
+                backends: &[x.addr],
+            },
+        ]),
+        "",
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let streaming = tokio::spawn(stream_through(gw.tls, "stream.example.com", stop.clone()));
+    gw.wait_metric(
+        "trellis_route_bytes_total{route=\"stream\",direction=\"tx\"}",
+        |v| v > 100_000.0,
+    );
+    assert_eq!(answer(gw.tls, "other.example.com").await, b"X");
+
+    // 1. Routes changed: both routes point elsewhere now.
+    gw.write_routes(&routes_yaml(&[
+        R {
+            name: "stream",
+            sni: &["stream.example.com"],
+            backends: &[echo2.addr],
+        },
+        R {
+            name: "other",
+            sni: &["other.example.com"],
+            backends: &[y.addr],
+        },
+    ]));
+    gw.wait_metric(APPLIED, |v| v == 2.0);
+    assert_eq!(answer(gw.tls, "other.example.com").await, b"Y");
+    assert_eq!(answer(gw.tls, "stream.example.com").await, b"echo2");
+
+    // 2. The streaming route is removed: new connections get no route.
+    gw.write_routes(&routes_yaml(&[R {
+        name: "other",
+        sni: &["other.example.com"],
+        backends: &[y.addr],
+    }]));
+    gw.wait_metric(APPLIED, |v| v == 3.0);
+    assert_eq!(
+        answer(gw.tls, "stream.example.com").await,
+        [21, 3, 1, 0, 2, 2, 112]
+    );
+
+    // 3. An invalid table is rejected; the last good one stays.
+    gw.write_routes("apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes:\n- name: broken\n  backends: [{address: nowhere}]\n");
+    gw.wait_metric(REJECTED, |v| v >= 1.0);
+    assert_eq!(gw.metric("trellis_routing_table_generation"), 3.0);
+    assert_eq!(answer(gw.tls, "other.example.com").await, b"Y");
+    let logs = gw.logs();
+    assert!(
+        logs.contains("routes[0].backends[0].address"),
+        "rejection names the field:\n{logs}"
+    );
+
+    // The stream carried on through all of it, every byte intact.
+    let before = gw.metric("trellis_route_bytes_total{route=\"stream\",direction=\"tx\"}");
+    gw.wait_metric(
+        "trellis_route_bytes_total{route=\"stream\",direction=\"tx\"}",
+        |v| v > before + 100_000.0,
+    );
+    stop.store(true, Ordering::SeqCst);
+    let verified = streaming.await.unwrap();
+    assert!(verified > 200_000, "verified {verified} bytes");
+    let (status, body) = http_get(gw.admin, "/routes").unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("\"generation\": 3") && body.contains("\"other\""),
+        "{body}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn configmap_symlink_swap_is_watched() {
+    let a = RawBackend::start(b"A", 0).await;
+    let b = RawBackend::start(b"B", 0).await;
+    let c = RawBackend::start(b"C", 0).await;
+    let table = |addr| {
+        routes_yaml(&[R {
+            name: "r",
+            sni: &["r.example.com"],
+            backends: &[addr],
+        }])
+    };
+    let gw = Gateway::start(&table(a.addr), "");
+    assert_eq!(answer(gw.tls, "r.example.com").await, b"A");
+
+    // Kubelet's ConfigMap layout: routes.yaml -> ..data/routes.yaml, ..data -> ..v1.
+    let d = &gw.dir;
+    std::fs::create_dir(d.path("..v1")).unwrap();
+    std::fs::write(d.path("..v1/routes.yaml"), table(b.addr)).unwrap();
+    std::os::unix::fs::symlink("..v1", d.path("..data_tmp")).unwrap();
+    std::fs::rename(d.path("..data_tmp"), d.path("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/routes.yaml", d.path("routes.yaml.new")).unwrap();
+    std::fs::rename(d.path("routes.yaml.new"), d.path("routes.yaml")).unwrap();
+    gw.wait_metric(APPLIED, |v| v == 2.0);
+    assert_eq!(answer(gw.tls, "r.example.com").await, b"B");
+
+    // Swap ..data to a new version, as kubelet does on a ConfigMap update.
+    std::fs::create_dir(d.path("..v2")).unwrap();
+    std::fs::write(d.path("..v2/routes.yaml"), table(c.addr)).unwrap();
+    std::os::unix::fs::symlink("..v2", d.path("..data_tmp")).unwrap();
+    std::fs::rename(d.path("..data_tmp"), d.path("..data")).unwrap();
+    gw.wait_metric(APPLIED, |v| v == 3.0);
+    assert_eq!(answer(gw.tls, "r.example.com").await, b"C");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_and_timer_pick_up_changes_the_watch_cannot_see() {
+    let a = RawBackend::start(b"A", 0).await;
+    let b = RawBackend::start(b"B", 0).await;
+    let c = RawBackend::start(b"C", 0).await;
+    let table = |addr| {
+        routes_yaml(&[R {
+            name: "r",
+            sni: &["r.example.com"],
+            backends: &[addr],
+        }])
+    };
+    // The routing file lives in another directory behind a symlink, so writes to it raise no
+    // event in the watched directory.
+    let hidden = TestDir::new("hidden");
+    std::fs::write(hidden.path("routes.yaml"), table(a.addr)).unwrap();
+    let gw = Gateway::start(&table(a.addr), "");
+    std::os::unix::fs::symlink(hidden.path("routes.yaml"), gw.dir.path("routes.yaml.new")).unwrap();
+    std::fs::rename(gw.dir.path("routes.yaml.new"), gw.dir.path("routes.yaml")).unwrap();
+    // Same content: the symlink swap is seen and found unchanged.
+    gw.wait_metric(
+        "trellis_routing_table_reloads_total{result=\"unchanged\"}",
+        |v| v >= 1.0,
+    );
+
+    std::fs::write(hidden.path("routes.yaml"), table(b.addr)).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(gw.metric(APPLIED), 1.0, "the watch cannot see this write");
+    gw.signal("HUP");
+    gw.wait_metric(APPLIED, |v| v == 2.0);
+    assert_eq!(answer(gw.tls, "r.example.com").await, b"B");
+    drop(gw);
+
+    // With a short check interval the timer finds the change by itself.
+    // Again behind a symlink from another directory, so only the timer can notice.
+    std::fs::write(hidden.path("routes.yaml"), table(a.addr)).unwrap();
+    let links = TestDir::new("links");
+    std::os::unix::fs::symlink(hidden.path("routes.yaml"), links.path("routes.yaml")).unwrap();
+    let source = format!(
+        "routes: {{file: \"{}\", checkInterval: 300ms}}",
+        links.path("routes.yaml").display()
+    );
+    let gw = Gateway::start_opts("unused", "", "", &source);
+    assert_eq!(answer(gw.tls, "r.example.com").await, b"A");
+    std::fs::write(hidden.path("routes.yaml"), table(c.addr)).unwrap();
+    gw.wait_metric(APPLIED, |v| v == 2.0);
+    assert_eq!(answer(gw.tls, "r.example.com").await, b"C");
+}
