@@ -263,6 +263,16 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts a PROXY protocol header by result.
+    pub fn proxy_header(&self, listener: &str, result: &'static str) {
+        self.proxy_headers
+            .get_or_create(&ListenerResultLabels {
+                listener: listener.to_owned(),
+                result,
+            })
+            .inc();
+    }
+
     /// Counts a failed backend connect.
     pub fn connect_failure(&self, route: &str, reason: &'static str) {
         self.connect_failures

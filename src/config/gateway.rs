@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::cidr::Cidr;
 use super::{ConfigError, Errors, at};
 
 /// The `kind` of gateway configuration files.
@@ -67,7 +68,8 @@ pub struct RawListener {
     pub name: String,
     /// `IP:port` to bind.
     pub address: String,
-    /// `sni` (more protocols arrive with later releases).
+    /// `sni`, `http-connect` or `proxy-destination` (`egress-connect` and `wireguard` are
+    /// not in this build yet).
     pub protocol: String,
     /// PROXY protocol from a load balancer in front.
     #[serde(default)]
@@ -163,7 +165,48 @@ pub struct RawAccessLog {
 pub enum Protocol {
     /// TLS passthrough routed by SNI.
     Sni,
+    /// HTTP CONNECT relay routed by a destination header.
+    HttpConnect,
+    /// Routed by the destination address of a PROXY header (GEP-08).
+    ProxyDestination,
 }
+
+/// Whether a PROXY header from a load balancer is expected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// Never parsed.
+    Off,
+    /// Parsed when a trusted peer sends one.
+    Optional,
+    /// Trusted peers must send one.
+    Required,
+}
+
+/// PROXY protocol settings of a listener.
+#[derive(Debug, Clone)]
+pub struct ProxyProtocol {
+    /// The mode.
+    pub mode: ProxyMode,
+    /// Peers allowed to send a header; empty = every peer.
+    pub trusted_sources: Vec<Cidr>,
+}
+
+impl ProxyProtocol {
+    /// The effective mode for a connection from `peer`: untrusted peers are treated as off.
+    pub fn mode_for(&self, peer: std::net::IpAddr) -> ProxyMode {
+        if self.mode == ProxyMode::Off
+            || (!self.trusted_sources.is_empty()
+                && !self.trusted_sources.iter().any(|c| c.contains(peer)))
+        {
+            ProxyMode::Off
+        } else {
+            self.mode
+        }
+    }
+}
+
+/// The default CONNECT destination header.
+pub const DEFAULT_DESTINATION_HEADER: &str = "X-Gardener-Destination";
 
 /// A validated listener.
 #[derive(Debug, Clone)]
@@ -176,6 +219,10 @@ pub struct ListenerConfig {
     pub protocol: Protocol,
     /// Route for unmatched traffic.
     pub default_route: Option<String>,
+    /// CONNECT destination header (`http-connect`).
+    pub destination_header: String,
+    /// PROXY protocol from a load balancer in front.
+    pub proxy_protocol: ProxyProtocol,
 }
 
 /// Validated timeouts.
@@ -299,7 +346,9 @@ fn validate(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig 
         }
         let protocol = match l.protocol.as_str() {
             "sni" => Some(Protocol::Sni),
-            "http-connect" | "proxy-destination" | "egress-connect" | "wireguard" => {
+            "http-connect" => Some(Protocol::HttpConnect),
+            "proxy-destination" => Some(Protocol::ProxyDestination),
+            "egress-connect" | "wireguard" => {
                 errors.push(
                     at(&path, "protocol"),
                     format!(
@@ -317,25 +366,30 @@ fn validate(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig 
                 None
             }
         };
-        if let Some(pp) = &l.proxy_protocol {
-            match pp.mode.as_deref() {
-                None | Some("off") => {}
-                Some("optional" | "required") => errors.push(
-                    format!("{path}.proxyProtocol.mode"),
-                    "PROXY protocol is not supported by this build yet; use off",
-                ),
-                Some(other) => errors.push(
-                    format!("{path}.proxyProtocol.mode"),
-                    format!("expected off, optional or required, got {other:?}"),
-                ),
+        let proxy_protocol = proxy_protocol(errors, &path, l.proxy_protocol.as_ref());
+        let destination_header = match (&l.destination_header, protocol) {
+            (Some(h), Some(Protocol::HttpConnect)) => {
+                if h.is_empty()
+                    || !h
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+                {
+                    errors.push(
+                        at(&path, "destinationHeader"),
+                        format!("invalid header name {h:?}"),
+                    );
+                }
+                h.clone()
             }
-        }
-        if l.destination_header.is_some() && protocol == Some(Protocol::Sni) {
-            errors.push(
-                at(&path, "destinationHeader"),
-                "only valid for http-connect listeners",
-            );
-        }
+            (Some(_), _) => {
+                errors.push(
+                    at(&path, "destinationHeader"),
+                    "only valid for http-connect listeners",
+                );
+                String::new()
+            }
+            (None, _) => DEFAULT_DESTINATION_HEADER.to_owned(),
+        };
         if let Some(r) = &l.default_route
             && r.is_empty()
         {
@@ -347,6 +401,8 @@ fn validate(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig 
                 address,
                 protocol,
                 default_route: l.default_route.clone(),
+                destination_header,
+                proxy_protocol,
             });
         }
     }
@@ -465,6 +521,45 @@ fn validate(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig 
         keepalive_upstream,
         limits,
         access_log_interval,
+    }
+}
+
+fn proxy_protocol(
+    errors: &mut Errors,
+    path: &str,
+    raw: Option<&RawProxyProtocol>,
+) -> ProxyProtocol {
+    let Some(raw) = raw else {
+        return ProxyProtocol {
+            mode: ProxyMode::Off,
+            trusted_sources: Vec::new(),
+        };
+    };
+    let mode = match raw.mode.as_deref() {
+        None | Some("off") => ProxyMode::Off,
+        Some("optional") => ProxyMode::Optional,
+        Some("required") => ProxyMode::Required,
+        Some(other) => {
+            errors.push(
+                format!("{path}.proxyProtocol.mode"),
+                format!("expected off, optional or required, got {other:?}"),
+            );
+            ProxyMode::Off
+        }
+    };
+    let trusted_sources = raw
+        .trusted_sources
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            Cidr::parse(s)
+                .map_err(|e| errors.push(format!("{path}.proxyProtocol.trustedSources[{i}]"), e))
+                .ok()
+        })
+        .collect();
+    ProxyProtocol {
+        mode,
+        trusted_sources,
     }
 }
 

@@ -7,6 +7,7 @@
 //! processes themselves run exactly this path, so what `check` accepts is what runs. This
 //! module reads files but never opens sockets.
 
+pub mod cidr;
 pub mod gateway;
 pub mod routes;
 

@@ -25,6 +25,8 @@ pub struct AccessLog {
     pub backend: Option<String>,
     /// When the connection was accepted.
     pub accepted_at: Instant,
+    /// PROXY header version and TLVs, when one was received.
+    pub proxy: Option<String>,
 }
 
 impl AccessLog {
@@ -38,7 +40,21 @@ impl AccessLog {
             route: None,
             backend: None,
             accepted_at,
+            proxy: None,
         }
+    }
+
+    /// Records a PROXY header: its source becomes the client address.
+    pub fn set_proxy(&mut self, info: &crate::wire::proxy::ProxyInfo) {
+        if let Some(source) = info.source() {
+            self.client = crate::gateway::listener::normalize(source);
+        }
+        let mut s = format!("v{}", info.version);
+        for tlv in &info.tlvs {
+            s.push(' ');
+            s.push_str(tlv);
+        }
+        self.proxy = Some(s);
     }
 
     /// Counts and logs a connection rejected before routing.
@@ -58,6 +74,7 @@ impl AccessLog {
             peer = %self.peer,
             target_name = self.target.as_deref().unwrap_or("-"),
             backend = self.backend.as_deref().unwrap_or("-"),
+            proxy = self.proxy.as_deref().unwrap_or("-"),
             rx_bytes = stats.rx,
             tx_bytes = stats.tx,
             duration_ms = self.accepted_at.elapsed().as_millis() as u64,

@@ -39,32 +39,11 @@ impl Tracker {
         self.active.load(Ordering::SeqCst)
     }
 
-    /// Admits a connection from `source` unless a limit is reached (`per_source` 0 =
-    /// unlimited).
-    pub fn admit(
-        self: &Arc<Self>,
-        source: IpAddr,
-        max: usize,
-        per_source: usize,
-    ) -> Option<ConnGuard> {
+    /// Admits a connection unless `max` are open.
+    pub fn admit(self: &Arc<Self>, max: usize) -> Option<ConnGuard> {
         if self.active.fetch_add(1, Ordering::SeqCst) >= max {
             self.release(None);
             return None;
-        }
-        if per_source > 0 {
-            // Poisoning cannot leave the map inconsistent: every update is one statement.
-            let mut map = self.per_source.lock().unwrap_or_else(|e| e.into_inner());
-            let n = map.entry(source).or_insert(0);
-            if *n >= per_source {
-                drop(map);
-                self.release(None);
-                return None;
-            }
-            *n += 1;
-            return Some(ConnGuard {
-                tracker: self.clone(),
-                source: Some(source),
-            });
         }
         Some(ConnGuard {
             tracker: self.clone(),
@@ -98,6 +77,29 @@ impl Tracker {
             }
             notified.await;
         }
+    }
+}
+
+impl ConnGuard {
+    /// Counts the connection against `source` (the PROXY source when present); false if
+    /// `source` already has `per_source` connections (0 = unlimited).
+    pub fn limit_source(&mut self, source: IpAddr, per_source: usize) -> bool {
+        if per_source == 0 || self.source.is_some() {
+            return true;
+        }
+        // Poisoning cannot leave the map inconsistent: every update is one statement.
+        let mut map = self
+            .tracker
+            .per_source
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let n = map.entry(source).or_insert(0);
+        if *n >= per_source {
+            return false;
+        }
+        *n += 1;
+        self.source = Some(source);
+        true
     }
 }
 
@@ -151,11 +153,7 @@ pub async fn accept_loop(
             }
         };
         let peer = normalize(peer);
-        let Some(guard) = shared.tracker.admit(
-            peer.ip(),
-            limits.max_connections,
-            limits.max_connections_per_source,
-        ) else {
+        let Some(guard) = shared.tracker.admit(limits.max_connections) else {
             shared.metrics.outcome(&config.name, "limited");
             tracing::debug!(listener = %config.name, %peer, "connection limit reached; closed");
             drop(stream);
@@ -170,11 +168,7 @@ pub async fn accept_loop(
         let (config, shared, lm) = (config.clone(), shared.clone(), lm.clone());
         tokio::spawn(async move {
             lm.active.inc();
-            match config.protocol {
-                crate::config::gateway::Protocol::Sni => {
-                    super::sni::handle(accepted, &config, &shared, &lm).await
-                }
-            }
+            super::conn::serve(accepted, &config, &shared, &lm).await;
             lm.active.dec();
         });
     }
@@ -211,15 +205,19 @@ mod tests {
         let t = Arc::new(Tracker::default());
         let a: IpAddr = "10.0.0.1".parse().unwrap();
         let b: IpAddr = "10.0.0.2".parse().unwrap();
-        let g1 = t.admit(a, 3, 1).unwrap();
-        assert!(t.admit(a, 3, 1).is_none());
-        let g2 = t.admit(b, 3, 1).unwrap();
+        let mut g1 = t.admit(3).unwrap();
+        assert!(g1.limit_source(a, 1));
+        let mut g2 = t.admit(3).unwrap();
+        assert!(!g2.limit_source(a, 1));
+        assert!(g2.limit_source(b, 1));
         assert_eq!(t.active(), 2);
         drop(g1);
-        let _g3 = t.admit(a, 2, 1).unwrap();
-        assert!(t.admit("10.0.0.3".parse().unwrap(), 2, 0).is_none());
+        let mut g3 = t.admit(2).unwrap();
+        assert!(g3.limit_source(a, 1));
+        assert!(t.admit(2).is_none());
         drop(g2);
         assert_eq!(t.active(), 1);
+        assert!(t.admit(0).is_none());
     }
 
     #[test]

@@ -6,7 +6,10 @@
 //! loop and the shared forwarding path (connect, relay, log) live here.
 
 pub mod access;
+pub mod conn;
+pub mod connect;
 pub mod listener;
+pub mod proxydst;
 pub mod sni;
 pub mod table;
 
@@ -15,7 +18,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
-use tokio::net::TcpStream;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 
@@ -25,9 +27,11 @@ use crate::config::ConfigError;
 use crate::config::gateway::GatewayConfig;
 use crate::net::{relay, socket, upstream};
 use crate::route::Route;
-use access::AccessLog;
+use crate::wire::http;
+use conn::Conn;
 use listener::Tracker;
 use table::Tables;
+use tokio::io::AsyncWriteExt;
 
 /// How long connections cut at the drain deadline get to write their log lines.
 const HARD_STOP_GRACE: Duration = Duration::from_secs(2);
@@ -162,24 +166,32 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     Ok(())
 }
 
-/// Connects `route`'s backend, replays `initial`, relays until the end, and logs — the path
-/// every routed connection takes after its protocol chose a route.
+/// What the client is told once the backend connect is decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply {
+    /// Nothing (TLS passthrough, PROXY-destination): failures just close.
+    None,
+    /// An HTTP status: `200` once connected, `502`/`504` when every backend failed.
+    Http,
+}
+
+/// Connects `route`'s backend, replays the bytes buffered in `conn`, relays until the end,
+/// and logs: the path every routed connection takes after its protocol chose a route.
 pub async fn forward(
-    client: &mut TcpStream,
+    mut conn: Conn,
     route: &Arc<Route>,
-    initial: &[u8],
+    reply: Reply,
     shared: &Shared,
-    mut log: AccessLog,
     lm: &ListenerMetrics,
 ) {
     let cfg = &shared.config;
-    shared.metrics.outcome(&log.listener, "routed");
-    log.route = Some(route.name.clone());
+    shared.metrics.outcome(&conn.log.listener, "routed");
+    conn.log.route = Some(route.name.clone());
     let rm = shared.metrics.route(&route.name);
     rm.total.inc();
     rm.active.inc();
     socket::tune(
-        client,
+        &conn.stream,
         cfg.keepalive_downstream.idle,
         cfg.keepalive_downstream.interval,
     );
@@ -192,6 +204,21 @@ pub async fn forward(
     let (end, stats) = match connected {
         Err(e) => {
             tracing::debug!(error = %e, "no backend");
+            if reply == Reply::Http {
+                let status = if matches!(
+                    e,
+                    upstream::ConnectError::Failed {
+                        timed_out: true,
+                        ..
+                    }
+                ) {
+                    504
+                } else {
+                    502
+                };
+                conn.reject_with(&http::response(status, &e.to_string()))
+                    .await;
+            }
             (format!("error:{}", e.kind()), relay::Stats::default())
         }
         Ok(mut up) => {
@@ -201,34 +228,47 @@ pub async fn forward(
                 cfg.keepalive_upstream.idle,
                 cfg.keepalive_upstream.interval,
             );
-            log.backend = Some(up.backend.clone());
-            let limits = relay::Limits {
-                idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
-                half_close: cfg.timeouts.half_close,
-                max_duration: route.max_connection_duration,
-                progress: cfg.access_log_interval,
+            conn.log.backend = Some(up.backend.clone());
+            let replied = match reply {
+                Reply::Http => conn.stream.write_all(&http::response(200, "")).await,
+                Reply::None => Ok(()),
             };
-            let counters = relay::Counters {
-                rx: &rm.rx,
-                tx: &rm.tx,
-                half_closed: &shared.metrics.half_closed,
-            };
-            let progress = |s: relay::Stats| log.emit(s, "open", true);
-            let (end, stats) = relay::relay(
-                client,
-                &mut up.stream,
-                initial,
-                limits,
-                counters,
-                &progress,
-                shared.hard_stop.clone(),
-            )
-            .await;
-            (end.reason(), stats)
+            match replied {
+                Err(e) => (
+                    format!("error:{}", relay::io_kind(&e)),
+                    relay::Stats::default(),
+                ),
+                Ok(()) => {
+                    let limits = relay::Limits {
+                        idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
+                        half_close: cfg.timeouts.half_close,
+                        max_duration: route.max_connection_duration,
+                        progress: cfg.access_log_interval,
+                    };
+                    let counters = relay::Counters {
+                        rx: &rm.rx,
+                        tx: &rm.tx,
+                        half_closed: &shared.metrics.half_closed,
+                    };
+                    let log = &conn.log;
+                    let progress = |s: relay::Stats| log.emit(s, "open", true);
+                    let (end, stats) = relay::relay(
+                        &mut conn.stream,
+                        &mut up.stream,
+                        &conn.buf,
+                        limits,
+                        counters,
+                        &progress,
+                        shared.hard_stop.clone(),
+                    )
+                    .await;
+                    (end.reason(), stats)
+                }
+            }
         }
     };
     rm.active.dec();
     lm.connection_duration
-        .observe(log.accepted_at.elapsed().as_secs_f64());
-    log.emit(stats, &end, false);
+        .observe(conn.log.accepted_at.elapsed().as_secs_f64());
+    conn.log.emit(stats, &end, false);
 }

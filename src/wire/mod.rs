@@ -5,6 +5,8 @@
 //! ([`Parsed::Incomplete`]), not as an error. Size caps are parameters or named constants, so
 //! a driver can bound how much it buffers. Nothing in this module knows about tokio.
 
+pub mod http;
+pub mod proxy;
 pub mod tls;
 
 /// The result of feeding a parser the bytes read so far.

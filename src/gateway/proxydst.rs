@@ -1,0 +1,64 @@
+//! `proxy-destination` listener (GEP-08): every connection starts with a PROXY v1/v2 header
+//! whose destination address:port selects the route; the bytes after it (the client's own
+//! TLS) are relayed unchanged. `LOCAL`/`UNKNOWN` headers and unknown destinations are
+//! rejected and counted.
+
+use super::conn::{Conn, header_result, proxy_stage_error};
+use super::{Reply, Shared};
+use crate::admin::metrics::ListenerMetrics;
+use crate::config::gateway::ListenerConfig;
+use crate::gateway::listener::normalize;
+use crate::wire::proxy;
+
+/// Handles one `proxy-destination` connection from its PROXY header to close.
+pub async fn handle(
+    mut conn: Conn,
+    config: &ListenerConfig,
+    shared: &Shared,
+    lm: &ListenerMetrics,
+) {
+    let limit = shared.config.limits.max_header_bytes;
+    let (info, consumed) = match conn.read_until(limit, |b| proxy::parse(b, limit)).await {
+        Ok(x) => x,
+        Err(e) => {
+            let (outcome, result, detail) = proxy_stage_error(e);
+            if let Some(result) = result {
+                shared.metrics.proxy_header(&config.name, result);
+            }
+            return conn.log.reject(shared, outcome, &detail);
+        }
+    };
+    conn.consume(consumed);
+    shared
+        .metrics
+        .proxy_header(&config.name, header_result(&info));
+    conn.log.set_proxy(&info);
+    let Some(destination) = info.destination().map(normalize) else {
+        return conn.log.reject(
+            shared,
+            "bad_request",
+            "PROXY header without addresses (LOCAL/UNKNOWN)",
+        );
+    };
+    conn.log.target = Some(destination.to_string());
+
+    let route = {
+        let snapshot = shared.tables.snapshot();
+        let table = snapshot.table();
+        table
+            .by_proxy_destination(&destination)
+            .or_else(|| {
+                config
+                    .default_route
+                    .as_deref()
+                    .and_then(|r| table.by_name(r))
+            })
+            .cloned()
+    };
+    let Some(route) = route else {
+        return conn
+            .log
+            .reject(shared, "no_route", "unknown PROXY destination");
+    };
+    super::forward(conn, &route, Reply::None, shared, lm).await;
+}

@@ -1,0 +1,357 @@
+//! PROXY protocol v1 and v2 headers (HAProxy's spec), detected automatically.
+//!
+//! Decoding is done by the `proxy-header` crate; this module puts it behind the
+//! [`Parsed`] interface, adds the size cap and signature detection needed for `optional`
+//! mode, and turns TLVs into short strings for logs. No I/O.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+
+use proxy_header::{ParseConfig, ProxyHeader, Tlv};
+use thiserror::Error;
+
+use super::Parsed;
+
+/// The v1 signature.
+pub const V1_SIGNATURE: &[u8] = b"PROXY ";
+/// The v2 signature.
+pub const V2_SIGNATURE: &[u8] = b"\r\n\r\n\x00\r\nQUIT\n";
+/// Longest v1 header (spec: 107 bytes).
+pub const V1_MAX: usize = 107;
+/// Most TLV entries kept for logs.
+pub const MAX_TLVS_LOGGED: usize = 8;
+/// Longest TLV value kept for logs.
+const MAX_TLV_VALUE_LOGGED: usize = 64;
+
+/// A parsed PROXY header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProxyInfo {
+    /// 1 or 2.
+    pub version: u8,
+    /// Source and destination; `None` for `LOCAL` (v2) and `UNKNOWN` (v1).
+    pub addresses: Option<(SocketAddr, SocketAddr)>,
+    /// TLVs (v2) as `name=value` strings for logs.
+    pub tlvs: Vec<String>,
+}
+
+impl ProxyInfo {
+    /// The original client address, if the header carries one.
+    pub fn source(&self) -> Option<SocketAddr> {
+        self.addresses.map(|a| a.0)
+    }
+
+    /// The original destination address, if the header carries one.
+    pub fn destination(&self) -> Option<SocketAddr> {
+        self.addresses.map(|a| a.1)
+    }
+}
+
+/// Why bytes are not an acceptable PROXY header.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum Reject {
+    /// The bytes do not start with a PROXY signature.
+    #[error("no PROXY protocol signature")]
+    NotProxy,
+    /// The header is longer than allowed.
+    #[error("PROXY header longer than {limit} bytes")]
+    TooLarge {
+        /// The configured cap.
+        limit: usize,
+    },
+    /// The header is malformed.
+    #[error("malformed PROXY header")]
+    Malformed,
+}
+
+impl Reject {
+    /// Stable short name for logs and metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Reject::NotProxy => "missing",
+            Reject::TooLarge { .. } => "too_large",
+            Reject::Malformed => "invalid",
+        }
+    }
+}
+
+/// Whether the first bytes of a connection are a PROXY header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detect {
+    /// Too few bytes to tell.
+    NeedMore,
+    /// A PROXY v1 or v2 signature.
+    Proxy,
+    /// Something else.
+    NotProxy,
+}
+
+/// Tells from the first bytes whether a PROXY header follows.
+pub fn detect(buf: &[u8]) -> Detect {
+    for sig in [V1_SIGNATURE, V2_SIGNATURE] {
+        let n = buf.len().min(sig.len());
+        if buf[..n] == sig[..n] {
+            return if n == sig.len() {
+                Detect::Proxy
+            } else {
+                Detect::NeedMore
+            };
+        }
+    }
+    Detect::NotProxy
+}
+
+/// Parses a PROXY v1 or v2 header of at most `limit` bytes from the start of `buf`.
+pub fn parse(buf: &[u8], limit: usize) -> Result<Parsed<ProxyInfo>, Reject> {
+    match detect(buf) {
+        Detect::NotProxy => return Err(Reject::NotProxy),
+        Detect::NeedMore => return Ok(Parsed::Incomplete),
+        Detect::Proxy => {}
+    }
+    let version = if buf.starts_with(V1_SIGNATURE) { 1 } else { 2 };
+    if version == 2 && buf.len() >= 16 {
+        let declared = 16 + usize::from(u16::from_be_bytes([buf[14], buf[15]]));
+        if declared > limit {
+            return Err(Reject::TooLarge { limit });
+        }
+    }
+    match ProxyHeader::parse(buf, ParseConfig::default()) {
+        Ok((header, consumed)) => {
+            let addresses = header.proxied_address().map(|a| (a.source, a.destination));
+            let tlvs = if version == 2 {
+                summarize_tlvs(&header)?
+            } else {
+                Vec::new()
+            };
+            Ok(Parsed::Complete {
+                value: ProxyInfo {
+                    version,
+                    addresses,
+                    tlvs,
+                },
+                consumed,
+            })
+        }
+        Err(proxy_header::Error::BufferTooShort) => {
+            if buf.len() >= limit.min(if version == 1 { V1_MAX } else { usize::MAX }) {
+                Err(Reject::TooLarge { limit })
+            } else {
+                Ok(Parsed::Incomplete)
+            }
+        }
+        Err(_) => Err(Reject::Malformed),
+    }
+}
+
+fn summarize_tlvs(header: &ProxyHeader<'_>) -> Result<Vec<String>, Reject> {
+    let mut out = Vec::new();
+    for tlv in header.tlvs() {
+        let tlv = tlv.map_err(|_| Reject::Malformed)?;
+        if out.len() >= MAX_TLVS_LOGGED {
+            continue;
+        }
+        let s = match &tlv {
+            Tlv::Alpn(v) => format!("alpn={}", printable(v)),
+            Tlv::Authority(v) => format!("authority={}", printable(v.as_bytes())),
+            Tlv::Crc32c(v) => format!("crc32c={v:08x}"),
+            Tlv::Noop(_) => "noop".into(),
+            Tlv::UniqueId(v) => format!("unique_id={}", hex(v)),
+            Tlv::Ssl(info) => format!("ssl={}", info.version().unwrap_or("?")),
+            Tlv::Netns(v) => format!("netns={}", printable(v.as_bytes())),
+            Tlv::Custom(kind, v) => format!("0x{kind:02x}={}", hex(v)),
+            other => format!("0x{:02x}", other.kind()),
+        };
+        out.push(s);
+    }
+    Ok(out)
+}
+
+fn printable(v: &[u8]) -> String {
+    v.iter()
+        .take(MAX_TLV_VALUE_LOGGED)
+        .map(|&b| if b.is_ascii_graphic() { b as char } else { '?' })
+        .collect()
+}
+
+fn hex(v: &[u8]) -> String {
+    let mut s = String::new();
+    for b in v.iter().take(MAX_TLV_VALUE_LOGGED / 2) {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// Encodes a v2 `PROXY` header for a TCP connection from `source` to `destination`.
+pub fn encode_v2(source: SocketAddr, destination: SocketAddr) -> Vec<u8> {
+    let mut out = Vec::with_capacity(52);
+    let header =
+        ProxyHeader::with_address(proxy_header::ProxiedAddress::stream(source, destination));
+    // Only fails for mismatched address families, which callers normalise first; fall back
+    // to LOCAL in that case rather than sending garbage.
+    if header.encode_v2(&mut out).is_err() {
+        out.clear();
+        let _ = ProxyHeader::with_local().encode_v2(&mut out);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMIT: usize = 4096;
+
+    fn v2_with_tlvs() -> Vec<u8> {
+        let mut out = Vec::new();
+        let header = ProxyHeader::with_tlvs(
+            Some(proxy_header::ProxiedAddress::stream(
+                "10.1.2.3:51234".parse().unwrap(),
+                "240.168.102.23:443".parse().unwrap(),
+            )),
+            [
+                Tlv::Authority("api.example.com".into()),
+                Tlv::UniqueId(vec![1, 2, 3].into()),
+                Tlv::Custom(0xea, vec![0xaa].into()),
+            ],
+        );
+        header.encode_v2(&mut out).unwrap();
+        out
+    }
+
+    fn v1() -> Vec<u8> {
+        b"PROXY TCP4 192.168.1.10 10.0.1.10 56324 443\r\n".to_vec()
+    }
+
+    fn v1_v6() -> Vec<u8> {
+        b"PROXY TCP6 2001:db8::1 2001:db8::2 56324 443\r\n".to_vec()
+    }
+
+    fn v2_local() -> Vec<u8> {
+        let mut out = Vec::new();
+        ProxyHeader::with_local().encode_v2(&mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn every_prefix_is_incomplete_then_complete() {
+        for header in [
+            v1(),
+            v1_v6(),
+            v2_with_tlvs(),
+            v2_local(),
+            b"PROXY UNKNOWN\r\n".to_vec(),
+        ] {
+            for i in 0..header.len() {
+                assert_eq!(
+                    parse(&header[..i], LIMIT),
+                    Ok(Parsed::Incomplete),
+                    "prefix {i} of {:?}",
+                    String::from_utf8_lossy(&header)
+                );
+            }
+            let mut longer = header.clone();
+            longer.extend_from_slice(b"\x16\x03\x01 payload");
+            let whole = parse(&header, LIMIT).unwrap();
+            assert_eq!(parse(&longer, LIMIT).unwrap(), whole);
+            let Parsed::Complete { consumed, .. } = whole else {
+                panic!()
+            };
+            assert_eq!(consumed, header.len());
+        }
+    }
+
+    #[test]
+    fn split_at_every_offset() {
+        // What a driver does: accumulate two reads, parse after each.
+        for header in [v1(), v2_with_tlvs()] {
+            let mut input = header.clone();
+            input.extend_from_slice(b"rest");
+            for at in 0..input.len() {
+                let first = parse(&input[..at], LIMIT).unwrap();
+                if at < header.len() {
+                    assert_eq!(first, Parsed::Incomplete);
+                }
+                let Parsed::Complete { consumed, .. } = parse(&input, LIMIT).unwrap() else {
+                    panic!()
+                };
+                assert_eq!(&input[consumed..], b"rest");
+            }
+        }
+    }
+
+    #[test]
+    fn v1_split_right_after_source_port_is_incomplete() {
+        assert_eq!(
+            parse(b"PROXY TCP4 192.168.1.10 10.0.1.10 56324", LIMIT),
+            Ok(Parsed::Incomplete)
+        );
+        assert_eq!(
+            parse(b"PROXY TCP4 192.168.1.10 10.0.1.10 56324 ", LIMIT),
+            Ok(Parsed::Incomplete)
+        );
+    }
+
+    #[test]
+    fn values_and_tlvs() {
+        let Parsed::Complete { value, .. } = parse(&v1(), LIMIT).unwrap() else {
+            panic!()
+        };
+        assert_eq!(value.version, 1);
+        assert_eq!(value.source(), Some("192.168.1.10:56324".parse().unwrap()));
+        assert_eq!(value.destination(), Some("10.0.1.10:443".parse().unwrap()));
+        let Parsed::Complete { value, .. } = parse(&v2_with_tlvs(), LIMIT).unwrap() else {
+            panic!()
+        };
+        assert_eq!(value.version, 2);
+        assert_eq!(
+            value.destination(),
+            Some("240.168.102.23:443".parse().unwrap())
+        );
+        assert_eq!(
+            value.tlvs,
+            vec!["authority=api.example.com", "unique_id=010203", "0xea=aa"]
+        );
+        let Parsed::Complete { value, .. } = parse(&v2_local(), LIMIT).unwrap() else {
+            panic!()
+        };
+        assert_eq!(value.addresses, None);
+    }
+
+    #[test]
+    fn rejects() {
+        assert_eq!(parse(b"\x16\x03\x01", LIMIT), Err(Reject::NotProxy));
+        assert_eq!(parse(b"CONNECT x", LIMIT), Err(Reject::NotProxy));
+        assert_eq!(
+            parse(b"PROXY TCP9 1 2 3 4\r\n", LIMIT),
+            Err(Reject::Malformed)
+        );
+        let mut long = b"PROXY TCP4 ".to_vec();
+        long.extend_from_slice(&[b'1'; 200]);
+        assert!(parse(&long, LIMIT).is_err());
+        let mut big = V2_SIGNATURE.to_vec();
+        big.extend_from_slice(&[0x21, 0x11, 0xff, 0xff]);
+        assert_eq!(parse(&big, LIMIT), Err(Reject::TooLarge { limit: LIMIT }));
+    }
+
+    #[test]
+    fn detection() {
+        assert_eq!(detect(b""), Detect::NeedMore);
+        assert_eq!(detect(b"PRO"), Detect::NeedMore);
+        assert_eq!(detect(b"\r\n\r\n"), Detect::NeedMore);
+        assert_eq!(detect(b"PROXY "), Detect::Proxy);
+        assert_eq!(detect(b"\x16"), Detect::NotProxy);
+        assert_eq!(detect(b"PRX"), Detect::NotProxy);
+    }
+
+    #[test]
+    fn encode_round_trip() {
+        let h = encode_v2(
+            "10.0.0.1:1234".parse().unwrap(),
+            "240.1.2.3:443".parse().unwrap(),
+        );
+        let Parsed::Complete { value, consumed } = parse(&h, LIMIT).unwrap() else {
+            panic!()
+        };
+        assert_eq!(consumed, h.len());
+        assert_eq!(value.destination(), Some("240.1.2.3:443".parse().unwrap()));
+    }
+}
