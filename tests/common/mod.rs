@@ -114,6 +114,7 @@ pub struct Gateway {
     pub tls: SocketAddr,
     pub admin: SocketAddr,
     pub dir: TestDir,
+    pub listeners: Vec<(String, SocketAddr)>,
 }
 
 impl Gateway {
@@ -134,19 +135,43 @@ impl Gateway {
         listener_extra: &str,
         routes_source: &str,
     ) -> Gateway {
+        Self::start_full(
+            routes,
+            &[("tls", "sni", listener_extra)],
+            extra,
+            routes_source,
+        )
+    }
+
+    /// Starts with the given listeners: (name, protocol, extra listener fields as YAML lines
+    /// indented by two spaces). `tls` is the first listener's address.
+    pub fn start_listeners(routes: &str, listeners: &[(&str, &str, &str)], extra: &str) -> Gateway {
+        Self::start_full(routes, listeners, extra, "routes: {file: routes.yaml}")
+    }
+
+    fn start_full(
+        routes: &str,
+        listeners: &[(&str, &str, &str)],
+        extra: &str,
+        routes_source: &str,
+    ) -> Gateway {
         let dir = TestDir::new("gw");
-        let tls: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         std::fs::write(dir.path("routes.yaml"), routes).unwrap();
+        let mut addrs = Vec::new();
+        let mut listeners_yaml = String::new();
+        for (name, protocol, more) in listeners {
+            let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+            listeners_yaml +=
+                &format!("- name: {name}\n  address: \"{addr}\"\n  protocol: {protocol}\n{more}\n");
+            addrs.push((name.to_string(), addr));
+        }
         let config = format!(
             "apiVersion: trellis.gardener.cloud/v1alpha1
 kind: GatewayConfiguration
 {routes_source}
 listeners:
-- name: tls
-  address: \"{tls}\"
-  protocol: sni
-{listener_extra}
+{listeners_yaml}
 admin: {{address: \"{admin}\"}}
 {extra}
 "
@@ -163,9 +188,10 @@ admin: {{address: \"{admin}\"}}
             .unwrap();
         let mut gw = Gateway {
             child,
-            tls,
+            tls: addrs[0].1,
             admin,
             dir,
+            listeners: addrs,
         };
         let ready = wait_for(Duration::from_secs(20), || {
             match http_get(admin, "/ready") {
@@ -178,6 +204,32 @@ admin: {{address: \"{admin}\"}}
             panic!("gateway did not become ready:\n{}", gw.logs());
         }
         gw
+    }
+
+    /// The address of listener `name`.
+    pub fn addr(&self, name: &str) -> SocketAddr {
+        self.listeners
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, a)| *a)
+            .unwrap_or_else(|| panic!("no listener {name}"))
+    }
+
+    /// Access-log lines (JSON objects) written so far.
+    pub fn access_logs(&self) -> Vec<serde_json::Value> {
+        self.logs()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["target"] == "trellis::access")
+            .collect()
+    }
+
+    /// Waits for an access-log line for which `pred` holds.
+    pub fn wait_access_log(&self, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        wait_for(Duration::from_secs(10), || {
+            self.access_logs().into_iter().find(|v| pred(v))
+        })
+        .unwrap_or_else(|| panic!("no matching access log line in:\n{}", self.logs()))
     }
 
     pub fn pid(&self) -> u32 {
