@@ -8,5 +8,6 @@ pub mod admin;
 pub mod config;
 pub mod gateway;
 pub mod net;
+pub mod node;
 pub mod route;
 pub mod wire;

@@ -31,6 +31,15 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Run the shoot node daemon (the local `kubernetes` service endpoint).
+    Node {
+        /// NodeConfiguration file.
+        #[arg(long)]
+        config: PathBuf,
+        /// Remove the managed address and exit.
+        #[arg(long)]
+        cleanup: bool,
+    },
     /// Validate trellis config and routing table files; exit 1 if any is invalid.
     Check {
         /// Files to check.
@@ -92,12 +101,38 @@ fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode> {
+    let config = match trellis::config::node::load(config_file) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    if let Err(e) = trellis::net::socket::raise_nofile_limit() {
+        tracing::warn!(error = %e, "could not raise the open files limit");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(2)
+        .thread_name("trellis-node")
+        .build()
+        .context("starting the async runtime")?;
+    if cleanup {
+        runtime.block_on(trellis::node::cleanup(&config))?;
+    } else {
+        runtime.block_on(trellis::node::run(config))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let result = match &cli.command {
         Command::Check { files } => Ok(check(files)),
         Command::Gateway { config } => gateway(config),
+        Command::Node { config, cleanup } => node(config, *cleanup),
     };
     match result {
         Ok(code) => code,

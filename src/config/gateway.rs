@@ -570,7 +570,7 @@ fn socket_addr(errors: &mut Errors, path: &str, value: &str) -> Option<SocketAdd
         .ok()
 }
 
-fn keepalive(
+pub(super) fn keepalive(
     errors: &mut Errors,
     path: &str,
     raw: Option<&RawKeepaliveSide>,

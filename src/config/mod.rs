@@ -9,6 +9,7 @@
 
 pub mod cidr;
 pub mod gateway;
+pub mod node;
 pub mod routes;
 
 use std::fmt;
@@ -242,6 +243,8 @@ pub enum AnyFile {
     Gateway(gateway::GatewayConfig),
     /// `kind: RoutingTable`.
     Routes(routes::LoadedTable),
+    /// `kind: NodeConfiguration`.
+    Node(node::NodeConfig),
 }
 
 impl AnyFile {
@@ -250,6 +253,7 @@ impl AnyFile {
         match self {
             AnyFile::Gateway(_) => gateway::KIND,
             AnyFile::Routes(_) => routes::KIND,
+            AnyFile::Node(_) => node::KIND,
         }
     }
 }
@@ -260,6 +264,7 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
     let doc = parse_document(file, &bytes)?;
     match doc.get("kind").and_then(|v| v.as_str()) {
         Some(gateway::KIND) => gateway::from_document(file, doc).map(AnyFile::Gateway),
+        Some(node::KIND) => node::from_document(file, doc).map(AnyFile::Node),
         Some(routes::KIND) => {
             let registry = crate::route::BackendRegistry::default();
             routes::from_document(file, &bytes, doc, &registry).map(AnyFile::Routes)

@@ -148,6 +148,58 @@ fn ascii(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// Parses a response head (`HTTP/1.x NNN reason` plus fields) and returns its status code;
+/// `consumed` includes the blank line.
+pub fn parse_response_status(buf: &[u8], limit: usize) -> Result<Parsed<u16>, Reject> {
+    let prefix = &buf[..buf.len().min(5)];
+    if prefix != &b"HTTP/"[..prefix.len()] {
+        return Err(Reject::Malformed("not an HTTP response"));
+    }
+    let Some(end) = find_head_end(buf) else {
+        return if buf.len() >= limit {
+            Err(Reject::TooLarge { limit })
+        } else {
+            Ok(Parsed::Incomplete)
+        };
+    };
+    if end > limit {
+        return Err(Reject::TooLarge { limit });
+    }
+    let line_end = buf.iter().position(|&b| b == b'\n').unwrap_or(end);
+    let line = buf[..line_end]
+        .strip_suffix(b"\r")
+        .unwrap_or(&buf[..line_end]);
+    let mut parts = line.splitn(3, |&b| b == b' ');
+    let (Some(version), Some(code)) = (parts.next(), parts.next()) else {
+        return Err(Reject::Malformed("status line"));
+    };
+    if version != b"HTTP/1.1" && version != b"HTTP/1.0" {
+        return Err(Reject::Malformed("HTTP version"));
+    }
+    let status = std::str::from_utf8(code)
+        .ok()
+        .filter(|c| c.len() == 3)
+        .and_then(|c| c.parse::<u16>().ok())
+        .ok_or(Reject::Malformed("status code"))?;
+    Ok(Parsed::Complete {
+        value: status,
+        consumed: end,
+    })
+}
+
+/// The offset just past the blank line that ends a head (CRLF or bare LF line ends).
+fn find_head_end(buf: &[u8]) -> Option<usize> {
+    let mut start = 0;
+    while let Some(nl) = buf[start..].iter().position(|&b| b == b'\n') {
+        let line = &buf[start..start + nl];
+        if line.is_empty() || line == b"\r" {
+            return Some(start + nl + 1);
+        }
+        start += nl + 1;
+    }
+    None
+}
+
 /// The reason phrase for a status trellis sends.
 pub fn reason(status: u16) -> &'static str {
     match status {
@@ -240,6 +292,35 @@ mod tests {
             parse_request_head(&big, 256).unwrap_err(),
             Reject::TooLarge { limit: 256 }
         );
+    }
+
+    #[test]
+    fn response_status() {
+        let ok = b"HTTP/1.1 200 Connection established\r\n\r\nrest";
+        for i in 0..ok.len() - 4 {
+            assert_eq!(
+                parse_response_status(&ok[..i], 8192),
+                Ok(Parsed::Incomplete),
+                "prefix {i}"
+            );
+        }
+        assert_eq!(
+            parse_response_status(ok, 8192),
+            Ok(Parsed::Complete {
+                value: 200,
+                consumed: ok.len() - 4
+            })
+        );
+        let denied = b"HTTP/1.0 403 Forbidden\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(
+            parse_response_status(denied, 8192),
+            Ok(Parsed::Complete {
+                value: 403,
+                consumed: denied.len()
+            })
+        );
+        assert!(parse_response_status(b"SSH-2.0", 8192).is_err());
+        assert!(parse_response_status(b"HTTP/1.1 2000 x\r\n\r\n", 8192).is_err());
     }
 
     #[test]

@@ -1,0 +1,249 @@
+//! Link and address management over rtnetlink (replaces Gardener's netlink sidecar).
+//!
+//! Keeps one address on one link: creates the link as a dummy device when it is missing
+//! (falling back to `lo`, with a warning, when the kernel has no dummy driver), brings it up,
+//! adds the address as /32 or /128 with global scope, and removes the same address from every
+//! other link. [`LinkManager::reconcile`] is idempotent; the node runs it at start, after
+//! netlink address/link events, and on a timer. Never shells out to `ip`.
+
+use std::net::IpAddr;
+
+use futures_util::TryStreamExt;
+use netlink_packet_route::address::{AddressAttribute, AddressMessage, AddressScope};
+use rtnetlink::{Handle, LinkDummy, LinkUnspec};
+use thiserror::Error;
+
+/// Link used when the kernel cannot create dummy links.
+pub const FALLBACK_LINK: &str = "lo";
+
+/// A failed netlink operation.
+#[derive(Debug, Error)]
+#[error("{op}: {source}")]
+pub struct LinkError {
+    /// What was being done.
+    pub op: String,
+    /// The netlink error.
+    #[source]
+    pub source: rtnetlink::Error,
+}
+
+fn err(op: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> LinkError {
+    let op = op.into();
+    move |source| LinkError { op, source }
+}
+
+/// What a reconcile changed, for logs.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// The link was created.
+    pub created_link: bool,
+    /// The address was added.
+    pub added: bool,
+    /// Links the address was removed from.
+    pub removed_from: Vec<u32>,
+}
+
+/// Keeps `address` on link `name`.
+pub struct LinkManager {
+    handle: Handle,
+    name: String,
+    address: IpAddr,
+    /// The link actually used (the configured one, or the fallback).
+    effective: String,
+}
+
+impl LinkManager {
+    /// A manager using `handle` (an rtnetlink connection whose task is already running).
+    pub fn new(handle: Handle, name: &str, address: IpAddr) -> Self {
+        LinkManager {
+            handle,
+            name: name.to_owned(),
+            address,
+            effective: name.to_owned(),
+        }
+    }
+
+    /// The link the address lives on.
+    pub fn link(&self) -> &str {
+        &self.effective
+    }
+
+    async fn link_index(&self, name: &str) -> Result<Option<u32>, LinkError> {
+        let mut links = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_owned())
+            .execute();
+        match links.try_next().await {
+            Ok(Some(link)) => Ok(Some(link.header.index)),
+            Ok(None) => Ok(None),
+            // ENODEV: no such link.
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc_enodev() => Ok(None),
+            Err(e) => Err(err(format!("looking up link {name}"))(e)),
+        }
+    }
+
+    /// Finds or creates the link; falls back to `lo` when dummy links are unsupported.
+    async fn ensure_link(&mut self, changes: &mut Changes) -> Result<u32, LinkError> {
+        if let Some(index) = self.link_index(&self.effective).await? {
+            return Ok(index);
+        }
+        match self
+            .handle
+            .link()
+            .add(LinkDummy::new(&self.name).build())
+            .execute()
+            .await
+        {
+            Ok(()) => {
+                changes.created_link = true;
+                tracing::info!(link = %self.name, "created dummy link");
+                self.effective = self.name.clone();
+            }
+            Err(e) => {
+                tracing::warn!(
+                    link = %self.name,
+                    error = %e,
+                    fallback = FALLBACK_LINK,
+                    "cannot create a dummy link (no dummy driver in this kernel?); using the fallback link instead"
+                );
+                self.effective = FALLBACK_LINK.to_owned();
+            }
+        }
+        self.link_index(&self.effective)
+            .await?
+            .ok_or_else(|| LinkError {
+                op: format!("link {} missing after creation", self.effective),
+                source: rtnetlink::Error::RequestFailed,
+            })
+    }
+
+    /// Every address entry equal to ours, on any link.
+    async fn our_addresses(&self) -> Result<Vec<AddressMessage>, LinkError> {
+        let all: Vec<AddressMessage> = self
+            .handle
+            .address()
+            .get()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(err("listing addresses"))?;
+        Ok(all
+            .into_iter()
+            .filter(|m| {
+                m.attributes.iter().any(|a| matches!(a, AddressAttribute::Local(ip) | AddressAttribute::Address(ip) if *ip == self.address))
+            })
+            .collect())
+    }
+
+    fn max_prefix(&self) -> u8 {
+        if self.address.is_ipv4() { 32 } else { 128 }
+    }
+
+    /// Makes the state right; returns what changed.
+    pub async fn reconcile(&mut self) -> Result<Changes, LinkError> {
+        let mut changes = Changes::default();
+        let index = self.ensure_link(&mut changes).await?;
+        self.handle
+            .link()
+            .set(LinkUnspec::new_with_index(index).up().build())
+            .execute()
+            .await
+            .map_err(err(format!("setting link {} up", self.effective)))?;
+        let mut present = false;
+        for msg in self.our_addresses().await? {
+            let right = msg.header.index == index
+                && msg.header.prefix_len == self.max_prefix()
+                && msg.header.scope == AddressScope::Universe;
+            if right {
+                present = true;
+                continue;
+            }
+            let from = msg.header.index;
+            self.handle
+                .address()
+                .del(msg)
+                .execute()
+                .await
+                .map_err(err(format!("removing {} from link {from}", self.address)))?;
+            tracing::info!(address = %self.address, link_index = from, "removed the address from another link");
+            changes.removed_from.push(from);
+        }
+        if !present {
+            let mut req = self
+                .handle
+                .address()
+                .add(index, self.address, self.max_prefix());
+            req.message_mut().header.scope = AddressScope::Universe;
+            req.execute().await.map_err(err(format!(
+                "adding {} to {}",
+                self.address, self.effective
+            )))?;
+            tracing::info!(address = %self.address, link = %self.effective, "address added");
+            changes.added = true;
+        }
+        Ok(changes)
+    }
+
+    /// Whether the address is on the link now, as wanted.
+    pub async fn is_in_place(&self) -> Result<bool, LinkError> {
+        let Some(index) = self.link_index(&self.effective).await? else {
+            return Ok(false);
+        };
+        Ok(self
+            .our_addresses()
+            .await?
+            .iter()
+            .any(|m| m.header.index == index && m.header.scope == AddressScope::Universe))
+    }
+
+    /// Removes the address from every link that has it (`--cleanup`).
+    pub async fn remove(&self) -> Result<usize, LinkError> {
+        let mut n = 0;
+        for msg in self.our_addresses().await? {
+            let from = msg.header.index;
+            self.handle
+                .address()
+                .del(msg)
+                .execute()
+                .await
+                .map_err(err(format!("removing {} from link {from}", self.address)))?;
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
+fn libc_enodev() -> i32 {
+    rustix::io::Errno::NODEV.raw_os_error()
+}
+
+/// Opens an rtnetlink connection for requests.
+pub fn connect() -> std::io::Result<Handle> {
+    let (conn, handle, _) = rtnetlink::new_connection()?;
+    tokio::spawn(conn);
+    Ok(handle)
+}
+
+/// Opens a netlink socket subscribed to link and address changes; every message on the
+/// returned channel means "something changed, reconcile".
+pub fn subscribe() -> std::io::Result<tokio::sync::mpsc::Receiver<()>> {
+    use futures_util::StreamExt;
+    use netlink_sys::{AsyncSocket, SocketAddr};
+    use rtnetlink::constants::{RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR, RTMGRP_LINK};
+    let (mut conn, _, mut messages) = rtnetlink::new_connection()?;
+    conn.socket_mut().socket_mut().bind(&SocketAddr::new(
+        0,
+        RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR,
+    ))?;
+    tokio::spawn(conn);
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        while messages.next().await.is_some() {
+            // A full channel already holds a pending reconcile.
+            let _ = tx.try_send(());
+        }
+    });
+    Ok(rx)
+}
