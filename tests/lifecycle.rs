@@ -173,3 +173,40 @@ async fn two_thousand_connections_leave_no_descriptors_behind() {
         2000.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_admin_connections_cannot_starve_readiness_probes() {
+    let echo = echo_backend().await;
+    let gw = Gateway::start(
+        &routes_yaml(&[R {
+            name: "e",
+            sni: &["e.example.com"],
+            backends: &[echo],
+        }]),
+        "",
+    );
+    // 200 idle connections from 127.0.0.1 that never send a request.
+    let mut idle = Vec::new();
+    for _ in 0..200 {
+        if let Ok(s) = TcpStream::connect(gw.admin).await {
+            idle.push(s);
+        }
+    }
+    // A prober on another address is still answered, at once.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut probe = sock.connect(gw.admin).await.unwrap();
+    probe
+        .write_all(b"GET /ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = read_all(&mut probe, Duration::from_secs(5)).await.unwrap();
+    assert!(
+        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    // The idle ones are closed after the head deadline.
+    let closed = tokio::time::timeout(Duration::from_secs(10), idle[0].read(&mut [0u8; 1])).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+}

@@ -1,8 +1,10 @@
 //! Admin endpoint: readiness, liveness, Prometheus metrics and (gateway) the active routes.
 //!
 //! A deliberately small HTTP/1.1 server: `GET` only, one request per connection, request
-//! heads capped at [`MAX_REQUEST_BYTES`] and read under [`REQUEST_TIMEOUT`], so that a
-//! scraper or prober can never hold resources. It never touches proxied traffic.
+//! heads capped at [`MAX_REQUEST_BYTES`] and read under [`HEAD_TIMEOUT`]. Idle connections
+//! cannot starve the probes: at most [`MAX_PER_PEER`] connections per peer address and
+//! [`MAX_CONNECTIONS`] in all are held, and only the costly `/metrics` and `/routes` take one
+//! of [`MAX_EXPENSIVE`] permits. It never touches proxied traffic.
 
 pub mod metrics;
 
@@ -18,10 +20,16 @@ pub use metrics::Metrics;
 
 /// Largest admin request head.
 pub const MAX_REQUEST_BYTES: usize = 8192;
-/// Deadline for reading an admin request and writing the answer.
-pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-/// Most admin requests served at once; more are refused at accept.
-pub const MAX_CONCURRENT: usize = 64;
+/// Deadline for reading an admin request head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+/// Deadline for writing an answer.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most admin connections held at once; more are closed at accept.
+pub const MAX_CONNECTIONS: usize = 4096;
+/// Most admin connections held for one peer address.
+pub const MAX_PER_PEER: usize = 16;
+/// Most `/metrics` and `/routes` answers rendered at once.
+pub const MAX_EXPENSIVE: usize = 8;
 
 /// Produces the JSON body of `/routes`.
 pub type RoutesJson = Box<dyn Fn() -> String + Send + Sync>;
@@ -54,7 +62,10 @@ impl AdminState {
 
 /// Serves admin requests on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, state: Arc<AdminState>) {
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT));
+    let expensive = Arc::new(tokio::sync::Semaphore::new(MAX_EXPENSIVE));
+    let peers: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>> =
+        Arc::default();
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(x) => x,
@@ -64,42 +75,72 @@ pub async fn serve(listener: TcpListener, state: Arc<AdminState>) {
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            drop(stream);
-            continue;
-        };
-        let state = state.clone();
+        {
+            // Counting only: a poisoned map is still consistent.
+            let mut map = peers.lock().unwrap_or_else(|e| e.into_inner());
+            let n = map.entry(peer.ip()).or_insert(0);
+            if *n >= MAX_PER_PEER || open.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                continue;
+            }
+            *n += 1;
+            open.fetch_add(1, Ordering::SeqCst);
+        }
+        let (state, expensive, peers, open) = (
+            state.clone(),
+            expensive.clone(),
+            peers.clone(),
+            open.clone(),
+        );
         tokio::spawn(async move {
-            let _permit = permit;
-            if let Err(e) = tokio::time::timeout(REQUEST_TIMEOUT, handle(stream, &state)).await {
-                tracing::debug!(%peer, error = %e, "admin request timed out");
+            handle(stream, &state, &expensive).await;
+            open.fetch_sub(1, Ordering::SeqCst);
+            let mut map = peers.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = map.get_mut(&peer.ip()) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&peer.ip());
+                }
             }
         });
     }
 }
 
-async fn handle(mut stream: TcpStream, state: &AdminState) {
+async fn read_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
     let mut buf = Vec::with_capacity(512);
     let mut chunk = [0u8; 1024];
-    let head_end = loop {
-        if let Some(pos) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break pos;
-        }
-        if buf.len() > MAX_REQUEST_BYTES {
-            let _ = respond(&mut stream, 431, "text/plain", "request head too large\n").await;
-            return;
+    loop {
+        if buf.windows(4).any(|w| w == b"\r\n\r\n") || buf.len() > MAX_REQUEST_BYTES {
+            return Some(buf);
         }
         match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => return None,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
+    }
+}
+
+async fn handle(mut stream: TcpStream, state: &AdminState, expensive: &tokio::sync::Semaphore) {
+    let Ok(Some(buf)) = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)).await else {
+        return;
     };
-    let head = String::from_utf8_lossy(&buf[..head_end]);
+    if buf.len() > MAX_REQUEST_BYTES {
+        let _ = tokio::time::timeout(
+            WRITE_TIMEOUT,
+            respond(&mut stream, 431, "text/plain", "request head too large\n"),
+        )
+        .await;
+        return;
+    }
+    let head = String::from_utf8_lossy(&buf);
     let mut parts = head.lines().next().unwrap_or("").split(' ');
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
     if method != "GET" && method != "HEAD" {
-        let _ = respond(&mut stream, 405, "text/plain", "only GET\n").await;
+        let _ = tokio::time::timeout(
+            WRITE_TIMEOUT,
+            respond(&mut stream, 405, "text/plain", "only GET\n"),
+        )
+        .await;
         return;
     }
     let (status, ctype, body) = match path {
@@ -111,15 +152,22 @@ async fn handle(mut stream: TcpStream, state: &AdminState) {
             }
         }
         "/live" | "/healthz/live" => (200, "text/plain", "live\n".to_string()),
-        "/metrics" | "/stats/prometheus" => (
-            200,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            state.metrics.encode(),
-        ),
-        "/routes" => match &state.routes {
-            Some(f) => (200, "application/json", f()),
-            None => (404, "text/plain", "not found\n".to_string()),
-        },
+        "/metrics" | "/stats/prometheus" | "/routes" => {
+            let Ok(_permit) = expensive.acquire().await else {
+                return;
+            };
+            match path {
+                "/routes" => match &state.routes {
+                    Some(f) => (200, "application/json", f()),
+                    None => (404, "text/plain", "not found\n".to_string()),
+                },
+                _ => (
+                    200,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    state.metrics.encode(),
+                ),
+            }
+        }
         _ => (404, "text/plain", "not found\n".to_string()),
     };
     let body = if method == "HEAD" {
@@ -127,7 +175,7 @@ async fn handle(mut stream: TcpStream, state: &AdminState) {
     } else {
         body
     };
-    let _ = respond(&mut stream, status, ctype, &body).await;
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, respond(&mut stream, status, ctype, &body)).await;
 }
 
 async fn respond(

@@ -133,6 +133,10 @@ impl Errors {
     }
 }
 
+/// Longest duration accepted anywhere (one year): larger values are typos and would
+/// overflow deadline arithmetic.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// Parses a duration such as `500ms`, `5s`, `1m30s`, `1h`, `1.5s` (Go-style units
 /// `ns`, `us`, `ms`, `s`, `m`, `h`).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -161,7 +165,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             "h" => 3600.0,
             _ => return Err(err()),
         };
-        total += Duration::try_from_secs_f64(value * unit_secs).map_err(|_| err())?;
+        let part = Duration::try_from_secs_f64(value * unit_secs).map_err(|_| err())?;
+        total = total
+            .checked_add(part)
+            .filter(|t| *t <= MAX_DURATION)
+            .ok_or_else(|| format!("duration {s:?} is longer than 8760h"))?;
         rest = tail;
     }
     Ok(total)
@@ -296,7 +304,18 @@ mod tests {
         assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
-        for bad in ["", "5", "s", "5 s", "-1s", "1d", "1.2.3s"] {
+        for bad in [
+            "",
+            "5",
+            "s",
+            "5 s",
+            "-1s",
+            "1d",
+            "1.2.3s",
+            "10000000000000000000s10000000000000000000s",
+            "18000000000000000000s",
+            "8761h",
+        ] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
     }

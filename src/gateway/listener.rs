@@ -154,8 +154,11 @@ pub async fn accept_loop(
         };
         let peer = normalize(peer);
         let Some(guard) = shared.tracker.admit(limits.max_connections) else {
-            shared.metrics.outcome(&config.name, "limited");
-            tracing::debug!(listener = %config.name, %peer, "connection limit reached; closed");
+            super::access::AccessLog::new(&config.name, peer, std::time::Instant::now()).reject(
+                &shared,
+                "limited",
+                "connection limit reached",
+            );
             drop(stream);
             continue;
         };
@@ -168,7 +171,10 @@ pub async fn accept_loop(
         let (config, shared, lm) = (config.clone(), shared.clone(), lm.clone());
         tokio::spawn(async move {
             lm.active.inc();
+            let accepted_at = accepted.accepted_at;
             super::conn::serve(accepted, &config, &shared, &lm).await;
+            lm.connection_duration
+                .observe(accepted_at.elapsed().as_secs_f64());
             lm.active.dec();
         });
     }

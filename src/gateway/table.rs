@@ -61,8 +61,9 @@ pub struct Tables {
     file: PathBuf,
     registry: BackendRegistry,
     metrics: Arc<Metrics>,
-    /// Serialises reloads so generations are applied in order.
-    reload_lock: Mutex<()>,
+    /// Serialises reloads so generations are applied in order; holds the hash of the last
+    /// rejected file, so an unchanged bad file is not re-parsed and re-counted on every tick.
+    reload_lock: Mutex<Option<String>>,
 }
 
 impl Tables {
@@ -85,7 +86,7 @@ impl Tables {
             file: file.to_owned(),
             registry,
             metrics,
-            reload_lock: Mutex::new(()),
+            reload_lock: Mutex::new(None),
         })
     }
 
@@ -96,14 +97,14 @@ impl Tables {
 
     /// Re-reads the file and applies it if it changed and is valid.
     pub fn reload(&self) -> Reload {
-        // The lock guards no data, only ordering; a poisoned lock is still usable.
-        let _guard = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
-        let result = self.try_reload();
+        // A poisoned lock still holds a usable hash.
+        let mut last_rejected = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let result = self.try_reload(&mut last_rejected);
         self.metrics.reload(result.label());
         result
     }
 
-    fn try_reload(&self) -> Reload {
+    fn try_reload(&self, last_rejected: &mut Option<String>) -> Reload {
         let bytes = match crate::config::read_file(&self.file) {
             Ok(b) => b,
             Err(e) => {
@@ -112,7 +113,8 @@ impl Tables {
             }
         };
         let current = self.current.load();
-        if routes::content_hash(&bytes) == current.loaded.hash {
+        let hash = routes::content_hash(&bytes);
+        if hash == current.loaded.hash || last_rejected.as_deref() == Some(hash.as_str()) {
             return Reload::Unchanged;
         }
         match routes::parse(&self.file, &bytes, &self.registry) {
@@ -132,6 +134,7 @@ impl Tables {
             }
             Err(e) => {
                 tracing::error!(error = %e, "routing table rejected; keeping the last good table");
+                *last_rejected = Some(hash);
                 Reload::Rejected
             }
         }

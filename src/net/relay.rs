@@ -247,10 +247,19 @@ async fn pump(
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(("read", e)),
             };
-            w.write_all(&buf[..n]).await.map_err(|e| ("write", e))?;
-            total.fetch_add(n as u64, Ordering::Relaxed);
-            counter.inc_by(n as u64);
-            activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+            // Write piecewise so that a slow reader that is still taking bytes counts as
+            // activity (a whole buffer may take longer than the idle timeout to drain).
+            let mut off = 0;
+            while off < n {
+                let written = w.write(&buf[off..n]).await.map_err(|e| ("write", e))?;
+                if written == 0 {
+                    return Err(("write", io::ErrorKind::WriteZero.into()));
+                }
+                off += written;
+                total.fetch_add(written as u64, Ordering::Relaxed);
+                counter.inc_by(written as u64);
+                activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+            }
         }
     }
 }

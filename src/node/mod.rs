@@ -268,6 +268,11 @@ async fn accept_loop(
             }
         };
         let Some(guard) = tracker.admit(ctx.config.max_connections) else {
+            AccessLog::new(LISTENER, normalize(peer), Instant::now()).emit(
+                relay::Stats::default(),
+                "limited",
+                false,
+            );
             ctx.metrics.outcome(LISTENER, "limited");
             continue;
         };

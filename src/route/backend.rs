@@ -140,7 +140,15 @@ impl Drop for BackendGuard {
 /// Hands out one [`BackendState`] per address, so that state survives table reloads.
 #[derive(Debug, Default)]
 pub struct BackendRegistry {
-    states: Mutex<HashMap<BackendAddress, Weak<BackendState>>>,
+    states: Mutex<Registry>,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    map: HashMap<BackendAddress, Weak<BackendState>>,
+    /// Sweep dead entries when the map grows past this (twice its size after the last sweep),
+    /// so sweeping stays amortised O(1) per insert.
+    sweep_at: usize,
 }
 
 impl BackendRegistry {
@@ -148,15 +156,16 @@ impl BackendRegistry {
     pub fn state(&self, address: &BackendAddress) -> Arc<BackendState> {
         // A poisoned lock only means another thread panicked mid-insert; the map is still
         // consistent (insert is atomic from our point of view).
-        let mut states = self.states.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = states.get(address).and_then(Weak::upgrade) {
+        let mut reg = self.states.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = reg.map.get(address).and_then(Weak::upgrade) {
             return s;
         }
-        if states.len() > 1024 {
-            states.retain(|_, w| w.strong_count() > 0);
+        if reg.map.len() >= reg.sweep_at.max(1024) {
+            reg.map.retain(|_, w| w.strong_count() > 0);
+            reg.sweep_at = reg.map.len() * 2;
         }
         let s = Arc::new(BackendState::default());
-        states.insert(address.clone(), Arc::downgrade(&s));
+        reg.map.insert(address.clone(), Arc::downgrade(&s));
         s
     }
 }

@@ -23,8 +23,11 @@ const HANDSHAKE_CLIENT_HELLO: u8 = 1;
 const EXT_SERVER_NAME: u16 = 0;
 const EXT_ALPN: u16 = 16;
 const SNI_HOST_NAME: u8 = 0;
-/// Longest DNS name (RFC 1035) plus a trailing dot.
-const MAX_SERVER_NAME: usize = 254;
+/// Longest DNS name (RFC 1035), without the trailing dot.
+const MAX_SERVER_NAME: usize = 253;
+/// Most TLS records a ClientHello may span; real clients use one to three. The cap bounds
+/// the work of re-parsing a hello that arrives in many tiny records.
+pub const MAX_RECORDS: usize = 32;
 /// The smallest valid ClientHello body: version, random, three empty-ish vectors.
 const MIN_CLIENT_HELLO_BODY: usize = 2 + 32 + 1 + 2 + 2 + 1;
 
@@ -171,6 +174,9 @@ pub fn parse_client_hello(buf: &[u8], limit: usize) -> Result<Parsed<ClientHello
         }
         if end > buf.len() {
             return Ok(Parsed::Incomplete);
+        }
+        if fragments.len() == MAX_RECORDS {
+            return Err(Reject::Malformed("ClientHello spans too many records"));
         }
         fragments.push(available);
         collected += available.len();
@@ -329,7 +335,7 @@ fn parse_server_name(data: &[u8]) -> Result<Option<String>, Reject> {
 /// Lower-cases a DNS host name and strips one trailing dot; `None` if it is not a DNS name.
 pub fn normalize_host(name: &[u8]) -> Option<String> {
     let name = name.strip_suffix(b".").unwrap_or(name);
-    if name.is_empty() || name.len() > MAX_SERVER_NAME {
+    if name.is_empty() || name.len() > MAX_SERVER_NAME || name.ends_with(b".") {
         return None;
     }
     let valid = |b: &u8| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_');
@@ -508,13 +514,18 @@ mod tests {
     }
 
     #[test]
-    fn many_one_byte_records() {
+    fn record_count_is_capped() {
         let single = client_hello(Some("tiny.example.com"), &[], 0);
         let handshake = &single[5..];
+        let mut sizes = vec![1; MAX_RECORDS - 1];
+        sizes.push(handshake.len());
+        let fits = records(handshake, &sizes);
+        assert_eq!(complete(&fits).0.records, MAX_RECORDS);
         let many = records(handshake, &vec![1; handshake.len()]);
-        let (v, _) = complete(&many);
-        assert_eq!(v.server_name.as_deref(), Some("tiny.example.com"));
-        assert_eq!(v.records, handshake.len());
+        assert_eq!(
+            parse_client_hello(&many, LIMIT),
+            Err(Reject::Malformed("ClientHello spans too many records"))
+        );
     }
 
     #[test]
@@ -538,12 +549,11 @@ mod tests {
         let r = parse_client_hello(&hello[..9], 4096);
         assert!(matches!(r, Err(Reject::TooLarge { .. })), "{r:?}");
         assert!(complete(&hello).0.server_name.is_some());
-        // Many tiny records whose headers push past the limit.
-        let many = records(&hello[5..], &vec![1; 5000]);
-        assert!(matches!(
-            parse_client_hello(&many, 8192),
-            Err(Reject::TooLarge { .. })
-        ));
+        // Record headers push a hello that alone would fit past the limit.
+        let hs = &hello[5..];
+        let many = records(hs, &[hs.len().div_ceil(20); 20]);
+        let r = parse_client_hello(&many, hs.len() + 50);
+        assert!(matches!(r, Err(Reject::TooLarge { .. })), "{r:?}");
     }
 
     #[test]
@@ -594,6 +604,7 @@ mod tests {
         assert_eq!(normalize_host(b"A.B.c."), Some("a.b.c".into()));
         assert_eq!(normalize_host(b"."), None);
         assert_eq!(normalize_host(b"a..b"), None);
+        assert_eq!(normalize_host(b"x.example.com.."), None);
         assert_eq!(normalize_host(b""), None);
     }
 
