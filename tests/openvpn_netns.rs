@@ -8,130 +8,28 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
+use common::netns::{self, Lab};
 use common::*;
 
 const VPN_DEST: &str = "outbound|1194||vpn-seed-server.shoot--dev--alpha.svc.cluster.local";
 const VPN_DEST_1: &str = "outbound|1194||vpn-seed-server-1.shoot--dev--alpha.svc.cluster.local";
 
-/// Network namespaces, processes and files of this test; all removed on drop.
-struct Lab {
-    seed: String,
-    shoot: String,
-    children: Vec<Child>,
-    dir: TestDir,
-}
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        for ns in [&self.seed, &self.shoot] {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-            let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns}"));
-        }
-    }
-}
-
-impl Lab {
-    fn exec(&self, ns: &str, args: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", ns]).args(args);
-        c
-    }
-
-    fn sh(&self, ns: &str, args: &[&str]) -> bool {
-        self.exec(ns, args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    }
-
-    fn spawn(&mut self, ns: &str, args: &[&str], log: &Path) {
-        let log = std::fs::File::create(log).unwrap();
-        let child = self
-            .exec(ns, args)
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.children.push(child);
-    }
-
-    fn metrics(&self, admin: &str) -> String {
-        let out = self
-            .exec(
-                &self.seed,
-                &["curl", "-s", &format!("http://{admin}/metrics")],
-            )
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
-
-fn skip_reason() -> Option<String> {
-    if !rustix::process::geteuid().is_root() {
-        return Some("not root".into());
-    }
-    for tool in ["ip", "openvpn", "curl", "ping"] {
-        if Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .stdout(Stdio::null())
-            .status()
-            .map_or(true, |s| !s.success())
-        {
-            return Some(format!(
-                "{tool} is not installed (scripts/test installs it)"
-            ));
-        }
-    }
-    if !Path::new("/dev/net/tun").exists() {
-        return Some("no /dev/net/tun".into());
-    }
-    None
-}
-
 fn setup() -> Option<Lab> {
-    if let Some(reason) = skip_reason() {
+    let mut reason = netns::skip_reason(&["openvpn", "curl", "ping"]);
+    if reason.is_none() && !Path::new("/dev/net/tun").exists() {
+        reason = Some("no /dev/net/tun".into());
+    }
+    if let Some(reason) = reason {
         eprintln!("SKIP openvpn_tunnels_through_gateway_needs_root_netns: {reason}");
         return None;
     }
-    let id = std::process::id() % 100_000;
-    let lab = Lab {
-        seed: format!("trellis-seed-{id}"),
-        shoot: format!("trellis-shoot-{id}"),
-        children: Vec::new(),
-        dir: TestDir::new("ovpn"),
-    };
-    let (va, vb) = (format!("tvs{id}"), format!("tvh{id}"));
-    let ok = |c: &mut Command| c.status().is_ok_and(|s| s.success());
-    assert!(ok(Command::new("ip").args(["netns", "add", &lab.seed])));
-    assert!(ok(Command::new("ip").args(["netns", "add", &lab.shoot])));
-    assert!(ok(Command::new("ip").args([
-        "link", "add", &va, "netns", &lab.seed, "type", "veth", "peer", "name", &vb, "netns",
-        &lab.shoot
-    ])));
-    for (ns, dev, addr) in [
-        (&lab.seed, &va, "10.250.77.1/24"),
-        (&lab.shoot, &vb, "10.250.77.2/24"),
-    ] {
-        assert!(lab.sh(ns, &["ip", "link", "set", "lo", "up"]));
-        assert!(lab.sh(ns, &["ip", "addr", "add", addr, "dev", dev]));
-        assert!(lab.sh(ns, &["ip", "link", "set", dev, "up"]));
-    }
+    let lab = Lab::new(&["seed", "shoot"]);
+    lab.veth(0, "10.250.77.1/24", 1, "10.250.77.2/24");
     // The shoot resolves the seed's API name, as in Gardener (`remote api.<domain>`).
-    std::fs::create_dir_all(format!("/etc/netns/{}", lab.shoot)).unwrap();
-    std::fs::write(
-        format!("/etc/netns/{}/hosts", lab.shoot),
-        "10.250.77.1 api.alpha.example.com\n",
-    )
-    .unwrap();
+    lab.hosts(&lab.ns(1), "10.250.77.1 api.alpha.example.com\n");
     Some(lab)
 }
 
@@ -212,7 +110,7 @@ admin: {{address: \"{admin}\"}}
     .unwrap();
     let gw_log = dir.join("gateway.log");
     lab.spawn(
-        &lab.seed.clone(),
+        &lab.ns(0),
         &[
             BIN,
             "--log-format",
@@ -261,7 +159,7 @@ admin: {{address: \"{admin}\"}}
             format!("{net}.2"),
         ]);
         args.extend(openvpn_common(&key));
-        let seed = lab.seed.clone();
+        let seed = lab.ns(0);
         lab.spawn(
             &seed,
             &args.iter().map(String::as_str).collect::<Vec<_>>(),
@@ -288,7 +186,7 @@ admin: {{address: \"{admin}\"}}
         args.extend(["--ifconfig".into(), format!("{net}.2"), format!("{net}.1")]);
         args.extend(openvpn_common(&key));
         tunnels.push((format!("{net}.1"), client_log, server_log));
-        let shoot = lab.shoot.clone();
+        let shoot = lab.ns(1);
         // Give the servers and trellis a moment; the clients retry anyway.
         std::thread::sleep(Duration::from_millis(300));
         lab.spawn(
@@ -299,7 +197,8 @@ admin: {{address: \"{admin}\"}}
     }
 
     let ping =
-        |lab: &Lab, target: &str| lab.sh(&lab.shoot, &["ping", "-c", "1", "-W", "1", target]);
+        |lab: &Lab, target: &str| lab.sh(&lab.ns(1), &["ping", "-c", "1", "-W", "1", target]);
+    let metrics = |lab: &Lab| lab.http_get(&lab.ns(0), admin, "/metrics").1;
     for (target, client_log, _) in &tunnels {
         let up = wait_for(Duration::from_secs(45), || ping(&lab, target).then_some(()));
         assert!(
@@ -315,7 +214,7 @@ admin: {{address: \"{admin}\"}}
             std::fs::read_to_string(client_log).unwrap_or_default()
         );
     }
-    let m = lab.metrics(admin);
+    let m = metrics(&lab);
     assert_eq!(
         metric_in(
             &m,
@@ -344,7 +243,7 @@ admin: {{address: \"{admin}\"}}
     let applied = |n: f64| {
         wait_for(Duration::from_secs(10), || {
             (metric_in(
-                &lab.metrics(admin),
+                &metrics(&lab),
                 "trellis_routing_table_reloads_total{result=\"applied\"}",
             ) == n)
                 .then_some(())
@@ -379,7 +278,7 @@ admin: {{address: \"{admin}\"}}
             }
         }
     }
-    let m = lab.metrics(admin);
+    let m = metrics(&lab);
     assert_eq!(
         metric_in(
             &m,

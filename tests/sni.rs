@@ -93,7 +93,7 @@ async fn openssl_and_curl_reach_backends_by_sni() {
         );
         assert!(ok, "{out}");
         assert!(
-            out.contains("Verify return code: 0 (ok)"),
+            out.contains("Server certificate") && out.contains("Verify return code: 0 (ok)"),
             "openssl must verify the backend's certificate:\n{out}"
         );
         assert!(out.contains(&backend.name), "{out}");

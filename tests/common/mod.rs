@@ -2,6 +2,8 @@
 //! real peers (rustls clients and servers, plain TCP backends, openssl, curl).
 #![allow(dead_code)]
 
+pub mod netns;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream as StdTcpStream};
 use std::path::{Path, PathBuf};
