@@ -1,14 +1,17 @@
-//! Side-by-side runner: trellis, HAProxy and nginx doing the same SNI passthrough job on
-//! loopback, in one run, against the same TCP backend; prints each figure and the
-//! trellis ÷ best-peer ratio.
+//! Side-by-side runner: trellis, HAProxy and nginx doing the same jobs on loopback, in one
+//! run, against the same TCP backend; prints each figure and the trellis ÷ best-peer ratio.
 //!
 //! `cargo bench --bench side_by_side` (installs the peers with apt-get when missing).
-//! Environment: `BENCH_SECONDS` (per figure, default 3), `BENCH_PEERS` (default
-//! `haproxy,nginx`).
+//! Environment: `BENCH_SECONDS` (per figure and round, default 2), `BENCH_PEERS` (default
+//! `haproxy,nginx`), `BENCH_IDLE` (idle connections for the memory figure, default 5000),
+//! `BENCH_JOBS` (default `sni,proxy-destination,http-connect`), `BENCH_ROUNDS` (default 3),
+//! `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single thread).
 //!
-//! Backend protocol (port 7001, as the peer configs expect): the client sends a ClientHello
-//! for `api.alpha.example.com`, then one command byte: `U` = upload (the backend reads to
-//! EOF and answers the byte count as 8 bytes), `E` = echo everything.
+//! Jobs: `sni` (TLS passthrough by SNI), `proxy-destination` (routed by a PROXY v2 header's
+//! destination), `http-connect` (CONNECT relay; no peer config does this, so trellis only).
+//! Backend protocol (port 7001, as the peer configs expect): after the ClientHello record the
+//! client sends one command byte: `U` = upload (the backend reads to EOF and answers the byte
+//! count as 8 bytes), `E` = echo everything.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -22,17 +25,43 @@ use tokio::net::{TcpListener, TcpStream};
 
 const BACKEND: &str = "127.0.0.1:7001";
 const SNI: &str = "api.alpha.example.com";
-const TRELLIS_SNI: &str = "127.0.0.1:8440";
+const PP_DEST: &str = "10.0.1.10:443";
+const CONNECT_DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
 const TRELLIS_ADMIN: &str = "127.0.0.1:8449";
-const HAPROXY_SNI: &str = "127.0.0.1:8441";
-const NGINX_SNI: &str = "127.0.0.1:8442";
 const CONN_WORKERS: usize = 8;
+const STREAMS: usize = 8;
+const LATENCY_CONNS: usize = 8;
+const LATENCY_MSG: usize = 64;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Preamble {
+    None,
+    ProxyV2,
+    Connect,
+}
+
+#[derive(Clone)]
+struct Target {
+    proxy: &'static str,
+    job: &'static str,
+    addr: SocketAddr,
+    preamble: Preamble,
+}
 
 struct Proxy {
     name: &'static str,
-    addr: SocketAddr,
     child: Option<Child>,
     pidfile: Option<PathBuf>,
+}
+
+impl Proxy {
+    fn pid(&self) -> Option<u32> {
+        match (&self.child, &self.pidfile) {
+            (Some(c), _) => Some(c.id()),
+            (None, Some(p)) => std::fs::read_to_string(p).ok()?.trim().parse().ok(),
+            _ => None,
+        }
+    }
 }
 
 impl Drop for Proxy {
@@ -49,6 +78,40 @@ impl Drop for Proxy {
             let _ = std::fs::remove_file(p);
         }
     }
+}
+
+/// Resident memory of `pid` and all its descendants, in bytes.
+fn tree_rss(pid: u32) -> u64 {
+    let mut total = 0;
+    let mut pids = vec![pid];
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().nth(1))
+                .and_then(|s| s.parse::<u32>().ok());
+            if ppid == Some(pid) {
+                pids.push(p);
+            }
+        }
+    }
+    for p in pids {
+        let status = std::fs::read_to_string(format!("/proc/{p}/status")).unwrap_or_default();
+        if let Some(kb) = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|s| s.parse::<u64>().ok())
+        {
+            total += kb * 1024;
+        }
+    }
+    total
 }
 
 fn hello() -> Vec<u8> {
@@ -75,41 +138,76 @@ async fn backend() {
             if s.read_exact(&mut rec).await.is_err() {
                 return;
             }
-            match rec[len] {
-                b'U' => {
-                    let mut buf = vec![0u8; 256 * 1024];
-                    let mut total = 0u64;
-                    loop {
-                        match s.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => total += n as u64,
+            if rec[len] == b'U' {
+                let mut buf = vec![0u8; 256 * 1024];
+                let mut total = 0u64;
+                loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => total += n as u64,
+                    }
+                }
+                let _ = s.write_all(&total.to_be_bytes()).await;
+            } else {
+                let mut buf = vec![0u8; 16 * 1024];
+                loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            if s.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
                         }
                     }
-                    let _ = s.write_all(&total.to_be_bytes()).await;
-                }
-                _ => {
-                    let (mut r, mut w) = s.split();
-                    let _ = tokio::io::copy(&mut r, &mut w).await;
                 }
             }
         });
     }
 }
 
-async fn wait_port(addr: SocketAddr) -> bool {
-    for _ in 0..200 {
-        if let Ok(mut s) = TcpStream::connect(addr).await {
-            // A proxy is up when a routed round trip works.
-            let mut msg = hello();
-            msg.extend_from_slice(b"Ex");
-            if s.write_all(&msg).await.is_ok() {
-                let mut back = vec![0u8; 1];
-                if tokio::time::timeout(Duration::from_secs(1), s.read_exact(&mut back))
-                    .await
-                    .is_ok()
-                {
-                    return true;
-                }
+/// Connects through `t`, sends its preamble, the ClientHello and `cmd`.
+async fn open(t: &Target, cmd: u8) -> std::io::Result<TcpStream> {
+    let mut s = TcpStream::connect(t.addr).await?;
+    s.set_nodelay(true)?;
+    let mut msg = Vec::with_capacity(1600);
+    match t.preamble {
+        Preamble::None => {}
+        Preamble::ProxyV2 => msg.extend(trellis::wire::proxy::encode_v2(
+            s.local_addr()?,
+            PP_DEST.parse().unwrap(),
+        )),
+        Preamble::Connect => {
+            s.write_all(
+                format!(
+                    "CONNECT {SNI}:443 HTTP/1.1\r\nX-Gardener-Destination: {CONNECT_DEST}\r\n\r\n"
+                )
+                .as_bytes(),
+            )
+            .await?;
+            let expected = b"HTTP/1.1 200 Connection established\r\n\r\n";
+            let mut head = vec![0u8; expected.len()];
+            s.read_exact(&mut head).await?;
+            if head != expected {
+                return Err(std::io::Error::other("CONNECT refused"));
+            }
+        }
+    }
+    msg.extend(hello());
+    msg.push(cmd);
+    s.write_all(&msg).await?;
+    Ok(s)
+}
+
+async fn works(t: &Target) -> bool {
+    for _ in 0..100 {
+        if let Ok(Ok(mut s)) = tokio::time::timeout(Duration::from_secs(1), open(t, b'E')).await
+            && s.write_all(b"x").await.is_ok()
+        {
+            let mut b = [0u8; 1];
+            if let Ok(Ok(_)) =
+                tokio::time::timeout(Duration::from_secs(1), s.read_exact(&mut b)).await
+            {
+                return true;
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -117,48 +215,49 @@ async fn wait_port(addr: SocketAddr) -> bool {
     false
 }
 
-async fn single_stream(addr: SocketAddr, secs: f64) -> f64 {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let mut msg = hello();
-    msg.push(b'U');
-    s.write_all(&msg).await.unwrap();
-    let chunk = vec![0x5au8; 256 * 1024];
+/// Gbit/s over `streams` parallel uploads.
+async fn throughput(t: &Target, streams: usize, secs: f64) -> f64 {
     let start = Instant::now();
-    while start.elapsed().as_secs_f64() < secs {
-        s.write_all(&chunk).await.unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..streams {
+        let t = t.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut s = open(&t, b'U').await.ok()?;
+            let chunk = vec![0x5au8; 256 * 1024];
+            let start = Instant::now();
+            while start.elapsed().as_secs_f64() < secs {
+                s.write_all(&chunk).await.ok()?;
+            }
+            s.shutdown().await.ok()?;
+            let mut count = [0u8; 8];
+            s.read_exact(&mut count).await.ok()?;
+            Some(u64::from_be_bytes(count))
+        }));
     }
-    s.shutdown().await.unwrap();
-    let mut count = [0u8; 8];
-    s.read_exact(&mut count).await.unwrap();
-    let elapsed = start.elapsed().as_secs_f64();
-    u64::from_be_bytes(count) as f64 * 8.0 / elapsed / 1e9
+    let mut bytes = 0;
+    for t in tasks {
+        bytes += t.await.ok().flatten().unwrap_or(0);
+    }
+    bytes as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9
 }
 
-async fn conn_rate(addr: SocketAddr, secs: f64) -> f64 {
+/// New connections per second: connect, preamble + ClientHello, one round trip, close.
+async fn conn_rate(t: &Target, secs: f64) -> f64 {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let mut msg = hello();
-    msg.extend_from_slice(b"Ex");
-    let msg = Arc::new(msg);
     let start = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..CONN_WORKERS {
-        let (done, stop, msg) = (done.clone(), stop.clone(), msg.clone());
+        let (done, stop, t) = (done.clone(), stop.clone(), t.clone());
         workers.push(tokio::spawn(async move {
-            let mut back = vec![0u8; 1];
+            let mut back = [0u8; 1];
             while !stop.load(Ordering::Relaxed) {
-                let Ok(mut s) = TcpStream::connect(addr).await else {
+                let Ok(mut s) = open(&t, b'E').await else {
                     continue;
                 };
-                let _ = s.set_nodelay(true);
-                if s.write_all(&msg).await.is_err() {
-                    continue;
-                }
-                if s.read_exact(&mut back).await.is_ok() {
+                if s.write_all(b"x").await.is_ok() && s.read_exact(&mut back).await.is_ok() {
                     done.fetch_add(1, Ordering::Relaxed);
                 }
-                // Close with RST-free FIN from the client side.
-                drop(s);
             }
         }));
     }
@@ -169,6 +268,81 @@ async fn conn_rate(addr: SocketAddr, secs: f64) -> f64 {
         let _ = w.await;
     }
     done.load(Ordering::Relaxed) as f64 / elapsed
+}
+
+/// Request/response round-trip times on long-lived connections: (p50, p99) in µs.
+async fn latency(t: &Target, secs: f64) -> (f64, f64) {
+    let mut tasks = Vec::new();
+    for _ in 0..LATENCY_CONNS {
+        let t = t.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::new();
+            let Ok(mut s) = open(&t, b'E').await else {
+                return samples;
+            };
+            let msg = [7u8; LATENCY_MSG];
+            let mut back = [0u8; LATENCY_MSG];
+            let start = Instant::now();
+            while start.elapsed().as_secs_f64() < secs {
+                let t0 = Instant::now();
+                if s.write_all(&msg).await.is_err() || s.read_exact(&mut back).await.is_err() {
+                    break;
+                }
+                samples.push(t0.elapsed().as_nanos() as f64 / 1000.0);
+            }
+            samples
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap_or_default());
+    }
+    if all.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    all.sort_by(|a, b| a.total_cmp(b));
+    let pct = |p: f64| all[((all.len() as f64 * p) as usize).min(all.len() - 1)];
+    (pct(0.50), pct(0.99))
+}
+
+/// Bytes of proxy RSS per idle proxied connection, with `n` open.
+async fn idle_memory(t: &Target, pid: u32, n: usize) -> f64 {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = tree_rss(pid);
+    let mut conns = Vec::with_capacity(n);
+    for chunk in 0..n.div_ceil(200) {
+        let mut batch = Vec::new();
+        for _ in 0..200.min(n - chunk * 200) {
+            let t = t.clone();
+            batch.push(tokio::spawn(async move {
+                let mut s = open(&t, b'E').await.ok()?;
+                s.write_all(b"x").await.ok()?;
+                let mut b = [0u8; 1];
+                tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut b))
+                    .await
+                    .ok()?
+                    .ok()?;
+                Some(s)
+            }));
+        }
+        for b in batch {
+            if let Ok(Some(s)) = b.await {
+                conns.push(s);
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = tree_rss(pid);
+    let opened = conns.len();
+    drop(conns);
+    if opened < n {
+        eprintln!(
+            "  {}/{}: only {opened} of {n} idle connections opened",
+            t.proxy, t.job
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    after.saturating_sub(before) as f64 / opened.max(1) as f64
 }
 
 fn ensure_installed(bin: &str, packages: &[&str]) -> bool {
@@ -190,16 +364,18 @@ fn ensure_installed(bin: &str, packages: &[&str]) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-fn start_trellis(dir: &Path) -> Proxy {
+fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
     std::fs::write(
         dir.join("routes.yaml"),
-        format!("apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes:\n- name: alpha\n  sni: [{SNI}]\n  backends: [{{address: \"{BACKEND}\"}}]\n"),
+        format!(
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes:\n- name: alpha\n  sni: [{SNI}]\n  proxyDestinations: [\"{PP_DEST}\"]\n  destinations: [\"{CONNECT_DEST}\"]\n  backends: [{{address: \"{BACKEND}\"}}]\n"
+        ),
     )
     .unwrap();
     std::fs::write(
         dir.join("gateway.yaml"),
         format!(
-            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"{TRELLIS_SNI}\", protocol: sni}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\n"
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:8440\", protocol: sni}}\n- {{name: pp, address: \"127.0.0.1:8450\", protocol: proxy-destination}}\n- {{name: connect, address: \"127.0.0.1:8460\", protocol: http-connect}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: 100000}}\nworkers: {}\n", std::env::var("BENCH_TRELLIS_WORKERS").unwrap_or_else(|_| "1".into())
         ),
     )
     .unwrap();
@@ -210,35 +386,75 @@ fn start_trellis(dir: &Path) -> Proxy {
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
-    Proxy {
-        name: "trellis",
-        addr: TRELLIS_SNI.parse().unwrap(),
-        child: Some(child),
-        pidfile: None,
-    }
+    let targets = vec![
+        Target {
+            proxy: "trellis",
+            job: "sni",
+            addr: "127.0.0.1:8440".parse().unwrap(),
+            preamble: Preamble::None,
+        },
+        Target {
+            proxy: "trellis",
+            job: "proxy-destination",
+            addr: "127.0.0.1:8450".parse().unwrap(),
+            preamble: Preamble::ProxyV2,
+        },
+        Target {
+            proxy: "trellis",
+            job: "http-connect",
+            addr: "127.0.0.1:8460".parse().unwrap(),
+            preamble: Preamble::Connect,
+        },
+    ];
+    (
+        Proxy {
+            name: "trellis",
+            child: Some(child),
+            pidfile: None,
+        },
+        targets,
+    )
 }
 
-fn start_haproxy(peers: &Path) -> Option<Proxy> {
+fn start_haproxy(peers: &Path) -> Option<(Proxy, Vec<Target>)> {
     if !ensure_installed("haproxy", &["haproxy"]) {
         return None;
     }
     let pidfile = PathBuf::from("/tmp/peer-haproxy.pid");
     let ok = Command::new("haproxy")
-        .args(["-f"])
+        .arg("-f")
         .arg(peers.join("haproxy.cfg"))
         .args(["-D", "-p"])
         .arg(&pidfile)
         .status()
         .is_ok_and(|s| s.success());
-    ok.then(|| Proxy {
-        name: "haproxy",
-        addr: HAPROXY_SNI.parse().unwrap(),
-        child: None,
-        pidfile: Some(pidfile),
+    let targets = vec![
+        Target {
+            proxy: "haproxy",
+            job: "sni",
+            addr: "127.0.0.1:8441".parse().unwrap(),
+            preamble: Preamble::None,
+        },
+        Target {
+            proxy: "haproxy",
+            job: "proxy-destination",
+            addr: "127.0.0.1:8451".parse().unwrap(),
+            preamble: Preamble::ProxyV2,
+        },
+    ];
+    ok.then(|| {
+        (
+            Proxy {
+                name: "haproxy",
+                child: None,
+                pidfile: Some(pidfile),
+            },
+            targets,
+        )
     })
 }
 
-fn start_nginx(peers: &Path) -> Option<Proxy> {
+fn start_nginx(peers: &Path) -> Option<(Proxy, Vec<Target>)> {
     if !ensure_installed("nginx", &["nginx", "libnginx-mod-stream"]) {
         return None;
     }
@@ -248,16 +464,48 @@ fn start_nginx(peers: &Path) -> Option<Proxy> {
         .stderr(Stdio::null())
         .spawn()
         .ok()?;
-    Some(Proxy {
-        name: "nginx",
-        addr: NGINX_SNI.parse().unwrap(),
-        child: Some(child),
-        pidfile: None,
-    })
+    let targets = vec![
+        Target {
+            proxy: "nginx",
+            job: "sni",
+            addr: "127.0.0.1:8442".parse().unwrap(),
+            preamble: Preamble::None,
+        },
+        Target {
+            proxy: "nginx",
+            job: "proxy-destination",
+            addr: "127.0.0.1:8452".parse().unwrap(),
+            preamble: Preamble::ProxyV2,
+        },
+    ];
+    Some((
+        Proxy {
+            name: "nginx",
+            child: Some(child),
+            pidfile: None,
+        },
+        targets,
+    ))
 }
 
+/// One row of results.
+struct Row {
+    proxy: &'static str,
+    job: &'static str,
+    figures: [f64; 6],
+}
+
+const FIGURES: [(&str, bool); 6] = [
+    ("throughput, 1 stream (Gbit/s)", true),
+    ("throughput, 8 streams (Gbit/s)", true),
+    ("new connections per second", true),
+    ("latency p50 (µs)", false),
+    ("latency p99 (µs)", false),
+    ("memory per idle connection (bytes)", false),
+];
+
 fn main() {
-    // `cargo bench` passes `--bench`; a bench filter that excludes us means skip.
+    // `cargo bench` passes `--bench`; a filter that excludes us means skip.
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with("--"))
@@ -265,11 +513,13 @@ fn main() {
     if !args.is_empty() && !args.iter().any(|a| "side_by_side".contains(a.as_str())) {
         return;
     }
-    let secs: f64 = std::env::var("BENCH_SECONDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3.0);
-    let peers_wanted = std::env::var("BENCH_PEERS").unwrap_or_else(|_| "haproxy,nginx".into());
+    let _ = trellis::net::socket::raise_nofile_limit();
+    let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
+    let secs: f64 = env("BENCH_SECONDS", "2").parse().unwrap_or(2.0);
+    let rounds: usize = env("BENCH_ROUNDS", "3").parse().unwrap_or(3);
+    let idle: usize = env("BENCH_IDLE", "5000").parse().unwrap_or(5000);
+    let peers_wanted = env("BENCH_PEERS", "haproxy,nginx");
+    let jobs = env("BENCH_JOBS", "sni,proxy-destination,http-connect");
     let peers_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/peers");
     let work = std::env::temp_dir().join(format!("trellis-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work).unwrap();
@@ -279,77 +529,125 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(async {
+    let rows = rt.block_on(async {
         tokio::spawn(backend());
-        let mut proxies = vec![start_trellis(&work)];
+        type Starter<'a> = Box<dyn Fn() -> Option<(Proxy, Vec<Target>)> + 'a>;
+        let mut starters: Vec<Starter> = vec![Box::new(|| Some(start_trellis(&work)))];
         if peers_dir.exists() {
-            if peers_wanted.contains("haproxy")
-                && let Some(p) = start_haproxy(&peers_dir)
-            {
-                proxies.push(p);
+            if peers_wanted.contains("haproxy") {
+                starters.push(Box::new(|| start_haproxy(&peers_dir)));
             }
-            if peers_wanted.contains("nginx")
-                && let Some(p) = start_nginx(&peers_dir)
-            {
-                proxies.push(p);
+            if peers_wanted.contains("nginx") {
+                starters.push(Box::new(|| start_nginx(&peers_dir)));
             }
         } else {
-            eprintln!(
-                "no peer configs at {}; measuring trellis only",
-                peers_dir.display()
-            );
+            eprintln!("no peer configs at {}; measuring trellis only", peers_dir.display());
         }
-        let mut results: Vec<(&str, f64, f64)> = Vec::new();
-        for p in &proxies {
-            if !wait_port(p.addr).await {
-                eprintln!("{} did not come up on {}; skipped", p.name, p.addr);
-                continue;
+        let mut rows = Vec::new();
+        for job in jobs.split(',') {
+            // Fresh processes per job; memory first, so no figure inherits a heap another
+            // one grew. Then the other figures in interleaved rounds, reported as medians,
+            // because a 2-core machine shared by client, proxies and backend is noisy.
+            let mut running = Vec::new();
+            for start in &starters {
+                let Some((proxy, targets)) = start() else { continue };
+                let Some(t) = targets.into_iter().find(|t| t.job == job) else { continue };
+                if !works(&t).await {
+                    eprintln!("{} {} does not work on {}; skipped", t.proxy, t.job, t.addr);
+                    continue;
+                }
+                running.push((proxy, t));
             }
-            let tput = single_stream(p.addr, secs).await;
-            let rate = conn_rate(p.addr, secs).await;
-            eprintln!(
-                "{:8} single-stream {tput:6.2} Gbit/s, {rate:8.0} conn/s",
-                p.name
-            );
-            results.push((p.name, tput, rate));
+            let mut samples: Vec<[Vec<f64>; 6]> = running.iter().map(|_| Default::default()).collect();
+            for (i, (proxy, t)) in running.iter().enumerate() {
+                if let Some(pid) = proxy.pid() {
+                    samples[i][5].push(idle_memory(t, pid, idle).await);
+                }
+            }
+            for round in 0..rounds {
+                for (i, (_, t)) in running.iter().enumerate() {
+                    let one = throughput(t, 1, secs).await;
+                    let eight = throughput(t, STREAMS, secs).await;
+                    let rate = conn_rate(t, secs).await;
+                    let (p50, p99) = latency(t, secs).await;
+                    eprintln!(
+                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s  p50 {p50:6.1} µs  p99 {p99:7.1} µs",
+                        t.proxy, t.job
+                    );
+                    for (k, v) in [one, eight, rate, p50, p99].into_iter().enumerate() {
+                        samples[i][k].push(v);
+                    }
+                }
+            }
+            for (i, (proxy, t)) in running.iter().enumerate() {
+                let figures = std::array::from_fn(|k| median(&mut samples[i][k]));
+                rows.push(Row { proxy: proxy.name, job: t.job, figures });
+            }
+            drop(running);
+            tokio::time::sleep(Duration::from_millis(300)).await;
         }
-        print_table(&results, secs);
+        rows
     });
     let _ = std::fs::remove_dir_all(&work);
+    print_table(&rows, secs, rounds, idle);
 }
 
-fn print_table(results: &[(&str, f64, f64)], secs: f64) {
-    println!();
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize) {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
     println!(
-        "side-by-side, SNI passthrough, loopback, {secs} s per figure, {} cores shared by client, proxy, backend",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0)
+        "\nside-by-side on loopback: medians of {rounds} interleaved rounds of {secs} s per figure; {idle} idle connections; {cores} cores shared by client, proxies and backend"
     );
-    print!("{:32}", "figure");
-    for (name, ..) in results {
-        print!("{name:>12}");
-    }
-    println!("{:>16}", "trellis/best");
-    type Pick = fn(&(&str, f64, f64)) -> f64;
-    let figures: [(&str, Pick); 2] = [
-        ("single-stream throughput Gbit/s", |r| r.1),
-        ("new connections per second", |r| r.2),
-    ];
-    for (label, pick) in figures {
-        print!("{label:32}");
-        for r in results {
-            print!("{:>12.2}", pick(r));
-        }
-        let trellis = results.iter().find(|r| r.0 == "trellis").map(pick);
-        let best_peer = results
-            .iter()
-            .filter(|r| r.0 != "trellis")
-            .map(pick)
-            .fold(f64::NAN, f64::max);
-        match (trellis, best_peer.is_nan()) {
-            (Some(t), false) => println!("{:>15.2}x", t / best_peer),
-            _ => println!("{:>16}", "-"),
+    let mut jobs: Vec<&str> = Vec::new();
+    for r in rows {
+        if !jobs.contains(&r.job) {
+            jobs.push(r.job);
         }
     }
+    for job in jobs {
+        let in_job: Vec<&Row> = rows.iter().filter(|r| r.job == job).collect();
+        println!("\n{job}");
+        print!("{:38}", "figure");
+        for r in &in_job {
+            print!("{:>12}", r.proxy);
+        }
+        println!("{:>14}", "trellis/best");
+        for (i, (label, higher_is_better)) in FIGURES.iter().enumerate() {
+            print!("{label:38}");
+            for r in &in_job {
+                print!("{:>12.2}", r.figures[i]);
+            }
+            let trellis = in_job
+                .iter()
+                .find(|r| r.proxy == "trellis")
+                .map(|r| r.figures[i]);
+            let peers = in_job
+                .iter()
+                .filter(|r| r.proxy != "trellis")
+                .map(|r| r.figures[i])
+                .filter(|v| v.is_finite());
+            let best = if *higher_is_better {
+                peers.fold(f64::NAN, f64::max)
+            } else {
+                peers.fold(f64::NAN, f64::min)
+            };
+            match trellis {
+                Some(t) if best.is_finite() => println!("{:>13.2}x", t / best),
+                _ => println!("{:>14}", "-"),
+            }
+        }
+    }
+    println!(
+        "\nratios: for throughput and connections higher is better; for latency and memory lower is better"
+    );
 }

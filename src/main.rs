@@ -92,9 +92,10 @@ fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
         Ok(n) => tracing::debug!(nofile = n, "open files limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open files limit"),
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    // The control plane (signals, admin, table reloads) runs here; connections run on the
+    // gateway's own worker threads.
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .thread_name("trellis")
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(trellis::gateway::run(config))?;

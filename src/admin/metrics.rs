@@ -120,6 +120,8 @@ pub struct Metrics {
     pub table_reloads: Family<ResultLabel, Counter>,
     /// `trellis_half_closed_connections`.
     pub half_closed: Gauge,
+    /// Per-route handles by route name, so a connection resolves them with one lookup.
+    route_cache: std::sync::RwLock<std::collections::HashMap<String, std::sync::Arc<RouteMetrics>>>,
 }
 
 /// Per-route handles, resolved once per connection.
@@ -150,6 +152,8 @@ pub struct ListenerMetrics {
     pub client_hello_bytes: Histogram,
     /// Connection lifetimes.
     pub connection_duration: Histogram,
+    /// `trellis_downstream_connections_total{outcome="routed"}` of this listener.
+    pub routed: Counter,
 }
 
 impl Default for Metrics {
@@ -178,6 +182,7 @@ impl Metrics {
             table_reloads: Family::default(),
             half_closed: Gauge::default(),
             registry: Registry::default(),
+            route_cache: Default::default(),
         };
         let r = &mut registry;
         r.register(
@@ -290,8 +295,23 @@ impl Metrics {
             .inc();
     }
 
-    /// Handles for one route.
-    pub fn route(&self, route: &str) -> RouteMetrics {
+    /// Handles for one route (cached: one map lookup per connection).
+    pub fn route(&self, route: &str) -> std::sync::Arc<RouteMetrics> {
+        // A poisoned cache is still a valid cache.
+        if let Some(m) = self
+            .route_cache
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(route)
+        {
+            return m.clone();
+        }
+        let m = std::sync::Arc::new(self.route_uncached(route));
+        let mut cache = self.route_cache.write().unwrap_or_else(|e| e.into_inner());
+        cache.entry(route.to_owned()).or_insert(m).clone()
+    }
+
+    fn route_uncached(&self, route: &str) -> RouteMetrics {
         let label = RouteLabel {
             route: route.to_owned(),
         };
@@ -319,6 +339,10 @@ impl Metrics {
             active: self.downstream_active.get_or_create_owned(&label),
             client_hello_bytes: self.client_hello_bytes.get_or_create_owned(&label),
             connection_duration: self.connection_duration.get_or_create_owned(&label),
+            routed: self.downstream_total.get_or_create_owned(&OutcomeLabels {
+                listener: listener.to_owned(),
+                outcome: "routed",
+            }),
         }
     }
 

@@ -47,6 +47,10 @@ pub struct RawGateway {
     /// Access log settings.
     #[serde(default)]
     pub access_log: RawAccessLog,
+    /// Worker threads, each with its own event loop and `SO_REUSEPORT` sockets (default 0 =
+    /// one per CPU).
+    #[serde(default)]
+    pub workers: Option<u64>,
 }
 
 /// Where the routing table is read from.
@@ -285,6 +289,8 @@ pub struct GatewayConfig {
     pub limits: Limits,
     /// Periodic access log interval.
     pub access_log_interval: Option<Duration>,
+    /// Worker threads (at least 1).
+    pub workers: usize,
 }
 
 /// Reads and validates a gateway configuration file.
@@ -504,6 +510,12 @@ fn validate(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig 
         .as_deref()
         .and_then(|v| super::routes::positive(errors, "routes.checkInterval", v))
         .unwrap_or(Duration::from_secs(10));
+    let workers = match bounded(errors, "workers", raw.workers, 0, 0..=256) {
+        0 => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        n => n,
+    };
     let routes_file = PathBuf::from(&raw.routes.file);
     let routes_file = if routes_file.is_relative() {
         file.parent().unwrap_or(Path::new(".")).join(routes_file)
@@ -521,6 +533,7 @@ fn validate(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig 
         keepalive_upstream,
         limits,
         access_log_interval,
+        workers,
     }
 }
 

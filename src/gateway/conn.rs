@@ -102,13 +102,14 @@ impl Conn {
     /// them before the socket closes (closing with unread input would send a reset).
     pub async fn reject_with(&mut self, bytes: &[u8]) {
         let stream = &mut self.stream;
-        let _ = tokio::time::timeout(REJECT_LINGER, async {
+        // Boxed: this rarely taken path must not enlarge every connection's task.
+        let _ = Box::pin(tokio::time::timeout(REJECT_LINGER, async {
             stream.write_all(bytes).await?;
             stream.shutdown().await?;
-            let mut sink = [0u8; 1024];
+            let mut sink = vec![0u8; 1024];
             while stream.read(&mut sink).await? > 0 {}
             Ok::<_, std::io::Error>(())
-        })
+        }))
         .await;
     }
 }
@@ -122,17 +123,20 @@ pub async fn serve(acc: Accepted, config: &ListenerConfig, shared: &Shared, lm: 
         accepted_at,
     } = acc;
     let deadline = Instant::from_std(accepted_at) + shared.config.timeouts.handshake;
-    let mut conn = Conn {
+    // Boxed: the connection state crosses three async layers as one pointer instead of
+    // being copied into each layer's future.
+    let mut conn = Box::new(Conn {
         stream,
         buf: Vec::new(),
         deadline,
         log: AccessLog::new(&config.name, peer, accepted_at),
         guard,
-    };
+    });
 
     let mode = config.proxy_protocol.mode_for(peer.ip());
     if mode != ProxyMode::Off {
-        match load_balancer_header(&mut conn, mode, shared).await {
+        // Boxed, like every pre-routing stage: the task keeps only what the relay needs.
+        match Box::pin(load_balancer_header(&mut conn, mode, shared)).await {
             Ok(Some(info)) => {
                 shared
                     .metrics

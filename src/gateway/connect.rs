@@ -13,37 +13,35 @@ use crate::wire::http;
 
 /// Handles one `http-connect` connection from its request head to close.
 pub async fn handle(
-    mut conn: Conn,
+    mut conn: Box<Conn>,
     config: &ListenerConfig,
     shared: &Shared,
     lm: &ListenerMetrics,
 ) {
     let max = shared.config.limits.max_header_bytes;
-    let (head, consumed) = match conn
-        .read_until(max, |b| http::parse_request_head(b, max))
-        .await
-    {
-        Ok(x) => x,
-        Err(ReadError::Closed { bytes }) => {
-            return conn.log.reject(
-                shared,
-                "closed_early",
-                &format!("client closed after {bytes} bytes"),
-            );
-        }
-        Err(ReadError::Timeout) => {
-            conn.reject_with(&http::response(408, "no request head in time"))
-                .await;
-            return conn
-                .log
-                .reject(shared, "timeout", "no request head in time");
-        }
-        Err(ReadError::Reject(r)) => {
-            conn.reject_with(&http::response(r.status(), &r.to_string()))
-                .await;
-            return conn.log.reject(shared, "bad_request", &r.to_string());
-        }
-    };
+    let (head, consumed) =
+        match Box::pin(conn.read_until(max, |b| http::parse_request_head(b, max))).await {
+            Ok(x) => x,
+            Err(ReadError::Closed { bytes }) => {
+                return conn.log.reject(
+                    shared,
+                    "closed_early",
+                    &format!("client closed after {bytes} bytes"),
+                );
+            }
+            Err(ReadError::Timeout) => {
+                conn.reject_with(&http::response(408, "no request head in time"))
+                    .await;
+                return conn
+                    .log
+                    .reject(shared, "timeout", "no request head in time");
+            }
+            Err(ReadError::Reject(r)) => {
+                conn.reject_with(&http::response(r.status(), &r.to_string()))
+                    .await;
+                return conn.log.reject(shared, "bad_request", &r.to_string());
+            }
+        };
     conn.consume(consumed);
     if head.method != "CONNECT" {
         conn.reject_with(&http::response(405, "only CONNECT is supported"))

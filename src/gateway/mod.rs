@@ -24,7 +24,7 @@ use tokio::sync::{mpsc, watch};
 use crate::admin::metrics::ListenerMetrics;
 use crate::admin::{self, AdminState, Metrics};
 use crate::config::ConfigError;
-use crate::config::gateway::GatewayConfig;
+use crate::config::gateway::{GatewayConfig, ListenerConfig};
 use crate::net::{relay, socket, upstream};
 use crate::route::Route;
 use crate::wire::http;
@@ -79,17 +79,30 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let mut sigint = signal(SignalKind::interrupt()).map_err(GatewayError::Signals)?;
     let mut sighup = signal(SignalKind::hangup()).map_err(GatewayError::Signals)?;
 
-    // Bind everything before serving anything.
-    let mut bound = Vec::new();
+    // Bind everything before serving anything: one SO_REUSEPORT socket per listener and
+    // worker, so each worker thread accepts and serves its own connections.
+    let workers = config.workers.max(1);
+    let mut per_worker: Vec<Vec<(Arc<ListenerConfig>, std::net::TcpListener)>> =
+        (0..workers).map(|_| Vec::new()).collect();
     for l in &config.listeners {
-        let sock = socket::bind_tcp(l.address, socket::LISTEN_BACKLOG).map_err(|source| {
-            GatewayError::Bind {
-                what: format!("listener {}", l.name),
-                address: l.address,
-                source,
-            }
-        })?;
-        bound.push((Arc::new(l.clone()), sock));
+        let l = Arc::new(l.clone());
+        let mut address = l.address;
+        for sockets in per_worker.iter_mut() {
+            let keepalive = (
+                config.keepalive_downstream.idle,
+                config.keepalive_downstream.interval,
+            );
+            let sock =
+                socket::bind_std_with(address, socket::LISTEN_BACKLOG, true, Some(keepalive))
+                    .map_err(|source| GatewayError::Bind {
+                        what: format!("listener {}", l.name),
+                        address: l.address,
+                        source,
+                    })?;
+            // Port 0: every worker must share the port the first socket got.
+            address = sock.local_addr().unwrap_or(address);
+            sockets.push((l.clone(), sock));
+        }
     }
     let admin_sock = admin::bind(config.admin)
         .await
@@ -119,16 +132,20 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         tracker: Arc::new(Tracker::default()),
         hard_stop: hard_rx,
     });
-    let mut accept_tasks = Vec::new();
-    for (l, sock) in bound {
-        let addr = sock.local_addr().ok();
-        tracing::info!(listener = %l.name, address = ?addr, protocol = ?l.protocol, "listening");
-        accept_tasks.push(tokio::spawn(listener::accept_loop(
-            sock,
-            l,
-            shared.clone(),
-            stop_rx.clone(),
-        )));
+    let (exit_tx, exit_rx) = watch::channel(false);
+    let mut threads = Vec::new();
+    for (i, sockets) in per_worker.into_iter().enumerate() {
+        if i == 0 {
+            for (l, sock) in &sockets {
+                tracing::info!(listener = %l.name, address = ?sock.local_addr().ok(), protocol = ?l.protocol, workers, "listening");
+            }
+        }
+        let (shared, stop_rx, exit_rx) = (shared.clone(), stop_rx.clone(), exit_rx.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("trellis-w{i}"))
+            .spawn(move || worker(sockets, shared, stop_rx, exit_rx))
+            .map_err(GatewayError::Signals)?;
+        threads.push(thread);
     }
     admin_state.set_ready(true);
     tracing::info!(admin = %shared.config.admin, generation = tables.snapshot().generation, "gateway ready");
@@ -144,9 +161,6 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     // Drain: fail readiness, close listeners, let connections finish until the deadline.
     admin_state.set_ready(false);
     let _ = stop_tx.send(true);
-    for t in accept_tasks {
-        let _ = t.await;
-    }
     let active = shared.tracker.active();
     tracing::info!(active, timeout = ?drain_timeout, "listeners closed; waiting for connections");
     if tokio::time::timeout(drain_timeout, shared.tracker.wait_idle())
@@ -160,10 +174,58 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         let _ = hard_tx.send(true);
         let _ = tokio::time::timeout(HARD_STOP_GRACE, shared.tracker.wait_idle()).await;
     }
+    let _ = exit_tx.send(true);
+    let _ = tokio::task::spawn_blocking(move || {
+        for t in threads {
+            let _ = t.join();
+        }
+    })
+    .await;
     watch_task.abort();
     admin_task.abort();
     tracing::info!("gateway stopped");
     Ok(())
+}
+
+/// One worker thread: a single-threaded event loop that accepts on its own sockets and runs
+/// every connection it accepted to the end. A connection never changes threads.
+fn worker(
+    sockets: Vec<(Arc<ListenerConfig>, std::net::TcpListener)>,
+    shared: Arc<Shared>,
+    stop: watch::Receiver<bool>,
+    mut exit: watch::Receiver<bool>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start a worker event loop");
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let mut loops = Vec::new();
+        for (l, sock) in sockets {
+            match tokio::net::TcpListener::from_std(sock) {
+                Ok(sock) => loops.push(tokio::spawn(listener::accept_loop(
+                    sock,
+                    l,
+                    shared.clone(),
+                    stop.clone(),
+                ))),
+                Err(e) => {
+                    tracing::error!(listener = %l.name, error = %e, "cannot register a listener")
+                }
+            }
+        }
+        for l in loops {
+            let _ = l.await;
+        }
+        // Listeners are closed; connections on this thread finish before the loop stops.
+        let _ = exit.wait_for(|e| *e).await;
+    });
 }
 
 /// What the client is told once the backend connect is decided.
@@ -178,7 +240,7 @@ pub enum Reply {
 /// Connects `route`'s backend, replays the bytes buffered in `conn`, relays until the end,
 /// and logs: the path every routed connection takes after its protocol chose a route.
 pub async fn forward(
-    mut conn: Conn,
+    mut conn: Box<Conn>,
     route: &Arc<Route>,
     reply: Reply,
     shared: &Shared,
@@ -197,9 +259,12 @@ pub async fn forward(
     );
 
     let budget = route.timeouts.connect.unwrap_or(cfg.timeouts.connect);
-    let connected = upstream::connect(route, cfg.zone.as_deref(), budget, |reason| {
-        shared.metrics.connect_failure(&route.name, reason)
-    })
+    let connected = Box::pin(upstream::connect(
+        route,
+        cfg.zone.as_deref(),
+        budget,
+        |reason| shared.metrics.connect_failure(&route.name, reason),
+    ))
     .await;
     let (end, stats) = match connected {
         Err(e) => {
@@ -252,10 +317,13 @@ pub async fn forward(
                     };
                     let log = &conn.log;
                     let progress = |s: relay::Stats| log.emit(s, "open", true);
+                    // The replay buffer is written first and then freed: an idle connection
+                    // keeps no ClientHello or request head around.
+                    let initial = std::mem::take(&mut conn.buf);
                     let (end, stats) = relay::relay(
                         &mut conn.stream,
                         &mut up.stream,
-                        &conn.buf,
+                        initial,
                         limits,
                         counters,
                         &progress,

@@ -12,13 +12,14 @@ use crate::wire::proxy;
 
 /// Handles one `proxy-destination` connection from its PROXY header to close.
 pub async fn handle(
-    mut conn: Conn,
+    mut conn: Box<Conn>,
     config: &ListenerConfig,
     shared: &Shared,
     lm: &ListenerMetrics,
 ) {
     let limit = shared.config.limits.max_header_bytes;
-    let (info, consumed) = match conn.read_until(limit, |b| proxy::parse(b, limit)).await {
+    let (info, consumed) = match Box::pin(conn.read_until(limit, |b| proxy::parse(b, limit))).await
+    {
         Ok(x) => x,
         Err(e) => {
             let (outcome, result, detail) = proxy_stage_error(e);

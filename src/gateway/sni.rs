@@ -12,16 +12,13 @@ use crate::wire::tls::{self, Reject};
 
 /// Handles one `sni` connection from routing to close.
 pub async fn handle(
-    mut conn: Conn,
+    mut conn: Box<Conn>,
     config: &ListenerConfig,
     shared: &Shared,
     lm: &ListenerMetrics,
 ) {
     let max = shared.config.limits.max_client_hello_bytes;
-    let hello = match conn
-        .read_until(max, |b| tls::parse_client_hello(b, max))
-        .await
-    {
+    let hello = match Box::pin(conn.read_until(max, |b| tls::parse_client_hello(b, max))).await {
         Ok((hello, consumed)) => {
             lm.client_hello_bytes.observe(consumed as f64);
             hello
@@ -47,14 +44,15 @@ pub async fn handle(
                 .reject(shared, "timeout", "no complete ClientHello in time");
         }
     };
-    conn.log.target = hello.server_name.clone();
+    let record_version = hello.record_version;
+    conn.log.target = hello.server_name;
 
     // One snapshot for the whole connection.
     let route = {
         let snapshot = shared.tables.snapshot();
         let table = snapshot.table();
-        hello
-            .server_name
+        conn.log
+            .target
             .as_deref()
             .and_then(|name| table.by_sni(name))
             .or_else(|| {
@@ -66,7 +64,7 @@ pub async fn handle(
             .cloned()
     };
     let Some(route) = route else {
-        conn.reject_with(&tls::unrecognized_name_alert(hello.record_version))
+        conn.reject_with(&tls::unrecognized_name_alert(record_version))
             .await;
         return conn
             .log

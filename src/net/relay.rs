@@ -114,7 +114,7 @@ fn side_error(side: &'static str, e: &io::Error) -> End {
 pub async fn relay(
     client: &mut TcpStream,
     backend: &mut TcpStream,
-    initial: &[u8],
+    initial: Vec<u8>,
     limits: Limits,
     counters: Counters<'_>,
     progress: &(dyn Fn(Stats) + Sync),
@@ -130,12 +130,13 @@ pub async fn relay(
     };
 
     if !initial.is_empty() {
-        if let Err(e) = backend.write_all(initial).await {
+        if let Err(e) = backend.write_all(&initial).await {
             return (side_error("backend", &e), stats());
         }
         rx.fetch_add(initial.len() as u64, Ordering::Relaxed);
         counters.rx.inc_by(initial.len() as u64);
     }
+    drop(initial);
 
     let (mut cr, mut cw) = client.split();
     let (mut br, mut bw) = backend.split();
@@ -143,18 +144,24 @@ pub async fn relay(
     let down = pump(&mut br, &mut cw, counters.tx, &tx, &activity, start);
     tokio::pin!(up, down);
 
+    // One timer for every bound: it fires at the earliest of the idle, lifetime, half-close
+    // and progress deadlines, and the loop works out which one it was.
     let tokio_start = tokio::time::Instant::from_std(start);
-    let far_future = tokio_start + Duration::from_secs(86400 * 365 * 30);
-    let max_at = limits
-        .max_duration
-        .map(|d| tokio_start + d)
-        .unwrap_or(far_future);
-    let max_sleep = sleep_until(max_at);
-    let idle_sleep = sleep_until(tokio_start + limits.idle);
-    let half_sleep = sleep_until(far_future);
-    let progress_every = limits.progress.unwrap_or(Duration::from_secs(86400 * 365));
-    let progress_sleep = sleep_until(tokio_start + progress_every);
-    tokio::pin!(max_sleep, idle_sleep, half_sleep, progress_sleep);
+    let max_at = limits.max_duration.map(|d| tokio_start + d);
+    let mut half_at: Option<tokio::time::Instant> = None;
+    let mut progress_at = limits.progress.map(|p| tokio_start + p);
+    let idle_at =
+        || tokio_start + Duration::from_millis(activity.load(Ordering::Relaxed)) + limits.idle;
+    let next = |half_at: Option<tokio::time::Instant>,
+                progress_at: Option<tokio::time::Instant>,
+                idle: tokio::time::Instant| {
+        [max_at, half_at, progress_at]
+            .into_iter()
+            .flatten()
+            .fold(idle, std::cmp::min)
+    };
+    let timer = sleep_until(next(half_at, progress_at, idle_at()));
+    tokio::pin!(timer);
 
     let mut up_done = false;
     let mut down_done = false;
@@ -172,22 +179,26 @@ pub async fn relay(
                 if let Err((side, e)) = r { break side_error(side, &e); }
                 first.get_or_insert(End::BackendClosed);
             }
-            _ = &mut idle_sleep => {
-                let last = Duration::from_millis(activity.load(Ordering::Relaxed));
-                let idle_until = tokio_start + last + limits.idle;
-                if idle_until <= tokio::time::Instant::now() {
+            _ = &mut timer => {
+                let now = tokio::time::Instant::now();
+                if max_at.is_some_and(|t| t <= now) {
+                    break End::MaxDuration;
+                }
+                if half_at.is_some_and(|t| t <= now) {
+                    break first.clone().unwrap_or(End::ClientClosed);
+                }
+                if idle_at() <= now {
                     break End::IdleTimeout;
                 }
-                idle_sleep.as_mut().reset(idle_until);
+                if let (Some(t), Some(every)) = (progress_at, limits.progress)
+                    && t <= now
+                {
+                    progress(stats());
+                    progress_at = Some(now + every);
+                }
+                timer.as_mut().reset(next(half_at, progress_at, idle_at()));
                 continue;
             }
-            _ = &mut max_sleep => break End::MaxDuration,
-            _ = &mut progress_sleep, if limits.progress.is_some() => {
-                progress(stats());
-                progress_sleep.as_mut().reset(tokio::time::Instant::now() + progress_every);
-                continue;
-            }
-            _ = &mut half_sleep => break first.clone().unwrap_or(End::ClientClosed),
             r = drain.changed() => {
                 if r.is_err() || *drain.borrow() {
                     break End::Drain;
@@ -201,9 +212,8 @@ pub async fn relay(
         if !half_gauge {
             half_gauge = true;
             counters.half_closed.inc();
-            half_sleep
-                .as_mut()
-                .reset(tokio::time::Instant::now() + limits.half_close);
+            half_at = Some(tokio::time::Instant::now() + limits.half_close);
+            timer.as_mut().reset(next(half_at, progress_at, idle_at()));
         }
     };
     if half_gauge {
@@ -234,32 +244,96 @@ async fn pump(
         } else {
             SMALL_BUF
         };
-        let mut buf = vec![0u8; size];
-        loop {
-            let n = match src.try_read(&mut buf) {
-                Ok(0) => {
-                    // End of stream: forward the half-close.
-                    let _ = w.shutdown().await;
-                    return Ok(());
-                }
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(("read", e)),
-            };
-            // Write piecewise so that a slow reader that is still taking bytes counts as
-            // activity (a whole buffer may take longer than the idle timeout to drain).
-            let mut off = 0;
-            while off < n {
-                let written = w.write(&buf[off..n]).await.map_err(|e| ("write", e))?;
-                if written == 0 {
-                    return Err(("write", io::ErrorKind::WriteZero.into()));
-                }
-                off += written;
-                total.fetch_add(written as u64, Ordering::Relaxed);
-                counter.inc_by(written as u64);
-                activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        let mut buf = pool::take(size);
+        // Boxed: the copy state exists only while bytes move, so an idle connection's task
+        // does not carry it.
+        let result = Box::pin(copy_ready(
+            src, w, &mut buf, counter, total, activity, start,
+        ))
+        .await;
+        pool::give(buf);
+        match result {
+            Ok(true) => {
+                // End of stream: forward the half-close.
+                let _ = w.shutdown().await;
+                return Ok(());
             }
+            Ok(false) => {}
+            Err(e) => return Err(e),
         }
+    }
+}
+
+/// Copies what `src` has ready (until it would block); `Ok(true)` at end of stream.
+async fn copy_ready(
+    src: &TcpStream,
+    w: &mut WriteHalf<'_>,
+    buf: &mut Vec<u8>,
+    counter: &Counter,
+    total: &AtomicU64,
+    activity: &AtomicU64,
+    start: Instant,
+) -> Result<bool, (&'static str, io::Error)> {
+    loop {
+        buf.clear();
+        let n = match src.try_read_buf(buf) {
+            Ok(0) => return Ok(true),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(("read", e)),
+        };
+        // Write piecewise so that a slow reader that is still taking bytes counts as
+        // activity (a whole buffer may take longer than the idle timeout to drain).
+        let mut off = 0;
+        while off < n {
+            let written = w.write(&buf[off..n]).await.map_err(|e| ("write", e))?;
+            if written == 0 {
+                return Err(("write", io::ErrorKind::WriteZero.into()));
+            }
+            off += written;
+            total.fetch_add(written as u64, Ordering::Relaxed);
+            counter.inc_by(written as u64);
+            activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        }
+        if n < buf.capacity() {
+            // Short read: the socket is most likely drained; wait for readiness again.
+            return Ok(false);
+        }
+    }
+}
+
+/// Per-thread free lists of relay buffers: buffers follow traffic, and a buffer released by
+/// one connection is reused by the next without a trip through the allocator.
+mod pool {
+    use std::cell::RefCell;
+
+    /// Buffers kept per size class and thread.
+    const KEEP: usize = 64;
+
+    thread_local! {
+        static FREE: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// A buffer with at least `size` bytes of capacity and no contents.
+    pub fn take(size: usize) -> Vec<u8> {
+        FREE.with(|f| {
+            let mut f = f.borrow_mut();
+            match f.iter().position(|b| b.capacity() == size) {
+                Some(i) => f.swap_remove(i),
+                None => Vec::with_capacity(size),
+            }
+        })
+    }
+
+    /// Returns a buffer for reuse.
+    pub fn give(mut buf: Vec<u8>) {
+        buf.clear();
+        FREE.with(|f| {
+            let mut f = f.borrow_mut();
+            if f.len() < KEEP {
+                f.push(buf);
+            }
+        })
     }
 }

@@ -159,7 +159,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     let (hard_tx, hard_rx) = watch::channel(false);
     let tracker = Arc::new(Tracker::default());
     let lm = Arc::new(metrics.listener(LISTENER));
-    let rm = Arc::new(metrics.route(ROUTE));
+    let rm = metrics.route(ROUTE);
     let mut accept_tasks = Vec::new();
     for l in listeners {
         tracing::info!(address = ?l.local_addr().ok(), "listening");
@@ -456,7 +456,7 @@ async fn handle(mut client: TcpStream, peer: SocketAddr, ctx: &Ctx) {
             );
         }
     };
-    ctx.metrics.outcome(LISTENER, "routed");
+    ctx.lm.routed.inc();
     ctx.rm.total.inc();
     ctx.rm.active.inc();
     ctx.rm
@@ -485,7 +485,7 @@ async fn handle(mut client: TcpStream, peer: SocketAddr, ctx: &Ctx) {
         relay::relay(
             &mut client,
             &mut up,
-            &[],
+            Vec::new(),
             limits,
             counters,
             &|_| {},
