@@ -211,8 +211,13 @@ fn invalid(file: &Path, path: &str, message: impl fmt::Display) -> ConfigError {
 fn parse_document(file: &Path, bytes: &[u8]) -> Result<serde_json::Value, ConfigError> {
     let text =
         std::str::from_utf8(bytes).map_err(|e| invalid(file, "", format!("not UTF-8: {e}")))?;
-    let doc: serde_json::Value =
-        serde_saphyr::from_str(text).map_err(|e| invalid(file, "", format!("YAML: {e}")))?;
+    // JSON is YAML too, and a JSON parser is several times faster on the large tables a
+    // controller writes; hand-written YAML takes the YAML parser.
+    let doc: serde_json::Value = if text.trim_start().starts_with('{') {
+        serde_json::from_str(text).map_err(|e| invalid(file, "", format!("JSON: {e}")))?
+    } else {
+        serde_saphyr::from_str(text).map_err(|e| invalid(file, "", format!("YAML: {e}")))?
+    };
     if !doc.is_object() {
         return Err(invalid(
             file,
@@ -297,6 +302,19 @@ pub(crate) fn at(base: &str, field: impl fmt::Display) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_and_yaml_documents_are_the_same() {
+        let yaml = b"apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes: []\n";
+        let json = br#"{"apiVersion": "trellis.gardener.cloud/v1alpha1", "kind": "RoutingTable", "routes": []}"#;
+        let f = Path::new("x");
+        assert_eq!(
+            parse_document(f, yaml).unwrap(),
+            parse_document(f, json).unwrap()
+        );
+        let err = parse_document(f, br#"{"kind": "#).unwrap_err().to_string();
+        assert!(err.contains("x: JSON:"), "{err}");
+    }
 
     #[test]
     fn durations() {

@@ -75,6 +75,7 @@ pub struct Shared {
 pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let metrics = Arc::new(Metrics::new());
     let tables = Arc::new(Tables::load(&config.routes_file, metrics.clone())?);
+    table::release_free_memory();
     let mut sigterm = signal(SignalKind::terminate()).map_err(GatewayError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(GatewayError::Signals)?;
     let mut sighup = signal(SignalKind::hangup()).map_err(GatewayError::Signals)?;
@@ -247,16 +248,12 @@ pub async fn forward(
     lm: &ListenerMetrics,
 ) {
     let cfg = &shared.config;
-    shared.metrics.outcome(&conn.log.listener, "routed");
+    lm.routed.inc();
     conn.log.route = Some(route.name.clone());
     let rm = shared.metrics.route(&route.name);
     rm.total.inc();
     rm.active.inc();
-    socket::tune(
-        &conn.stream,
-        cfg.keepalive_downstream.idle,
-        cfg.keepalive_downstream.interval,
-    );
+    // Downstream keepalive and nodelay are inherited from the listening socket.
 
     let budget = route.timeouts.connect.unwrap_or(cfg.timeouts.connect);
     let connected = Box::pin(upstream::connect(

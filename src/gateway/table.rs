@@ -191,9 +191,12 @@ impl Tables {
                 Some(()) = hup.recv() => tracing::info!("SIGHUP: re-reading the routing table"),
                 _ = tick.tick() => {}
             }
-            let this = self.clone();
-            // Parsing a large table is CPU work; keep it off the reactor threads.
-            let _ = tokio::task::spawn_blocking(move || this.reload()).await;
+            // This runs on the control-plane thread, not on a connection worker, so parsing a
+            // large table here delays no traffic; staying on one thread also keeps glibc from
+            // growing a new heap arena per reload thread.
+            if self.reload() == Reload::Applied {
+                release_free_memory();
+            }
         }
     }
 
@@ -217,5 +220,14 @@ impl Tables {
             })?;
         watcher.watch(&self.dir(), RecursiveMode::NonRecursive)?;
         Ok(watcher)
+    }
+}
+
+/// Returns heap memory freed by the previous table (and by parsing) to the operating system.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks and shrinks glibc's own heaps; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }

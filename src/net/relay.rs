@@ -1,8 +1,9 @@
 //! The duplex copy loop between a client and a backend.
 //!
 //! Each direction waits for readability without holding a buffer, reads into a buffer that
-//! is only allocated while data is in flight (and sized by how much the direction has
-//! carried), writes everything on, and counts the bytes. End of stream in one direction is
+//! is only held while data is in flight (pooled per thread, sized by how much the direction
+//! has carried), writes everything on, and counts the bytes. A direction that has carried
+//! a bulk amount switches to `splice(2)` through a pipe, so its bytes never enter user space. End of stream in one direction is
 //! forwarded as a TCP half-close (`shutdown(SHUT_WR)`) and the other direction may continue
 //! for at most `half_close`. The loop also ends on idle timeout, maximum lifetime, or a drain
 //! signal. It never parses the bytes.
@@ -27,6 +28,10 @@ const MEDIUM_BUF: usize = 16 * 1024;
 const LARGE_BUF: usize = 64 * 1024;
 const GROW_AFTER: u64 = 128 * 1024;
 const BULK_AFTER: u64 = 4 * 1024 * 1024;
+/// A direction that has carried this much is a bulk flow: it switches to `splice(2)`.
+const SPLICE_AFTER: u64 = 1024 * 1024;
+/// Most bytes moved by one splice call.
+const SPLICE_CHUNK: usize = 1024 * 1024;
 
 /// Bounds of one relayed connection.
 #[derive(Debug, Clone, Copy)]
@@ -120,6 +125,9 @@ pub async fn relay(
     progress: &(dyn Fn(Stats) + Sync),
     mut drain: watch::Receiver<bool>,
 ) -> (End, Stats) {
+    if *drain.borrow() {
+        return (End::Drain, Stats::default());
+    }
     let start = Instant::now();
     let activity = AtomicU64::new(0);
     let rx = AtomicU64::new(0);
@@ -163,12 +171,18 @@ pub async fn relay(
     let timer = sleep_until(next(half_at, progress_at, idle_at()));
     tokio::pin!(timer);
 
+    // The drain signal, pinned once rather than re-created on every wake-up.
+    let drained = drain.wait_for(|d| *d);
+    tokio::pin!(drained);
+
     let mut up_done = false;
     let mut down_done = false;
     let mut first: Option<End> = None;
     let mut half_gauge = false;
     let end = loop {
         tokio::select! {
+            // Fixed order (no per-poll randomisation): data first, then bounds.
+            biased;
             r = &mut up, if !up_done => {
                 up_done = true;
                 if let Err((side, e)) = r { break side_error(side, &e); }
@@ -199,12 +213,7 @@ pub async fn relay(
                 timer.as_mut().reset(next(half_at, progress_at, idle_at()));
                 continue;
             }
-            r = drain.changed() => {
-                if r.is_err() || *drain.borrow() {
-                    break End::Drain;
-                }
-                continue;
-            }
+            _ = &mut drained => break End::Drain,
         }
         if up_done && down_done {
             break first.clone().unwrap_or(End::ClientClosed);
@@ -237,6 +246,19 @@ async fn pump(
         // Wait without a buffer: an idle connection holds none.
         src.readable().await.map_err(|e| ("read", e))?;
         let carried = total.load(Ordering::Relaxed);
+        if carried >= SPLICE_AFTER
+            && let Ok(pipe) = splice::Pipe::new()
+        {
+            // Bulk flow: from here on, bytes go socket -> pipe -> socket inside the kernel.
+            let dst: &TcpStream = w.as_ref();
+            let end = Box::pin(splice::pump(
+                src, dst, &pipe, counter, total, activity, start,
+            ))
+            .await?;
+            debug_assert!(end);
+            let _ = w.shutdown().await;
+            return Ok(());
+        }
         let size = if carried >= BULK_AFTER {
             LARGE_BUF
         } else if carried >= GROW_AFTER {
@@ -299,6 +321,85 @@ async fn copy_ready(
         if n < buf.capacity() {
             // Short read: the socket is most likely drained; wait for readiness again.
             return Ok(false);
+        }
+    }
+}
+
+/// Zero-copy relaying of bulk flows with `splice(2)` through a pipe.
+mod splice {
+    use std::io;
+    use std::os::fd::OwnedFd;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Instant;
+
+    use prometheus_client::metrics::counter::Counter;
+    use rustix::pipe::{PipeFlags, SpliceFlags, pipe_with, splice};
+    use tokio::io::Interest;
+    use tokio::net::TcpStream;
+
+    use super::SPLICE_CHUNK;
+
+    /// A pipe used as the in-kernel buffer of one direction.
+    pub struct Pipe {
+        read: OwnedFd,
+        write: OwnedFd,
+    }
+
+    impl Pipe {
+        pub fn new() -> io::Result<Pipe> {
+            let (read, write) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
+            // A larger pipe moves more per call; the default 64 KiB still works if refused.
+            let _ = rustix::pipe::fcntl_setpipe_size(&write, SPLICE_CHUNK);
+            Ok(Pipe { read, write })
+        }
+    }
+
+    fn flags() -> SpliceFlags {
+        SpliceFlags::NONBLOCK | SpliceFlags::MOVE
+    }
+
+    /// Moves `src` to `dst` until end of stream (`Ok(true)`); the pipe is empty after every
+    /// round, so a failure never strands bytes that were counted.
+    pub async fn pump(
+        src: &TcpStream,
+        dst: &TcpStream,
+        pipe: &Pipe,
+        counter: &Counter,
+        total: &AtomicU64,
+        activity: &AtomicU64,
+        start: Instant,
+    ) -> Result<bool, (&'static str, io::Error)> {
+        loop {
+            let filled = loop {
+                src.readable().await.map_err(|e| ("read", e))?;
+                match src.try_io(Interest::READABLE, || {
+                    Ok(splice(src, None, &pipe.write, None, SPLICE_CHUNK, flags())?)
+                }) {
+                    Ok(0) => return Ok(true),
+                    Ok(n) => break n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(("read", e)),
+                }
+            };
+            let mut left = filled;
+            while left > 0 {
+                dst.writable().await.map_err(|e| ("write", e))?;
+                match dst.try_io(Interest::WRITABLE, || {
+                    Ok(splice(&pipe.read, None, dst, None, left, flags())?)
+                }) {
+                    Ok(0) => return Err(("write", io::ErrorKind::WriteZero.into())),
+                    Ok(n) => {
+                        left -= n;
+                        total.fetch_add(n as u64, Ordering::Relaxed);
+                        counter.inc_by(n as u64);
+                        activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(("write", e)),
+                }
+            }
         }
     }
 }

@@ -10,8 +10,6 @@ use tokio::net::{TcpListener, TcpStream};
 
 /// Default listen backlog for proxy listeners (the kernel caps it at `somaxconn`).
 pub const LISTEN_BACKLOG: i32 = 4096;
-/// Keepalive probes before the kernel declares a peer dead.
-pub const KEEPALIVE_RETRIES: u32 = 3;
 
 /// Binds a TCP listener. Must run inside a tokio runtime.
 pub fn bind_tcp(addr: SocketAddr, backlog: i32) -> io::Result<TcpListener> {
@@ -44,10 +42,7 @@ pub fn bind_std_with(
     }
     if let Some((idle, interval)) = keepalive {
         socket.set_tcp_nodelay(true)?;
-        let ka = TcpKeepalive::new()
-            .with_time(idle)
-            .with_interval(interval)
-            .with_retries(KEEPALIVE_RETRIES);
+        let ka = TcpKeepalive::new().with_time(idle).with_interval(interval);
         socket.set_tcp_keepalive(&ka)?;
     }
     socket.set_nonblocking(true)?;
@@ -61,10 +56,8 @@ pub fn bind_std_with(
 /// works without them.
 pub fn tune(stream: &TcpStream, idle: Duration, interval: Duration) {
     let sock = SockRef::from(stream);
-    let keepalive = TcpKeepalive::new()
-        .with_time(idle)
-        .with_interval(interval)
-        .with_retries(KEEPALIVE_RETRIES);
+    // The probe count stays at the kernel default: one syscall less per connection.
+    let keepalive = TcpKeepalive::new().with_time(idle).with_interval(interval);
     if let Err(e) = sock
         .set_tcp_nodelay(true)
         .and_then(|_| sock.set_tcp_keepalive(&keepalive))
