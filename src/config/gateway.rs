@@ -295,9 +295,7 @@ pub struct GatewayConfig {
 
 /// Reads and validates a gateway configuration file.
 pub fn load(file: &Path) -> Result<GatewayConfig, ConfigError> {
-    let bytes = super::read_file(file)?;
-    let doc = super::parse_document(file, &bytes)?;
-    from_document(file, doc)
+    super::load_with(file, from_document)
 }
 
 pub(super) fn from_document(

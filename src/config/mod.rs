@@ -240,6 +240,16 @@ fn parse_document(file: &Path, bytes: &[u8]) -> Result<serde_json::Value, Config
     errors.finish(file, doc)
 }
 
+/// Reads `file` and hands its document to a kind's `from_document`.
+pub(crate) fn load_with<T>(
+    file: &Path,
+    from_document: fn(&Path, serde_json::Value) -> Result<T, ConfigError>,
+) -> Result<T, ConfigError> {
+    let bytes = read_file(file)?;
+    let doc = parse_document(file, &bytes)?;
+    from_document(file, doc)
+}
+
 /// Decodes a document into raw serde types; structural errors carry the field path.
 fn decode<T: DeserializeOwned>(file: &Path, doc: serde_json::Value) -> Result<T, ConfigError> {
     serde_path_to_error::deserialize(doc).map_err(|e| {

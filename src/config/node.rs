@@ -169,9 +169,7 @@ pub struct NodeConfig {
 
 /// Reads and validates a node configuration file.
 pub fn load(file: &Path) -> Result<NodeConfig, ConfigError> {
-    let bytes = super::read_file(file)?;
-    let doc = super::parse_document(file, &bytes)?;
-    from_document(file, doc)
+    super::load_with(file, from_document)
 }
 
 pub(super) fn from_document(

@@ -61,20 +61,9 @@ pub async fn handle(
     }
     conn.log.target = destination.clone();
 
-    let route = {
-        let snapshot = shared.tables.snapshot();
-        let table = snapshot.table();
-        destination
-            .as_deref()
-            .and_then(|d| table.by_destination(d))
-            .or_else(|| {
-                config
-                    .default_route
-                    .as_deref()
-                    .and_then(|r| table.by_name(r))
-            })
-            .cloned()
-    };
+    let route = super::pick_route(shared, config, |t| {
+        destination.as_deref().and_then(|d| t.by_destination(d))
+    });
     let Some(route) = route else {
         let detail = match &destination {
             Some(_) => "unknown destination",

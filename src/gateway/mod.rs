@@ -229,6 +229,25 @@ fn worker(
     });
 }
 
+/// The route a connection takes: `lookup` in the current table snapshot, else the listener's
+/// `defaultRoute`. The returned `Arc` is the connection's snapshot of the route.
+pub fn pick_route(
+    shared: &Shared,
+    listener: &ListenerConfig,
+    lookup: impl FnOnce(&crate::route::RoutingTable) -> Option<&Arc<Route>>,
+) -> Option<Arc<Route>> {
+    let snapshot = shared.tables.snapshot();
+    let table = snapshot.table();
+    lookup(table)
+        .or_else(|| {
+            listener
+                .default_route
+                .as_deref()
+                .and_then(|r| table.by_name(r))
+        })
+        .cloned()
+}
+
 /// What the client is told once the backend connect is decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reply {

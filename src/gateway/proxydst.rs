@@ -43,19 +43,7 @@ pub async fn handle(
     };
     conn.log.target = Some(destination.to_string());
 
-    let route = {
-        let snapshot = shared.tables.snapshot();
-        let table = snapshot.table();
-        table
-            .by_proxy_destination(&destination)
-            .or_else(|| {
-                config
-                    .default_route
-                    .as_deref()
-                    .and_then(|r| table.by_name(r))
-            })
-            .cloned()
-    };
+    let route = super::pick_route(shared, config, |t| t.by_proxy_destination(&destination));
     let Some(route) = route else {
         return conn
             .log

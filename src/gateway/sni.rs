@@ -47,22 +47,10 @@ pub async fn handle(
     let record_version = hello.record_version;
     conn.log.target = hello.server_name;
 
-    // One snapshot for the whole connection.
-    let route = {
-        let snapshot = shared.tables.snapshot();
-        let table = snapshot.table();
-        conn.log
-            .target
-            .as_deref()
-            .and_then(|name| table.by_sni(name))
-            .or_else(|| {
-                config
-                    .default_route
-                    .as_deref()
-                    .and_then(|r| table.by_name(r))
-            })
-            .cloned()
-    };
+    // One snapshot of the route for the whole connection.
+    let route = super::pick_route(shared, config, |t| {
+        conn.log.target.as_deref().and_then(|n| t.by_sni(n))
+    });
     let Some(route) = route else {
         conn.reject_with(&tls::unrecognized_name_alert(record_version))
             .await;
