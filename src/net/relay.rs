@@ -9,7 +9,7 @@
 //! signal. It never parses the bytes.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
@@ -148,8 +148,25 @@ pub async fn relay(
 
     let (mut cr, mut cw) = client.split();
     let (mut br, mut bw) = backend.split();
-    let up = pump(&mut cr, &mut bw, counters.rx, &rx, &activity, start);
-    let down = pump(&mut br, &mut cw, counters.tx, &tx, &activity, start);
+    let ended = [AtomicBool::new(false), AtomicBool::new(false)];
+    let up = pump(
+        &mut cr,
+        &mut bw,
+        counters.rx,
+        &rx,
+        &activity,
+        start,
+        (&ended[0], &ended[1]),
+    );
+    let down = pump(
+        &mut br,
+        &mut cw,
+        counters.tx,
+        &tx,
+        &activity,
+        start,
+        (&ended[1], &ended[0]),
+    );
     tokio::pin!(up, down);
 
     // One timer for every bound: it fires at the earliest of the idle, lifetime, half-close
@@ -240,6 +257,7 @@ async fn pump(
     total: &AtomicU64,
     activity: &AtomicU64,
     start: Instant,
+    ended: (&AtomicBool, &AtomicBool),
 ) -> Result<(), (&'static str, io::Error)> {
     let src: &TcpStream = r.as_ref();
     loop {
@@ -256,7 +274,7 @@ async fn pump(
             ))
             .await?;
             debug_assert!(end);
-            let _ = w.shutdown().await;
+            half_close(w, ended).await;
             return Ok(());
         }
         let size = if carried >= BULK_AFTER {
@@ -276,13 +294,21 @@ async fn pump(
         pool::give(buf);
         match result {
             Ok(true) => {
-                // End of stream: forward the half-close.
-                let _ = w.shutdown().await;
+                half_close(w, ended).await;
                 return Ok(());
             }
             Ok(false) => {}
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// Forwards end of stream as a half-close, unless the other direction has ended too: then
+/// both sockets are closed right after, and the close itself sends the FIN.
+async fn half_close(w: &mut WriteHalf<'_>, (mine, other): (&AtomicBool, &AtomicBool)) {
+    mine.store(true, Ordering::Relaxed);
+    if !other.load(Ordering::Relaxed) {
+        let _ = w.shutdown().await;
     }
 }
 
