@@ -84,9 +84,13 @@ async fn curl_proxytunnel_reaches_tls_backend() {
     assert_eq!(out, "alpha");
     let line = gw.wait_access_log(|l| l["route"] == "alpha");
     assert_eq!(line["target_name"], DEST);
-    assert_eq!(
-        line["reason"], "backend_closed",
-        "the backend answers and closes first"
+    // curl and the backend both close once the response is complete; either may be first.
+    assert!(
+        matches!(
+            line["reason"].as_str(),
+            Some("backend_closed" | "client_closed")
+        ),
+        "{line}"
     );
 }
 
