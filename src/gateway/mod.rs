@@ -352,7 +352,5 @@ pub async fn forward(
         }
     };
     rm.active.dec();
-    lm.connection_duration
-        .observe(conn.log.accepted_at.elapsed().as_secs_f64());
     conn.log.emit(stats, &end, false);
 }

@@ -138,8 +138,16 @@ pub async fn relay(
     };
 
     if !initial.is_empty() {
-        if let Err(e) = backend.write_all(&initial).await {
-            return (side_error("backend", &e), stats());
+        // Bounded like everything else: a backend that accepts but never reads must not
+        // hold the client past the idle timeout or the end of a drain.
+        let write = tokio::time::timeout(limits.idle, backend.write_all(&initial));
+        tokio::select! {
+            r = write => match r {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return (side_error("backend", &e), stats()),
+                Err(_) => return (End::IdleTimeout, stats()),
+            },
+            _ = drain.wait_for(|d| *d) => return (End::Drain, stats()),
         }
         rx.fetch_add(initial.len() as u64, Ordering::Relaxed);
         counters.rx.inc_by(initial.len() as u64);
@@ -365,6 +373,9 @@ mod splice {
 
     use super::SPLICE_CHUNK;
 
+    /// Smallest pipe worth splicing through (the default pipe size).
+    const MIN_PIPE: usize = 64 * 1024;
+
     /// A pipe used as the in-kernel buffer of one direction.
     pub struct Pipe {
         read: OwnedFd,
@@ -374,8 +385,12 @@ mod splice {
     impl Pipe {
         pub fn new() -> io::Result<Pipe> {
             let (read, write) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
-            // A larger pipe moves more per call; the default 64 KiB still works if refused.
-            let _ = rustix::pipe::fcntl_setpipe_size(&write, SPLICE_CHUNK);
+            // Past the per-user pipe quota the kernel hands out tiny pipes, and splicing
+            // through one is slower than copying: then the copy path is used instead.
+            let size = rustix::pipe::fcntl_setpipe_size(&write, SPLICE_CHUNK)?;
+            if size < MIN_PIPE {
+                return Err(io::Error::other("pipe too small"));
+            }
             Ok(Pipe { read, write })
         }
     }
@@ -396,6 +411,9 @@ mod splice {
         start: Instant,
     ) -> Result<bool, (&'static str, io::Error)> {
         loop {
+            // Readiness waits and try_io take no cooperative budget, so a saturated flow
+            // would never yield: give the other connections on this thread their turn.
+            tokio::task::consume_budget().await;
             let filled = loop {
                 src.readable().await.map_err(|e| ("read", e))?;
                 match src.try_io(Interest::READABLE, || {

@@ -84,9 +84,12 @@ impl LinkManager {
         }
     }
 
-    /// Finds or creates the link; falls back to `lo` when dummy links are unsupported.
+    /// Finds or creates the link; falls back to `lo` only when the kernel cannot create
+    /// dummy links. The configured link is looked up first on every reconcile, so once it
+    /// appears (created by someone else, or after a race) the address moves to it.
     async fn ensure_link(&mut self, changes: &mut Changes) -> Result<u32, LinkError> {
-        if let Some(index) = self.link_index(&self.effective).await? {
+        if let Some(index) = self.link_index(&self.name).await? {
+            self.effective = self.name.clone();
             return Ok(index);
         }
         match self
@@ -101,15 +104,26 @@ impl LinkManager {
                 tracing::info!(link = %self.name, "created dummy link");
                 self.effective = self.name.clone();
             }
-            Err(e) => {
-                tracing::warn!(
-                    link = %self.name,
-                    error = %e,
-                    fallback = FALLBACK_LINK,
-                    "cannot create a dummy link (no dummy driver in this kernel?); using the fallback link instead"
-                );
+            // Created concurrently by someone else: use it.
+            Err(rtnetlink::Error::NetlinkError(e))
+                if e.raw_code() == -rustix::io::Errno::EXIST.raw_os_error() =>
+            {
+                self.effective = self.name.clone();
+            }
+            // The kernel has no dummy driver: EOPNOTSUPP ("Unknown device type").
+            Err(rtnetlink::Error::NetlinkError(e))
+                if e.raw_code() == -rustix::io::Errno::OPNOTSUPP.raw_os_error() =>
+            {
+                if self.effective != FALLBACK_LINK {
+                    tracing::warn!(
+                        link = %self.name,
+                        fallback = FALLBACK_LINK,
+                        "cannot create a dummy link: this kernel has no dummy driver; using the fallback link instead"
+                    );
+                }
                 self.effective = FALLBACK_LINK.to_owned();
             }
+            Err(e) => return Err(err(format!("creating dummy link {}", self.name))(e)),
         }
         self.link_index(&self.effective)
             .await?

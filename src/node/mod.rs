@@ -468,7 +468,10 @@ async fn handle(mut client: TcpStream, peer: SocketAddr, ctx: &Ctx) {
         config.keepalive_upstream.idle,
         config.keepalive_upstream.interval,
     );
-    let (end, stats) = if !early.is_empty() && client.write_all(&early).await.is_err() {
+    if !early.is_empty() {
+        ctx.rm.tx.inc_by(early.len() as u64);
+    }
+    let (end, mut stats) = if !early.is_empty() && client.write_all(&early).await.is_err() {
         (relay::End::Error("write"), relay::Stats::default())
     } else {
         let limits = relay::Limits {
@@ -493,6 +496,7 @@ async fn handle(mut client: TcpStream, peer: SocketAddr, ctx: &Ctx) {
         )
         .await
     };
+    stats.tx += early.len() as u64;
     ctx.rm.active.dec();
     ctx.lm
         .connection_duration
