@@ -353,7 +353,13 @@ async fn copy_ready(
             activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
         }
         if n < buf.capacity() {
-            // Short read: the socket is most likely drained; wait for readiness again.
+            // Short read: the socket is drained. Clear its readiness without a syscall (tokio
+            // otherwise keeps it set until a read fails with EAGAIN, one wasted recvfrom per
+            // message). Data arriving later raises a new edge-triggered event, and tokio's
+            // readiness ticks keep this from clearing an event newer than our read.
+            let _ = src.try_io(tokio::io::Interest::READABLE, || {
+                Err::<(), _>(io::ErrorKind::WouldBlock.into())
+            });
             return Ok(false);
         }
     }
