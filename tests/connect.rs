@@ -5,7 +5,6 @@ mod common;
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -431,16 +430,7 @@ async fn tls_after_preamble(
 ) -> std::io::Result<String> {
     let mut tcp = TcpStream::connect(addr).await?;
     tcp.write_all(preamble).await?;
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(rustls::pki_types::CertificateDer::from(
-            trust.cert_der.clone(),
-        ))
-        .unwrap();
-    let config = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let connector = trusting(trust);
     let name = rustls::pki_types::ServerName::try_from("api.alpha.example.com").unwrap();
     let mut tls =
         tokio::time::timeout(Duration::from_secs(10), connector.connect(name, tcp)).await??;

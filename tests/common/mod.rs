@@ -394,16 +394,7 @@ pub async fn tls_get(
     trust: &TlsBackend,
     mss: Option<u32>,
 ) -> std::io::Result<TlsResult> {
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(rustls::pki_types::CertificateDer::from(
-            trust.cert_der.clone(),
-        ))
-        .unwrap();
-    let config = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let connector = trusting(trust);
     let tcp = connect_with_mss(addr, mss).await?;
     let name = rustls::pki_types::ServerName::try_from(sni.to_string()).unwrap();
     let mut tls =
@@ -429,6 +420,20 @@ pub async fn tls_get(
         peer_cert,
         group,
     })
+}
+
+/// A rustls connector that trusts only `backend`'s certificate.
+pub fn trusting(backend: &TlsBackend) -> tokio_rustls::TlsConnector {
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from(
+            backend.cert_der.clone(),
+        ))
+        .unwrap();
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
 }
 
 pub async fn connect_with_mss(addr: SocketAddr, mss: Option<u32>) -> std::io::Result<TcpStream> {
