@@ -167,20 +167,11 @@ impl LinkManager {
             .map_err(err(format!("setting link {} up", self.effective)))?;
         let mut present = false;
         for msg in self.our_addresses().await? {
-            let right = msg.header.index == index
-                && msg.header.prefix_len == self.max_prefix()
-                && msg.header.scope == AddressScope::Universe;
-            if right {
+            if self.is_wanted(&msg, index) {
                 present = true;
                 continue;
             }
-            let from = msg.header.index;
-            self.handle
-                .address()
-                .del(msg)
-                .execute()
-                .await
-                .map_err(err(format!("removing {} from link {from}", self.address)))?;
+            let from = self.delete(msg).await?;
             tracing::info!(address = %self.address, link_index = from, "removed the address from another link");
             changes.removed_from.push(from);
         }
@@ -209,20 +200,33 @@ impl LinkManager {
             .our_addresses()
             .await?
             .iter()
-            .any(|m| m.header.index == index && m.header.scope == AddressScope::Universe))
+            .any(|m| self.is_wanted(m, index)))
+    }
+
+    /// Whether `msg` is our address as wanted: on link `index`, host prefix, global scope.
+    fn is_wanted(&self, msg: &AddressMessage, index: u32) -> bool {
+        msg.header.index == index
+            && msg.header.prefix_len == self.max_prefix()
+            && msg.header.scope == AddressScope::Universe
+    }
+
+    /// Deletes one address entry; returns the index of the link it was on.
+    async fn delete(&self, msg: AddressMessage) -> Result<u32, LinkError> {
+        let from = msg.header.index;
+        self.handle
+            .address()
+            .del(msg)
+            .execute()
+            .await
+            .map_err(err(format!("removing {} from link {from}", self.address)))?;
+        Ok(from)
     }
 
     /// Removes the address from every link that has it (`--cleanup`).
     pub async fn remove(&self) -> Result<usize, LinkError> {
         let mut n = 0;
         for msg in self.our_addresses().await? {
-            let from = msg.header.index;
-            self.handle
-                .address()
-                .del(msg)
-                .execute()
-                .await
-                .map_err(err(format!("removing {} from link {from}", self.address)))?;
+            self.delete(msg).await?;
             n += 1;
         }
         Ok(n)
