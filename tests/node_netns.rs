@@ -125,6 +125,16 @@ admin: {address: \"127.0.0.1:15021\"}
         "gateway in the seed namespace did not start:\n{}",
         std::fs::read_to_string(dir.join("gateway.log")).unwrap_or_default()
     );
+    // The TLS backend must be listening too before any client is sent at it.
+    let backend_up = wait_for(Duration::from_secs(20), || {
+        lab.sh(&seed, &["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/7443"])
+            .then_some(())
+    });
+    assert!(
+        backend_up.is_some(),
+        "openssl s_server did not start:\n{}",
+        std::fs::read_to_string(dir.join("backend.log")).unwrap_or_default()
+    );
     (dir.join("backend.pem"), seed)
 }
 
