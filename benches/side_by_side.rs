@@ -80,9 +80,8 @@ impl Drop for Proxy {
     }
 }
 
-/// Resident memory of `pid` and all its descendants, in bytes.
-fn tree_rss(pid: u32) -> u64 {
-    let mut total = 0;
+/// `pid` and its children.
+fn tree(pid: u32) -> Vec<u32> {
     let mut pids = vec![pid];
     if let Ok(entries) = std::fs::read_dir("/proc") {
         for e in entries.flatten() {
@@ -100,7 +99,35 @@ fn tree_rss(pid: u32) -> u64 {
             }
         }
     }
-    for p in pids {
+    pids
+}
+
+/// CPU time (user + system) of `pid` and its children, in seconds.
+fn tree_cpu(pid: u32) -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    tree(pid)
+        .into_iter()
+        .map(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            let f: Vec<u64> = stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .skip(11)
+                .take(2)
+                .filter_map(|s| s.parse().ok())
+                .collect();
+            f.iter().sum::<u64>() as f64 / tick
+        })
+        .sum()
+}
+
+/// Resident memory of `pid` and all its descendants, in bytes.
+fn tree_rss(pid: u32) -> u64 {
+    let mut total = 0;
+    for p in tree(pid) {
         let status = std::fs::read_to_string(format!("/proc/{p}/status")).unwrap_or_default();
         if let Some(kb) = status
             .lines()
@@ -565,13 +592,19 @@ fn main() {
                 }
             }
             for round in 0..rounds {
-                for (i, (_, t)) in running.iter().enumerate() {
+                for (i, (proxy, t)) in running.iter().enumerate() {
                     let one = throughput(t, 1, secs).await;
                     let eight = throughput(t, STREAMS, secs).await;
+                    let cpu = proxy.pid().map(tree_cpu);
                     let rate = conn_rate(t, secs).await;
+                    // The proxy's own CPU per proxied connection: what the rate costs it.
+                    let cpu_us = match (cpu, proxy.pid().map(tree_cpu)) {
+                        (Some(a), Some(b)) => (b - a) * 1e6 / (rate * secs).max(1.0),
+                        _ => f64::NAN,
+                    };
                     let (p50, p99) = latency(t, secs).await;
                     eprintln!(
-                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s  p50 {p50:6.1} µs  p99 {p99:7.1} µs",
+                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s ({cpu_us:4.1} µs CPU each)  p50 {p50:6.1} µs  p99 {p99:7.1} µs",
                         t.proxy, t.job
                     );
                     for (k, v) in [one, eight, rate, p50, p99].into_iter().enumerate() {

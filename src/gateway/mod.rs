@@ -67,8 +67,8 @@ pub struct Shared {
     pub tables: Arc<Tables>,
     /// Open connections.
     pub tracker: Arc<Tracker>,
-    /// Turns true when the drain deadline has passed and connections must close.
-    pub hard_stop: watch::Receiver<bool>,
+    /// Cuts every relay when the drain deadline has passed.
+    pub hard_stop: relay::Stop,
 }
 
 /// Runs the gateway until SIGTERM/SIGINT and a completed drain.
@@ -124,14 +124,13 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let watch_task = tokio::spawn(tables.clone().watch(config.routes_check_interval, hup_rx));
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let (hard_tx, hard_rx) = watch::channel(false);
     let drain_timeout = config.timeouts.drain;
     let shared = Arc::new(Shared {
         config,
         metrics: metrics.clone(),
         tables: tables.clone(),
         tracker: Arc::new(Tracker::default()),
-        hard_stop: hard_rx,
+        hard_stop: relay::Stop::default(),
     });
     let (exit_tx, exit_rx) = watch::channel(false);
     let mut threads = Vec::new();
@@ -172,7 +171,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             active = shared.tracker.active(),
             "drain deadline reached; closing remaining connections"
         );
-        let _ = hard_tx.send(true);
+        shared.hard_stop.stop();
         let _ = tokio::time::timeout(HARD_STOP_GRACE, shared.tracker.wait_idle()).await;
     }
     let _ = exit_tx.send(true);
@@ -302,7 +301,7 @@ pub async fn forward(
             }
             (format!("error:{}", e.kind()), relay::Stats::default())
         }
-        Ok(mut up) => {
+        Ok(up) => {
             rm.connect_duration.observe(up.elapsed.as_secs_f64());
             socket::tune(
                 &up.stream,
@@ -337,13 +336,13 @@ pub async fn forward(
                     // keeps no ClientHello or request head around.
                     let initial = std::mem::take(&mut conn.buf);
                     let (end, stats) = relay::relay(
-                        &mut conn.stream,
-                        &mut up.stream,
+                        &conn.stream,
+                        &up.stream,
                         initial,
                         limits,
                         counters,
                         &progress,
-                        shared.hard_stop.clone(),
+                        &shared.hard_stop,
                     )
                     .await;
                     (end.reason(), stats)

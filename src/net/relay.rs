@@ -3,22 +3,25 @@
 //! Each direction waits for readability without holding a buffer, reads into a buffer that
 //! is only held while data is in flight (pooled per thread, sized by how much the direction
 //! has carried), writes everything on, and counts the bytes. A direction that has carried
-//! a bulk amount switches to `splice(2)` through a pipe, so its bytes never enter user space. End of stream in one direction is
-//! forwarded as a TCP half-close (`shutdown(SHUT_WR)`) and the other direction may continue
-//! for at most `half_close`. The loop also ends on idle timeout, maximum lifetime, or a drain
-//! signal. It never parses the bytes.
+//! a bulk amount switches to `splice(2)` through a pipe, so its bytes never enter user
+//! space. End of stream in one direction is forwarded as a TCP half-close
+//! (`shutdown(SHUT_WR)`) and the other direction may continue for at most `half_close`. The
+//! relay also ends on idle timeout, maximum lifetime, or a [`Stop`] (the end of a drain).
+//! It never parses the bytes.
 
+use std::future::Future;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Waker, ready};
+use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::io::AsyncWriteExt;
+use tokio::io::Interest;
 use tokio::net::TcpStream;
-use tokio::net::tcp::{ReadHalf, WriteHalf};
-use tokio::sync::watch;
-use tokio::time::sleep_until;
+use tokio::time::{Instant, Sleep, sleep_until};
 
 /// Buffer for a direction that has carried little (interactive traffic).
 const SMALL_BUF: usize = 4 * 1024;
@@ -32,6 +35,8 @@ const BULK_AFTER: u64 = 4 * 1024 * 1024;
 const SPLICE_AFTER: u64 = 1024 * 1024;
 /// Most bytes moved by one splice call.
 const SPLICE_CHUNK: usize = 1024 * 1024;
+/// Most bytes one direction moves in one poll before it yields to other connections.
+const MAX_PER_POLL: u64 = 2 * 1024 * 1024;
 
 /// Bounds of one relayed connection.
 #[derive(Debug, Clone, Copy)]
@@ -114,253 +119,464 @@ fn side_error(side: &'static str, e: &io::Error) -> End {
     End::Error(io_kind(e))
 }
 
-/// Relays between `client` and `backend` until both directions end or a bound hits.
-/// `initial` (bytes already read from the client) is written to the backend first.
-pub async fn relay(
-    client: &mut TcpStream,
-    backend: &mut TcpStream,
-    initial: Vec<u8>,
-    limits: Limits,
-    counters: Counters<'_>,
-    progress: &(dyn Fn(Stats) + Sync),
-    mut drain: watch::Receiver<bool>,
-) -> (End, Stats) {
-    if *drain.borrow() {
-        return (End::Drain, Stats::default());
-    }
-    let start = Instant::now();
-    let activity = AtomicU64::new(0);
-    let rx = AtomicU64::new(0);
-    let tx = AtomicU64::new(0);
-    let stats = || Stats {
-        rx: rx.load(Ordering::Relaxed),
-        tx: tx.load(Ordering::Relaxed),
-    };
-
-    if !initial.is_empty() {
-        // Bounded like everything else: a backend that accepts but never reads must not
-        // hold the client past the idle timeout or the end of a drain.
-        let write = tokio::time::timeout(limits.idle, backend.write_all(&initial));
-        tokio::select! {
-            r = write => match r {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return (side_error("backend", &e), stats()),
-                Err(_) => return (End::IdleTimeout, stats()),
-            },
-            _ = drain.wait_for(|d| *d) => return (End::Drain, stats()),
-        }
-        rx.fetch_add(initial.len() as u64, Ordering::Relaxed);
-        counters.rx.inc_by(initial.len() as u64);
-    }
-    drop(initial);
-
-    let (mut cr, mut cw) = client.split();
-    let (mut br, mut bw) = backend.split();
-    let ended = [AtomicBool::new(false), AtomicBool::new(false)];
-    let up = pump(
-        &mut cr,
-        &mut bw,
-        counters.rx,
-        &rx,
-        &activity,
-        start,
-        (&ended[0], &ended[1]),
-    );
-    let down = pump(
-        &mut br,
-        &mut cw,
-        counters.tx,
-        &tx,
-        &activity,
-        start,
-        (&ended[1], &ended[0]),
-    );
-    tokio::pin!(up, down);
-
-    // One timer for every bound: it fires at the earliest of the idle, lifetime, half-close
-    // and progress deadlines, and the loop works out which one it was.
-    let tokio_start = tokio::time::Instant::from_std(start);
-    let max_at = limits.max_duration.map(|d| tokio_start + d);
-    let mut half_at: Option<tokio::time::Instant> = None;
-    let mut progress_at = limits.progress.map(|p| tokio_start + p);
-    let idle_at =
-        || tokio_start + Duration::from_millis(activity.load(Ordering::Relaxed)) + limits.idle;
-    let next = |half_at: Option<tokio::time::Instant>,
-                progress_at: Option<tokio::time::Instant>,
-                idle: tokio::time::Instant| {
-        [max_at, half_at, progress_at]
-            .into_iter()
-            .flatten()
-            .fold(idle, std::cmp::min)
-    };
-    let timer = sleep_until(next(half_at, progress_at, idle_at()));
-    tokio::pin!(timer);
-
-    // The drain signal, pinned once rather than re-created on every wake-up.
-    let drained = drain.wait_for(|d| *d);
-    tokio::pin!(drained);
-
-    let mut up_done = false;
-    let mut down_done = false;
-    let mut first: Option<End> = None;
-    let mut half_gauge = false;
-    let end = loop {
-        tokio::select! {
-            // Fixed order (no per-poll randomisation): data first, then bounds.
-            biased;
-            r = &mut up, if !up_done => {
-                up_done = true;
-                if let Err((side, e)) = r { break side_error(side, &e); }
-                first.get_or_insert(End::ClientClosed);
-            }
-            r = &mut down, if !down_done => {
-                down_done = true;
-                if let Err((side, e)) = r { break side_error(side, &e); }
-                first.get_or_insert(End::BackendClosed);
-            }
-            _ = &mut timer => {
-                let now = tokio::time::Instant::now();
-                if max_at.is_some_and(|t| t <= now) {
-                    break End::MaxDuration;
-                }
-                if half_at.is_some_and(|t| t <= now) {
-                    break first.clone().unwrap_or(End::ClientClosed);
-                }
-                if idle_at() <= now {
-                    break End::IdleTimeout;
-                }
-                if let (Some(t), Some(every)) = (progress_at, limits.progress)
-                    && t <= now
-                {
-                    progress(stats());
-                    progress_at = Some(now + every);
-                }
-                timer.as_mut().reset(next(half_at, progress_at, idle_at()));
-                continue;
-            }
-            _ = &mut drained => break End::Drain,
-        }
-        if up_done && down_done {
-            break first.clone().unwrap_or(End::ClientClosed);
-        }
-        if !half_gauge {
-            half_gauge = true;
-            counters.half_closed.inc();
-            half_at = Some(tokio::time::Instant::now() + limits.half_close);
-            timer.as_mut().reset(next(half_at, progress_at, idle_at()));
-        }
-    };
-    if half_gauge {
-        counters.half_closed.dec();
-    }
-    (end, stats())
+/// Cuts every relay at once (the end of a drain) without a future per connection: each
+/// relay leaves its task's waker here, and [`Stop::stop`] wakes them all.
+#[derive(Debug, Default)]
+pub struct Stop {
+    stopped: AtomicBool,
+    slots: Mutex<Slots>,
 }
 
-/// Copies one direction until end of stream, then half-closes the writer.
-/// Errors carry the side they happened on (`client` or `backend`).
-async fn pump(
-    r: &mut ReadHalf<'_>,
-    w: &mut WriteHalf<'_>,
-    counter: &Counter,
-    total: &AtomicU64,
-    activity: &AtomicU64,
-    start: Instant,
-    ended: (&AtomicBool, &AtomicBool),
-) -> Result<(), (&'static str, io::Error)> {
-    let src: &TcpStream = r.as_ref();
-    loop {
-        // Wait without a buffer: an idle connection holds none.
-        src.readable().await.map_err(|e| ("read", e))?;
-        let carried = total.load(Ordering::Relaxed);
-        if carried >= SPLICE_AFTER
-            && let Ok(pipe) = splice::Pipe::new()
-        {
-            // Bulk flow: from here on, bytes go socket -> pipe -> socket inside the kernel.
-            let dst: &TcpStream = w.as_ref();
-            let end = Box::pin(splice::pump(
-                src, dst, &pipe, counter, total, activity, start,
-            ))
-            .await?;
-            debug_assert!(end);
-            half_close(w, ended).await;
-            return Ok(());
+#[derive(Debug, Default)]
+struct Slots {
+    wakers: Vec<Option<Waker>>,
+    free: Vec<usize>,
+}
+
+impl Stop {
+    /// Ends every relay, present and future, with [`End::Drain`].
+    pub fn stop(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
+        let wakers: Vec<Waker> = {
+            let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            s.free.clear();
+            s.wakers.drain(..).flatten().collect()
+        };
+        for w in wakers {
+            w.wake();
         }
-        let size = if carried >= BULK_AFTER {
+    }
+
+    /// Whether [`Stop::stop`] was called.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+
+    /// Leaves `waker` to be woken by `stop`; `None` if already stopped. Checked under the
+    /// lock `stop` takes after setting the flag, so no registration is missed.
+    fn register(&self, waker: &Waker) -> Option<usize> {
+        let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if self.is_stopped() {
+            return None;
+        }
+        Some(match s.free.pop() {
+            Some(k) => {
+                s.wakers[k] = Some(waker.clone());
+                k
+            }
+            None => {
+                s.wakers.push(Some(waker.clone()));
+                s.wakers.len() - 1
+            }
+        })
+    }
+
+    fn unregister(&self, key: usize) {
+        let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        // After `stop` the slots are gone and every key is stale.
+        if let Some(slot) = s.wakers.get_mut(key)
+            && slot.take().is_some()
+        {
+            s.free.push(key);
+        }
+    }
+}
+
+/// Relays between `client` and `backend` until both directions end or a bound hits.
+/// `initial` (bytes already read from the client) is written to the backend first.
+///
+/// The returned future is a hand-written state machine rather than an `async fn`: an idle
+/// connection's task then holds a few hundred bytes of relay state instead of two nested
+/// copy futures, a drain future and their wait-list nodes.
+pub fn relay<'a>(
+    client: &'a TcpStream,
+    backend: &'a TcpStream,
+    initial: Vec<u8>,
+    limits: Limits,
+    counters: Counters<'a>,
+    progress: &'a (dyn Fn(Stats) + Sync),
+    stop: &'a Stop,
+) -> Relay<'a> {
+    let start = Instant::now();
+    let bound = |d: Option<Duration>| d.and_then(|d| start.checked_add(d));
+    let mut relay = Relay {
+        client,
+        backend,
+        up: Dir {
+            carried: 0,
+            state: if initial.is_empty() {
+                State::Read
+            } else {
+                State::Write {
+                    buf: initial,
+                    off: 0,
+                }
+            },
+        },
+        down: Dir {
+            carried: 0,
+            state: State::Read,
+        },
+        limits,
+        counters,
+        progress,
+        stop,
+        stop_key: None,
+        timer: Box::pin(sleep_until(start)),
+        activity: start,
+        max_at: bound(limits.max_duration),
+        half_at: None,
+        progress_at: bound(limits.progress),
+        first: None,
+        half_gauge: false,
+    };
+    let first_deadline = relay.next_deadline();
+    relay.timer.as_mut().reset(first_deadline);
+    relay
+}
+
+/// Far enough to mean "never" for a deadline that would overflow.
+const FAR: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// The future [`relay`] returns; resolves to why the relay ended and what it carried.
+pub struct Relay<'a> {
+    client: &'a TcpStream,
+    backend: &'a TcpStream,
+    /// Client to backend.
+    up: Dir,
+    /// Backend to client.
+    down: Dir,
+    limits: Limits,
+    counters: Counters<'a>,
+    progress: &'a (dyn Fn(Stats) + Sync),
+    stop: &'a Stop,
+    stop_key: Option<usize>,
+    /// One timer for every bound: it fires at the earliest of the idle, lifetime,
+    /// half-close and progress deadlines, and the relay works out which one it was.
+    timer: Pin<Box<Sleep>>,
+    /// When bytes last moved in either direction.
+    activity: Instant,
+    max_at: Option<Instant>,
+    half_at: Option<Instant>,
+    progress_at: Option<Instant>,
+    /// The direction that finished first.
+    first: Option<End>,
+    /// Whether this relay counts in the half-closed gauge.
+    half_gauge: bool,
+}
+
+/// One direction of a relay.
+struct Dir {
+    /// Bytes written to the destination.
+    carried: u64,
+    state: State,
+}
+
+enum State {
+    /// Waiting for the source to become readable; no buffer is held.
+    Read,
+    /// Writing `buf[off..]` to the destination (the buffer is held only meanwhile).
+    Write { buf: Vec<u8>, off: usize },
+    /// A bulk flow moving through a pipe; `filled` bytes are in the pipe.
+    Splice { pipe: splice::Pipe, filled: usize },
+    /// End of stream was forwarded.
+    Done,
+}
+
+/// An I/O error and the operation (`read` or `write`) it happened in.
+type DirError = (&'static str, io::Error);
+
+impl Dir {
+    fn done(&self) -> bool {
+        matches!(self.state, State::Done)
+    }
+
+    /// Moves what can be moved from `src` to `dst`. `Ready(Ok)` once end of stream has been
+    /// forwarded (as a half-close, unless `other_done`: then both sockets close right after
+    /// and the close itself sends the FIN).
+    fn poll_move(
+        &mut self,
+        cx: &mut Context<'_>,
+        src: &TcpStream,
+        dst: &TcpStream,
+        counter: &Counter,
+        activity: &mut Instant,
+        other_done: bool,
+    ) -> Poll<Result<(), DirError>> {
+        let mut moved = 0u64;
+        loop {
+            if moved >= MAX_PER_POLL {
+                // try_read/try_write take no cooperative budget, so a saturated flow would
+                // never yield: give the other connections on this thread their turn.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            match &mut self.state {
+                State::Done => return Poll::Ready(Ok(())),
+                State::Read => {
+                    ready!(src.poll_read_ready(cx)).map_err(|e| ("read", e))?;
+                    if self.carried >= SPLICE_AFTER
+                        && let Ok(pipe) = splice::Pipe::new()
+                    {
+                        // Bulk flow: from here on, bytes go socket -> pipe -> socket inside
+                        // the kernel.
+                        self.state = State::Splice { pipe, filled: 0 };
+                        continue;
+                    }
+                    let mut buf = pool::take(self.buf_size());
+                    match src.try_read_buf(&mut buf) {
+                        Ok(0) => {
+                            pool::give(buf);
+                            self.finish(dst, other_done);
+                            return Poll::Ready(Ok(()));
+                        }
+                        Ok(n) => {
+                            if n < buf.capacity() {
+                                clear_read_readiness(src);
+                            }
+                            self.state = State::Write { buf, off: 0 };
+                        }
+                        Err(e) => {
+                            pool::give(buf);
+                            if !retry(&e) {
+                                return Poll::Ready(Err(("read", e)));
+                            }
+                        }
+                    }
+                }
+                State::Write { buf, off } => {
+                    ready!(dst.poll_write_ready(cx)).map_err(|e| ("write", e))?;
+                    match dst.try_write(&buf[*off..]) {
+                        Ok(0) => {
+                            return Poll::Ready(Err(("write", io::ErrorKind::WriteZero.into())));
+                        }
+                        Ok(n) => {
+                            *off += n;
+                            // Counted per write, so a slow reader still taking bytes is
+                            // activity (a whole buffer may take longer than the idle timeout).
+                            count(&mut self.carried, n, counter, activity);
+                            moved += n as u64;
+                            if *off == buf.len() {
+                                let State::Write { buf, .. } =
+                                    std::mem::replace(&mut self.state, State::Read)
+                                else {
+                                    unreachable!("matched above")
+                                };
+                                pool::give(buf);
+                            }
+                        }
+                        Err(e) if retry(&e) => {}
+                        Err(e) => return Poll::Ready(Err(("write", e))),
+                    }
+                }
+                State::Splice { pipe, filled } if *filled == 0 => {
+                    ready!(src.poll_read_ready(cx)).map_err(|e| ("read", e))?;
+                    match src.try_io(Interest::READABLE, || pipe.fill(src)) {
+                        Ok(0) => {
+                            self.finish(dst, other_done);
+                            return Poll::Ready(Ok(()));
+                        }
+                        Ok(n) => *filled = n,
+                        Err(e) if retry(&e) => {}
+                        Err(e) => return Poll::Ready(Err(("read", e))),
+                    }
+                }
+                State::Splice { pipe, filled } => {
+                    ready!(dst.poll_write_ready(cx)).map_err(|e| ("write", e))?;
+                    match dst.try_io(Interest::WRITABLE, || pipe.drain(dst, *filled)) {
+                        Ok(0) => {
+                            return Poll::Ready(Err(("write", io::ErrorKind::WriteZero.into())));
+                        }
+                        Ok(n) => {
+                            *filled -= n;
+                            count(&mut self.carried, n, counter, activity);
+                            moved += n as u64;
+                        }
+                        Err(e) if retry(&e) => {}
+                        Err(e) => return Poll::Ready(Err(("write", e))),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Buffer size for what this direction has carried: small for interactive traffic,
+    /// larger as a flow proves to be bulk.
+    fn buf_size(&self) -> usize {
+        if self.carried >= BULK_AFTER {
             LARGE_BUF
-        } else if carried >= GROW_AFTER {
+        } else if self.carried >= GROW_AFTER {
             MEDIUM_BUF
         } else {
             SMALL_BUF
-        };
-        let mut buf = pool::take(size);
-        // Boxed: the copy state exists only while bytes move, so an idle connection's task
-        // does not carry it.
-        let result = Box::pin(copy_ready(
-            src, w, &mut buf, counter, total, activity, start,
-        ))
-        .await;
-        pool::give(buf);
-        match result {
-            Ok(true) => {
-                half_close(w, ended).await;
-                return Ok(());
-            }
-            Ok(false) => {}
-            Err(e) => return Err(e),
+        }
+    }
+
+    /// End of stream from the source: forward it as a half-close.
+    fn finish(&mut self, dst: &TcpStream, other_done: bool) {
+        self.state = State::Done;
+        if !other_done {
+            let _ = socket2::SockRef::from(dst).shutdown(std::net::Shutdown::Write);
         }
     }
 }
 
-/// Forwards end of stream as a half-close, unless the other direction has ended too: then
-/// both sockets are closed right after, and the close itself sends the FIN.
-async fn half_close(w: &mut WriteHalf<'_>, (mine, other): (&AtomicBool, &AtomicBool)) {
-    mine.store(true, Ordering::Relaxed);
-    if !other.load(Ordering::Relaxed) {
-        let _ = w.shutdown().await;
+/// Counts `n` bytes written by a direction.
+fn count(carried: &mut u64, n: usize, counter: &Counter, activity: &mut Instant) {
+    *carried += n as u64;
+    counter.inc_by(n as u64);
+    *activity = Instant::now();
+}
+
+/// Whether an I/O error only means "not now".
+fn retry(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+    )
+}
+
+/// After a short read the socket is drained: clear its readiness without a syscall (tokio
+/// otherwise keeps it set until a read fails with EAGAIN, one wasted recvfrom per message).
+/// Data arriving later raises a new edge-triggered event, and tokio's readiness ticks keep
+/// this from clearing an event newer than the read.
+fn clear_read_readiness(src: &TcpStream) {
+    let _ = src.try_io(Interest::READABLE, || {
+        Err::<(), _>(io::ErrorKind::WouldBlock.into())
+    });
+}
+
+impl Relay<'_> {
+    fn stats(&self) -> Stats {
+        Stats {
+            rx: self.up.carried,
+            tx: self.down.carried,
+        }
+    }
+
+    fn next_deadline(&self) -> Instant {
+        let idle = self
+            .activity
+            .checked_add(self.limits.idle)
+            .unwrap_or(self.activity + FAR);
+        [self.max_at, self.half_at, self.progress_at]
+            .into_iter()
+            .flatten()
+            .fold(idle, std::cmp::min)
+    }
+
+    /// Polls the timer; `Ready` with the end when a bound was hit.
+    fn poll_bounds(&mut self, cx: &mut Context<'_>) -> Poll<End> {
+        while self.timer.as_mut().poll(cx).is_ready() {
+            let now = Instant::now();
+            if self.max_at.is_some_and(|t| t <= now) {
+                return Poll::Ready(End::MaxDuration);
+            }
+            if self.half_at.is_some_and(|t| t <= now) {
+                return Poll::Ready(self.first.clone().unwrap_or(End::ClientClosed));
+            }
+            if self.activity + self.limits.idle <= now {
+                return Poll::Ready(End::IdleTimeout);
+            }
+            if let (Some(t), Some(every)) = (self.progress_at, self.limits.progress)
+                && t <= now
+            {
+                (self.progress)(self.stats());
+                self.progress_at = Some(now + every);
+            }
+            let next = self.next_deadline();
+            self.timer.as_mut().reset(next);
+        }
+        Poll::Pending
     }
 }
 
-/// Copies what `src` has ready (until it would block); `Ok(true)` at end of stream.
-async fn copy_ready(
-    src: &TcpStream,
-    w: &mut WriteHalf<'_>,
-    buf: &mut Vec<u8>,
-    counter: &Counter,
-    total: &AtomicU64,
-    activity: &AtomicU64,
-    start: Instant,
-) -> Result<bool, (&'static str, io::Error)> {
-    loop {
-        buf.clear();
-        let n = match src.try_read_buf(buf) {
-            Ok(0) => return Ok(true),
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(("read", e)),
-        };
-        // Write piecewise so that a slow reader that is still taking bytes counts as
-        // activity (a whole buffer may take longer than the idle timeout to drain).
-        let mut off = 0;
-        while off < n {
-            let written = w.write(&buf[off..n]).await.map_err(|e| ("write", e))?;
-            if written == 0 {
-                return Err(("write", io::ErrorKind::WriteZero.into()));
+impl Future for Relay<'_> {
+    type Output = (End, Stats);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<(End, Stats)> {
+        let this = self.get_mut();
+        if this.stop_key.is_none() {
+            // The relay is awaited by one task, whose waker does not change: one
+            // registration serves for its lifetime.
+            match this.stop.register(cx.waker()) {
+                Some(k) => this.stop_key = Some(k),
+                None => return Poll::Ready((End::Drain, this.stats())),
             }
-            off += written;
-            total.fetch_add(written as u64, Ordering::Relaxed);
-            counter.inc_by(written as u64);
-            activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        } else if this.stop.is_stopped() {
+            return Poll::Ready((End::Drain, this.stats()));
         }
-        if n < buf.capacity() {
-            // Short read: the socket is drained. Clear its readiness without a syscall (tokio
-            // otherwise keeps it set until a read fails with EAGAIN, one wasted recvfrom per
-            // message). Data arriving later raises a new edge-triggered event, and tokio's
-            // readiness ticks keep this from clearing an event newer than our read.
-            let _ = src.try_io(tokio::io::Interest::READABLE, || {
-                Err::<(), _>(io::ErrorKind::WouldBlock.into())
-            });
-            return Ok(false);
+        // Fixed order: data first, then bounds.
+        if !this.up.done() {
+            let other = this.down.done();
+            match this.up.poll_move(
+                cx,
+                this.client,
+                this.backend,
+                this.counters.rx,
+                &mut this.activity,
+                other,
+            ) {
+                Poll::Ready(Ok(())) => {
+                    this.first.get_or_insert(End::ClientClosed);
+                }
+                Poll::Ready(Err((op, e))) => {
+                    let side = if op == "read" { "client" } else { "backend" };
+                    return Poll::Ready((side_error(side, &e), this.stats()));
+                }
+                Poll::Pending => {}
+            }
+        }
+        if !this.down.done() {
+            let other = this.up.done();
+            match this.down.poll_move(
+                cx,
+                this.backend,
+                this.client,
+                this.counters.tx,
+                &mut this.activity,
+                other,
+            ) {
+                Poll::Ready(Ok(())) => {
+                    this.first.get_or_insert(End::BackendClosed);
+                }
+                Poll::Ready(Err((op, e))) => {
+                    let side = if op == "read" { "backend" } else { "client" };
+                    return Poll::Ready((side_error(side, &e), this.stats()));
+                }
+                Poll::Pending => {}
+            }
+        }
+        if this.up.done() && this.down.done() {
+            let end = this.first.clone().unwrap_or(End::ClientClosed);
+            return Poll::Ready((end, this.stats()));
+        }
+        if this.first.is_some() && !this.half_gauge {
+            this.half_gauge = true;
+            this.counters.half_closed.inc();
+            this.half_at = Some(Instant::now() + this.limits.half_close);
+            let next = this.next_deadline();
+            this.timer.as_mut().reset(next);
+        }
+        match this.poll_bounds(cx) {
+            Poll::Ready(end) => Poll::Ready((end, this.stats())),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for Relay<'_> {
+    fn drop(&mut self) {
+        if self.half_gauge {
+            self.counters.half_closed.dec();
+        }
+        if let Some(k) = self.stop_key {
+            self.stop.unregister(k);
+        }
+        for dir in [&mut self.up, &mut self.down] {
+            if let State::Write { buf, .. } = std::mem::replace(&mut dir.state, State::Done) {
+                pool::give(buf);
+            }
         }
     }
 }
@@ -369,12 +585,8 @@ async fn copy_ready(
 mod splice {
     use std::io;
     use std::os::fd::OwnedFd;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::time::Instant;
 
-    use prometheus_client::metrics::counter::Counter;
     use rustix::pipe::{PipeFlags, SpliceFlags, pipe_with, splice};
-    use tokio::io::Interest;
     use tokio::net::TcpStream;
 
     use super::SPLICE_CHUNK;
@@ -405,51 +617,16 @@ mod splice {
         SpliceFlags::NONBLOCK | SpliceFlags::MOVE
     }
 
-    /// Moves `src` to `dst` until end of stream (`Ok(true)`); the pipe is empty after every
-    /// round, so a failure never strands bytes that were counted.
-    pub async fn pump(
-        src: &TcpStream,
-        dst: &TcpStream,
-        pipe: &Pipe,
-        counter: &Counter,
-        total: &AtomicU64,
-        activity: &AtomicU64,
-        start: Instant,
-    ) -> Result<bool, (&'static str, io::Error)> {
-        loop {
-            // Readiness waits and try_io take no cooperative budget, so a saturated flow
-            // would never yield: give the other connections on this thread their turn.
-            tokio::task::consume_budget().await;
-            let filled = loop {
-                src.readable().await.map_err(|e| ("read", e))?;
-                match src.try_io(Interest::READABLE, || {
-                    Ok(splice(src, None, &pipe.write, None, SPLICE_CHUNK, flags())?)
-                }) {
-                    Ok(0) => return Ok(true),
-                    Ok(n) => break n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(("read", e)),
-                }
-            };
-            let mut left = filled;
-            while left > 0 {
-                dst.writable().await.map_err(|e| ("write", e))?;
-                match dst.try_io(Interest::WRITABLE, || {
-                    Ok(splice(&pipe.read, None, dst, None, left, flags())?)
-                }) {
-                    Ok(0) => return Err(("write", io::ErrorKind::WriteZero.into())),
-                    Ok(n) => {
-                        left -= n;
-                        total.fetch_add(n as u64, Ordering::Relaxed);
-                        counter.inc_by(n as u64);
-                        activity.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(("write", e)),
-                }
-            }
+    impl Pipe {
+        /// Moves what `src` has (at most a chunk) into the pipe; `Ok(0)` at end of stream.
+        /// Called only when the pipe is empty, so a failure never strands counted bytes.
+        pub fn fill(&self, src: &TcpStream) -> io::Result<usize> {
+            Ok(splice(src, None, &self.write, None, SPLICE_CHUNK, flags())?)
+        }
+
+        /// Moves up to `len` bytes from the pipe into `dst`.
+        pub fn drain(&self, dst: &TcpStream, len: usize) -> io::Result<usize> {
+            Ok(splice(&self.read, None, dst, None, len, flags())?)
         }
     }
 }
@@ -477,8 +654,11 @@ mod pool {
         })
     }
 
-    /// Returns a buffer for reuse.
+    /// Returns a buffer for reuse (one of another size, such as a replay buffer, is freed).
     pub fn give(mut buf: Vec<u8>) {
+        if ![super::SMALL_BUF, super::MEDIUM_BUF, super::LARGE_BUF].contains(&buf.capacity()) {
+            return;
+        }
         buf.clear();
         FREE.with(|f| {
             let mut f = f.borrow_mut();
@@ -486,5 +666,184 @@ mod pool {
                 f.push(buf);
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    /// A connected pair of sockets: (outside end, relay end).
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let outside = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (inside, _) = l.accept().await.unwrap();
+        (outside, inside)
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+    }
+
+    fn limits(idle: Duration) -> Limits {
+        Limits {
+            idle,
+            half_close: Duration::from_secs(10),
+            max_duration: None,
+            progress: None,
+        }
+    }
+
+    /// Bulk both ways at once (past the splice threshold), the replayed prefix first, and
+    /// the client's half-close forwarded while the backend is still sending.
+    #[tokio::test]
+    async fn bulk_both_ways_with_replay_and_half_close() {
+        let (mut client, client_in) = pair().await;
+        let (mut backend, backend_in) = pair().await;
+        let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
+        let counters = Counters {
+            rx: &rx,
+            tx: &tx,
+            half_closed: &half,
+        };
+        let stop = Stop::default();
+        let up = pattern(9 << 20, 0x11);
+        let down = pattern(7 << 20, 0x22);
+        let replay = b"replayed-first".to_vec();
+
+        let relay = {
+            let (stop, replay) = (&stop, replay.clone());
+            async move {
+                let result = relay(
+                    &client_in,
+                    &backend_in,
+                    replay,
+                    limits(Duration::from_secs(30)),
+                    counters,
+                    &|_| {},
+                    stop,
+                )
+                .await;
+                // As the gateway does: the sockets close right after, which sends the
+                // last FIN (the relay skips the half-close when both directions ended).
+                drop((client_in, backend_in));
+                result
+            }
+        };
+        let send_up = {
+            let up = up.clone();
+            async move {
+                client.write_all(&up).await.unwrap();
+                client.shutdown().await.unwrap();
+                let mut got = Vec::new();
+                client.read_to_end(&mut got).await.unwrap();
+                got
+            }
+        };
+        let serve = {
+            let down = down.clone();
+            async move {
+                let (mut r, mut w) = backend.split();
+                let read = async {
+                    let mut got = Vec::new();
+                    r.read_to_end(&mut got).await.unwrap();
+                    got
+                };
+                let write = async {
+                    w.write_all(&down).await.unwrap();
+                    w.shutdown().await.unwrap();
+                };
+                let (got, ()) = tokio::join!(read, write);
+                got
+            }
+        };
+        let ((end, stats), got_down, got_up) =
+            tokio::time::timeout(Duration::from_secs(60), async {
+                tokio::join!(relay, send_up, serve)
+            })
+            .await
+            .expect("relay finishes");
+        let mut want_up = replay.clone();
+        want_up.extend(&up);
+        assert!(got_up == want_up, "upstream bytes differ");
+        assert!(got_down == down, "downstream bytes differ");
+        assert!(matches!(end, End::ClientClosed | End::BackendClosed));
+        assert_eq!(stats.rx, want_up.len() as u64);
+        assert_eq!(stats.tx, down.len() as u64);
+        assert_eq!(rx.get(), stats.rx);
+        assert_eq!(tx.get(), stats.tx);
+        assert_eq!(half.get(), 0, "the half-closed gauge is released");
+    }
+
+    /// `Stop` ends idle relays at once, and a relay started after it ends immediately.
+    #[tokio::test]
+    async fn stop_cuts_idle_relays() {
+        let (_client, client_in) = pair().await;
+        let (_backend, backend_in) = pair().await;
+        let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
+        let counters = Counters {
+            rx: &rx,
+            tx: &tx,
+            half_closed: &half,
+        };
+        let stop = Stop::default();
+        let first = relay(
+            &client_in,
+            &backend_in,
+            Vec::new(),
+            limits(Duration::from_secs(3600)),
+            counters,
+            &|_| {},
+            &stop,
+        );
+        let stopper = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            stop.stop();
+        };
+        let ((end, _), ()) = tokio::time::timeout(Duration::from_secs(5), async {
+            tokio::join!(first, stopper)
+        })
+        .await
+        .expect("stop wakes the relay");
+        assert_eq!(end, End::Drain);
+        let later = relay(
+            &client_in,
+            &backend_in,
+            Vec::new(),
+            limits(Duration::from_secs(3600)),
+            counters,
+            &|_| {},
+            &stop,
+        );
+        assert_eq!(later.await.0, End::Drain);
+    }
+
+    /// No bytes for `idle`: the relay ends with `IdleTimeout`.
+    #[tokio::test]
+    async fn idle_timeout() {
+        let (_client, client_in) = pair().await;
+        let (_backend, backend_in) = pair().await;
+        let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
+        let counters = Counters {
+            rx: &rx,
+            tx: &tx,
+            half_closed: &half,
+        };
+        let stop = Stop::default();
+        let r = relay(
+            &client_in,
+            &backend_in,
+            Vec::new(),
+            limits(Duration::from_millis(200)),
+            counters,
+            &|_| {},
+            &stop,
+        );
+        let (end, _) = tokio::time::timeout(Duration::from_secs(5), r)
+            .await
+            .expect("idle bound");
+        assert_eq!(end, End::IdleTimeout);
     }
 }

@@ -156,7 +156,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     readiness.publish(&admin_state);
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let (hard_tx, hard_rx) = watch::channel(false);
+    let hard_stop = Arc::new(relay::Stop::default());
     let tracker = Arc::new(Tracker::default());
     let lm = Arc::new(metrics.listener(LISTENER));
     let rm = metrics.route(ROUTE);
@@ -168,7 +168,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
             metrics: metrics.clone(),
             lm: lm.clone(),
             rm: rm.clone(),
-            hard_stop: hard_rx.clone(),
+            hard_stop: hard_stop.clone(),
         };
         accept_tasks.push(tokio::spawn(accept_loop(
             l,
@@ -193,7 +193,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
         .await
         .is_err()
     {
-        let _ = hard_tx.send(true);
+        hard_stop.stop();
         let _ = tokio::time::timeout(Duration::from_secs(2), tracker.wait_idle()).await;
     }
     if let Some(t) = link_task {
@@ -245,7 +245,7 @@ struct Ctx {
     metrics: Arc<Metrics>,
     lm: Arc<ListenerMetrics>,
     rm: Arc<RouteMetrics>,
-    hard_stop: watch::Receiver<bool>,
+    hard_stop: Arc<relay::Stop>,
 }
 
 async fn accept_loop(
@@ -444,7 +444,7 @@ async fn handle(mut client: TcpStream, peer: SocketAddr, ctx: &Ctx) {
         };
         Ok::<_, UpstreamFailure>((up, addr, early))
     };
-    let (mut up, addr, early) = match setup.await {
+    let (up, addr, early) = match setup.await {
         Ok(x) => x,
         Err(f) => {
             ctx.metrics.connect_failure(ROUTE, f.reason);
@@ -486,13 +486,13 @@ async fn handle(mut client: TcpStream, peer: SocketAddr, ctx: &Ctx) {
             half_closed: &ctx.metrics.half_closed,
         };
         relay::relay(
-            &mut client,
-            &mut up,
+            &client,
+            &up,
             Vec::new(),
             limits,
             counters,
             &|_| {},
-            ctx.hard_stop.clone(),
+            &ctx.hard_stop,
         )
         .await
     };
