@@ -154,7 +154,9 @@ async fn streams_survive_route_change_removal_and_invalid_table() {
     let (status, body) = http_get(gw.admin, "/routes").unwrap();
     assert_eq!(status, 200);
     assert!(
-        body.contains("\"generation\": 3") && body.contains("\"other\""),
+        body.contains("\"generation\": 3")
+            && body.contains("\"name\": \"other\"")
+            && body.contains("\"backends\""),
         "{body}"
     );
 }

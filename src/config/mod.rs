@@ -133,6 +133,19 @@ impl Errors {
     }
 }
 
+/// Writes a duration the way [`parse_duration`] reads it back: `90s`, `1500ms`, `250us`.
+pub fn duration_text(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else if d.subsec_nanos().is_multiple_of(1_000_000) {
+        format!("{}ms", d.as_millis())
+    } else if d.subsec_nanos().is_multiple_of(1_000) {
+        format!("{}us", d.as_micros())
+    } else {
+        format!("{}ns", d.as_nanos())
+    }
+}
+
 /// Longest duration accepted anywhere (one year): larger values are typos and would
 /// overflow deadline arithmetic.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -250,6 +263,34 @@ pub(crate) fn load_with<T>(
     from_document(file, doc)
 }
 
+/// Decodes file bytes straight into raw serde types, without the generic document in
+/// between (several times faster and leaner on a 10,000-route table). Only when that fails
+/// does the slow path run, to report the error with its field path; `apiVersion` and `kind`
+/// are the caller's to check.
+fn decode_bytes<T: DeserializeOwned>(file: &Path, bytes: &[u8]) -> Result<T, ConfigError> {
+    let text =
+        std::str::from_utf8(bytes).map_err(|e| invalid(file, "", format!("not UTF-8: {e}")))?;
+    let fast = if text.trim_start().starts_with('{') {
+        serde_json::from_str::<T>(text).ok()
+    } else {
+        serde_saphyr::from_str::<T>(text).ok()
+    };
+    match fast {
+        Some(value) => Ok(value),
+        None => decode(file, parse_document(file, bytes)?),
+    }
+}
+
+/// Records an error unless `api_version` is the one this build understands.
+fn check_api_version(errors: &mut Errors, api_version: &str) {
+    if api_version != API_VERSION {
+        errors.push(
+            "apiVersion",
+            format!("unsupported {api_version:?}, expected {API_VERSION:?}"),
+        );
+    }
+}
+
 /// Decodes a document into raw serde types; structural errors carry the field path.
 fn decode<T: DeserializeOwned>(file: &Path, doc: serde_json::Value) -> Result<T, ConfigError> {
     serde_path_to_error::deserialize(doc).map_err(|e| {
@@ -290,7 +331,7 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
         Some(node::KIND) => node::from_document(file, doc).map(AnyFile::Node),
         Some(routes::KIND) => {
             let registry = crate::route::BackendRegistry::default();
-            routes::from_document(file, &bytes, doc, &registry).map(AnyFile::Routes)
+            routes::parse(file, &bytes, &registry).map(AnyFile::Routes)
         }
         Some(other) => Err(invalid(
             file,
@@ -324,6 +365,19 @@ mod tests {
         );
         let err = parse_document(f, br#"{"kind": "#).unwrap_err().to_string();
         assert!(err.contains("x: JSON:"), "{err}");
+    }
+
+    #[test]
+    fn duration_text_reads_back() {
+        for d in [
+            Duration::from_secs(90),
+            Duration::from_millis(1500),
+            Duration::from_micros(250),
+            Duration::from_nanos(7),
+            Duration::ZERO,
+        ] {
+            assert_eq!(parse_duration(&duration_text(d)), Ok(d), "{d:?}");
+        }
     }
 
     #[test]

@@ -76,13 +76,11 @@ pub struct RawRouteTimeouts {
     pub idle: Option<String>,
 }
 
-/// A validated table together with what it was built from.
+/// A validated table and the hash of the file it was built from.
 #[derive(Debug)]
 pub struct LoadedTable {
-    /// The indexed table.
+    /// The indexed table (also what `/routes` shows: no second copy of the file is kept).
     pub table: RoutingTable,
-    /// The file contents as parsed, for `/routes`.
-    pub raw: RawRoutingTable,
     /// FNV-1a 64 hash of the file bytes, hex.
     pub hash: String,
 }
@@ -109,24 +107,15 @@ pub fn parse(
     bytes: &[u8],
     registry: &BackendRegistry,
 ) -> Result<LoadedTable, ConfigError> {
-    let doc = super::parse_document(file, bytes)?;
-    from_document(file, bytes, doc, registry)
-}
-
-pub(super) fn from_document(
-    file: &Path,
-    bytes: &[u8],
-    doc: serde_json::Value,
-    registry: &BackendRegistry,
-) -> Result<LoadedTable, ConfigError> {
-    let raw: RawRoutingTable = super::decode(file, doc)?;
+    let raw: RawRoutingTable = super::decode_bytes(file, bytes)?;
     let mut errors = Errors::default();
+    super::check_api_version(&mut errors, &raw.api_version);
     if raw.kind != KIND {
         errors.push("kind", format!("expected {KIND:?}"));
     }
     let routes: Vec<Route> = raw
         .routes
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, r)| validate_route(&format!("routes[{i}]"), r, registry, &mut errors))
         .collect();
@@ -150,7 +139,6 @@ pub(super) fn from_document(
         file,
         LoadedTable {
             table,
-            raw,
             hash: content_hash(bytes),
         },
     )
@@ -158,7 +146,7 @@ pub(super) fn from_document(
 
 fn validate_route(
     path: &str,
-    raw: &RawRoute,
+    raw: RawRoute,
     registry: &BackendRegistry,
     errors: &mut Errors,
 ) -> Route {
@@ -220,13 +208,13 @@ fn validate_route(
     }
     let backends = raw
         .backends
-        .iter()
+        .into_iter()
         .enumerate()
         .filter_map(|(i, b)| match BackendAddress::parse(&b.address) {
             Ok(address) => Some(Backend {
                 state: registry.state(&address),
                 address,
-                zone: b.zone.clone(),
+                zone: b.zone,
             }),
             Err(e) => {
                 errors.push(
@@ -255,9 +243,9 @@ fn validate_route(
         .as_deref()
         .and_then(|v| positive(errors, &at(path, "maxConnectionDuration"), v));
     Route {
-        name: raw.name.clone(),
+        name: raw.name,
         sni,
-        destinations: raw.destinations.clone(),
+        destinations: raw.destinations,
         proxy_destinations,
         backends,
         timeouts,

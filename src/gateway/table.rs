@@ -12,7 +12,9 @@ use tokio::sync::mpsc;
 
 use crate::admin::Metrics;
 use crate::config::ConfigError;
-use crate::config::routes::{self, LoadedTable, RawRoutingTable};
+use crate::config::duration_text;
+use crate::config::routes::{self, LoadedTable};
+use crate::route::RouteTimeouts;
 use crate::route::{BackendRegistry, RoutingTable};
 
 /// One published table.
@@ -140,19 +142,74 @@ impl Tables {
         }
     }
 
-    /// The active table as JSON, for `/routes`.
+    /// The active table as JSON, for `/routes`: rendered from the indexed table (names
+    /// normalised, durations canonical), so no copy of the file stays in memory.
     pub fn to_json(&self) -> String {
         #[derive(Serialize)]
+        #[serde(rename_all = "camelCase")]
         struct View<'a> {
             generation: u64,
             hash: &'a str,
-            #[serde(rename = "appliedAt")]
             applied_at: u64,
             file: &'a Path,
-            #[serde(flatten)]
-            table: &'a RawRoutingTable,
+            api_version: &'static str,
+            kind: &'static str,
+            routes: Vec<RouteView<'a>>,
+        }
+        #[derive(Serialize)]
+        #[serde(rename_all = "camelCase")]
+        struct RouteView<'a> {
+            name: &'a str,
+            #[serde(skip_serializing_if = "<[_]>::is_empty")]
+            sni: &'a [String],
+            #[serde(skip_serializing_if = "<[_]>::is_empty")]
+            destinations: &'a [String],
+            #[serde(skip_serializing_if = "<[_]>::is_empty")]
+            proxy_destinations: &'a [std::net::SocketAddr],
+            backends: Vec<BackendView<'a>>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            timeouts: Option<TimeoutsView>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            max_connection_duration: Option<String>,
+        }
+        #[derive(Serialize)]
+        struct BackendView<'a> {
+            address: String,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            zone: Option<&'a str>,
+        }
+        #[derive(Serialize)]
+        struct TimeoutsView {
+            #[serde(skip_serializing_if = "Option::is_none")]
+            connect: Option<String>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            idle: Option<String>,
         }
         let s = self.snapshot();
+        let routes = s
+            .table()
+            .routes()
+            .iter()
+            .map(|r| RouteView {
+                name: &r.name,
+                sni: &r.sni,
+                destinations: &r.destinations,
+                proxy_destinations: &r.proxy_destinations,
+                backends: r
+                    .backends
+                    .iter()
+                    .map(|b| BackendView {
+                        address: b.address.to_string(),
+                        zone: b.zone.as_deref(),
+                    })
+                    .collect(),
+                timeouts: (r.timeouts != RouteTimeouts::default()).then(|| TimeoutsView {
+                    connect: r.timeouts.connect.map(duration_text),
+                    idle: r.timeouts.idle.map(duration_text),
+                }),
+                max_connection_duration: r.max_connection_duration.map(duration_text),
+            })
+            .collect();
         let view = View {
             generation: s.generation,
             hash: &s.loaded.hash,
@@ -162,7 +219,9 @@ impl Tables {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             file: &self.file,
-            table: &s.loaded.raw,
+            api_version: crate::config::API_VERSION,
+            kind: routes::KIND,
+            routes,
         };
         serde_json::to_string_pretty(&view).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
     }
