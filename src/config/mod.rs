@@ -346,7 +346,7 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
 }
 
 /// Joins `name[index]` or `name.field` paths.
-pub(crate) fn at(base: &str, field: impl fmt::Display) -> String {
+pub(crate) fn at(base: impl fmt::Display, field: impl fmt::Display) -> String {
     format!("{base}.{field}")
 }
 

@@ -117,7 +117,7 @@ pub fn parse(
         .routes
         .into_iter()
         .enumerate()
-        .map(|(i, r)| validate_route(&format!("routes[{i}]"), r, registry, &mut errors))
+        .map(|(i, r)| validate_route(RoutePath(i), r, registry, &mut errors))
         .collect();
     let table = if errors.0.is_empty() {
         match RoutingTable::new(routes) {
@@ -144,8 +144,18 @@ pub fn parse(
     )
 }
 
+/// `routes[i]`, formatted only when an error needs it.
+#[derive(Clone, Copy)]
+struct RoutePath(usize);
+
+impl std::fmt::Display for RoutePath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "routes[{}]", self.0)
+    }
+}
+
 fn validate_route(
-    path: &str,
+    path: RoutePath,
     raw: RawRoute,
     registry: &BackendRegistry,
     errors: &mut Errors,
@@ -244,13 +254,19 @@ fn validate_route(
         .and_then(|v| positive(errors, &at(path, "maxConnectionDuration"), v));
     Route {
         name: raw.name,
-        sni,
-        destinations: raw.destinations,
-        proxy_destinations,
-        backends,
+        sni: exact(sni),
+        destinations: exact(raw.destinations),
+        proxy_destinations: exact(proxy_destinations),
+        backends: exact(backends),
         timeouts,
         max_connection_duration,
     }
+}
+
+/// The list without spare capacity: a table lives long, and decoders grow lists in steps.
+fn exact<T>(mut v: Vec<T>) -> Vec<T> {
+    v.shrink_to_fit();
+    v
 }
 
 /// A duration that must be greater than zero.

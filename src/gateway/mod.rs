@@ -73,6 +73,7 @@ pub struct Shared {
 
 /// Runs the gateway until SIGTERM/SIGINT and a completed drain.
 pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
+    table::fix_mmap_threshold();
     let metrics = Arc::new(Metrics::new());
     let tables = Arc::new(Tables::load(&config.routes_file, metrics.clone())?);
     table::release_free_memory();

@@ -8,8 +8,11 @@
 //! does no I/O and knows nothing about tokio.
 
 mod backend;
+mod index;
 
 use std::collections::HashMap;
+
+use index::{Index, Keys};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,59 +79,126 @@ pub struct Conflict {
     pub second: String,
 }
 
-/// An immutable, validated set of routes with lookup indexes.
+/// An immutable, validated set of routes with lookup indexes. The string indexes keep no
+/// copy of their keys: they point into the routes.
 #[derive(Debug, Default)]
 pub struct RoutingTable {
     routes: Vec<Arc<Route>>,
-    by_name: HashMap<String, usize>,
-    sni_exact: HashMap<String, usize>,
+    by_name: Index,
+    sni_exact: Index,
     /// Keyed by the suffix with its leading dot: `*.a.example.com` -> `.a.example.com`.
-    sni_wildcard: HashMap<String, usize>,
-    destinations: HashMap<String, usize>,
-    proxy_destinations: HashMap<SocketAddr, usize>,
+    sni_wildcard: Index,
+    destinations: Index,
+    proxy_destinations: HashMap<SocketAddr, u32>,
+}
+
+/// Which string of a route an index holds; `position` picks one of a list.
+#[derive(Clone, Copy)]
+enum KeyKind {
+    Name,
+    Sni,
+    /// A `*.suffix` SNI pattern, keyed without the `*`.
+    SniSuffix,
+    Destination,
+}
+
+/// The routes seen as one kind of key.
+struct RouteKeys<'a, R> {
+    routes: &'a [R],
+    kind: KeyKind,
+}
+
+impl<R: std::ops::Deref<Target = Route>> Keys for RouteKeys<'_, R> {
+    fn key(&self, route: u32, position: u32) -> &str {
+        let r: &Route = &self.routes[route as usize];
+        let p = position as usize;
+        match self.kind {
+            KeyKind::Name => &r.name,
+            KeyKind::Sni => &r.sni[p],
+            KeyKind::SniSuffix => &r.sni[p][1..],
+            KeyKind::Destination => &r.destinations[p],
+        }
+    }
 }
 
 impl RoutingTable {
     /// Indexes `routes`; fails with every key claimed twice.
     pub fn new(routes: Vec<Route>) -> Result<Self, Vec<Conflict>> {
-        let mut table = RoutingTable::default();
+        let routes: Vec<Arc<Route>> = routes.into_iter().map(Arc::new).collect();
+        let count = |f: fn(&Route) -> usize| routes.iter().map(|r| f(r)).sum::<usize>();
+        let wildcards = count(|r| r.sni.iter().filter(|s| s.starts_with('*')).count());
+        let mut table = RoutingTable {
+            by_name: Index::with_capacity(routes.len()),
+            sni_exact: Index::with_capacity(count(|r| r.sni.len()) - wildcards),
+            sni_wildcard: Index::with_capacity(wildcards),
+            destinations: Index::with_capacity(count(|r| r.destinations.len())),
+            proxy_destinations: HashMap::with_capacity(count(|r| r.proxy_destinations.len())),
+            routes: Vec::new(),
+        };
+        let keys = |kind| RouteKeys {
+            routes: &routes,
+            kind,
+        };
         let mut conflicts = Vec::new();
         for (i, route) in routes.iter().enumerate() {
-            let mut claim = |kind: &'static str, key: String, map_first: Option<usize>| {
-                if let Some(first) = map_first {
+            let n = i as u32;
+            let mut claim = |kind: &'static str, key: &dyn std::fmt::Display, prev: Option<u32>| {
+                // A route may list a key twice; only another route's claim conflicts.
+                if let Some(first) = prev.filter(|&p| p != n) {
                     conflicts.push(Conflict {
                         kind,
-                        key,
-                        first_index: first,
-                        first: routes[first].name.clone(),
+                        key: key.to_string(),
+                        first_index: first as usize,
+                        first: routes[first as usize].name.clone(),
                         second_index: i,
                         second: route.name.clone(),
                     });
                 }
             };
-            let prev = table.by_name.insert(route.name.clone(), i);
-            claim("name", route.name.clone(), prev);
-            for name in &route.sni {
+            let prev = table
+                .by_name
+                .insert(&keys(KeyKind::Name), &route.name, n, 0);
+            claim("name", &route.name, prev);
+            for (p, name) in route.sni.iter().enumerate() {
                 let prev = match name.strip_prefix('*') {
-                    Some(suffix) => table.sni_wildcard.insert(suffix.to_owned(), i),
-                    None => table.sni_exact.insert(name.clone(), i),
+                    Some(suffix) => {
+                        table
+                            .sni_wildcard
+                            .insert(&keys(KeyKind::SniSuffix), suffix, n, p as u32)
+                    }
+                    None => table
+                        .sni_exact
+                        .insert(&keys(KeyKind::Sni), name, n, p as u32),
                 };
-                claim("sni", name.clone(), prev.filter(|&p| p != i));
+                claim("sni", name, prev);
             }
-            for d in &route.destinations {
-                let prev = table.destinations.insert(d.clone(), i);
-                claim("destination", d.clone(), prev.filter(|&p| p != i));
+            for (p, d) in route.destinations.iter().enumerate() {
+                let prev = table
+                    .destinations
+                    .insert(&keys(KeyKind::Destination), d, n, p as u32);
+                claim("destination", d, prev);
             }
             for d in &route.proxy_destinations {
-                let prev = table.proxy_destinations.insert(*d, i);
-                claim("proxyDestination", d.to_string(), prev.filter(|&p| p != i));
+                let prev = *table.proxy_destinations.entry(*d).or_insert(n);
+                claim("proxyDestination", d, Some(prev));
             }
         }
         if !conflicts.is_empty() {
             return Err(conflicts);
         }
-        table.routes = routes.into_iter().map(Arc::new).collect();
+        table.routes = routes;
         Ok(table)
+    }
+
+    fn found(&self, i: Option<u32>) -> Option<&Arc<Route>> {
+        i.map(|i| &self.routes[i as usize])
+    }
+
+    fn keys(&self, kind: KeyKind) -> RouteKeys<'_, Arc<Route>> {
+        RouteKeys {
+            routes: &self.routes,
+            kind,
+        }
     }
 
     /// All routes in file order.
@@ -138,32 +208,37 @@ impl RoutingTable {
 
     /// The route with this name.
     pub fn by_name(&self, name: &str) -> Option<&Arc<Route>> {
-        self.by_name.get(name).map(|&i| &self.routes[i])
+        self.found(self.by_name.get(&self.keys(KeyKind::Name), name))
     }
 
     /// The route for a server name that is already normalised (lower case, no trailing dot):
     /// an exact match first, else the longest `*.` suffix.
     pub fn by_sni(&self, name: &str) -> Option<&Arc<Route>> {
-        if let Some(&i) = self.sni_exact.get(name) {
-            return Some(&self.routes[i]);
+        if let Some(i) = self.sni_exact.get(&self.keys(KeyKind::Sni), name) {
+            return self.found(Some(i));
         }
         if self.sni_wildcard.is_empty() {
             return None;
         }
         // Suffixes from longest to shortest: ".b.c.com", ".c.com", ".com".
-        name.match_indices('.')
-            .find_map(|(pos, _)| self.sni_wildcard.get(&name[pos..]))
-            .map(|&i| &self.routes[i])
+        let keys = self.keys(KeyKind::SniSuffix);
+        self.found(
+            name.match_indices('.')
+                .find_map(|(pos, _)| self.sni_wildcard.get(&keys, &name[pos..])),
+        )
     }
 
     /// The route for a CONNECT destination header value (compared exactly).
     pub fn by_destination(&self, destination: &str) -> Option<&Arc<Route>> {
-        self.destinations.get(destination).map(|&i| &self.routes[i])
+        self.found(
+            self.destinations
+                .get(&self.keys(KeyKind::Destination), destination),
+        )
     }
 
     /// The route for an original destination carried in a PROXY header.
     pub fn by_proxy_destination(&self, addr: &SocketAddr) -> Option<&Arc<Route>> {
-        self.proxy_destinations.get(addr).map(|&i| &self.routes[i])
+        self.found(self.proxy_destinations.get(addr).copied())
     }
 }
 
