@@ -102,8 +102,8 @@ fn tree(pid: u32) -> Vec<u32> {
     pids
 }
 
-/// CPU time (user + system) of `pid` and its children, in seconds.
-fn tree_cpu(pid: u32) -> f64 {
+/// CPU time (user, system) of `pid` and its children, in seconds.
+fn tree_cpu(pid: u32) -> (f64, f64) {
     // SAFETY: sysconf has no preconditions.
     let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     tree(pid)
@@ -119,9 +119,10 @@ fn tree_cpu(pid: u32) -> f64 {
                 .take(2)
                 .filter_map(|s| s.parse().ok())
                 .collect();
-            f.iter().sum::<u64>() as f64 / tick
+            let at = |k: usize| f.get(k).copied().unwrap_or(0) as f64 / tick;
+            (at(0), at(1))
         })
-        .sum()
+        .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1))
 }
 
 /// Resident memory of `pid` and all its descendants, in bytes.
@@ -597,14 +598,18 @@ fn main() {
                     let eight = throughput(t, STREAMS, secs).await;
                     let cpu = proxy.pid().map(tree_cpu);
                     let rate = conn_rate(t, secs).await;
-                    // The proxy's own CPU per proxied connection: what the rate costs it.
-                    let cpu_us = match (cpu, proxy.pid().map(tree_cpu)) {
-                        (Some(a), Some(b)) => (b - a) * 1e6 / (rate * secs).max(1.0),
-                        _ => f64::NAN,
+                    // The proxy's own CPU per proxied connection (and its user-space part):
+                    // what the rate costs it.
+                    let (cpu_us, user_us) = match (cpu, proxy.pid().map(tree_cpu)) {
+                        (Some(a), Some(b)) => {
+                            let n = (rate * secs).max(1.0);
+                            ((b.0 + b.1 - a.0 - a.1) * 1e6 / n, (b.0 - a.0) * 1e6 / n)
+                        }
+                        _ => (f64::NAN, f64::NAN),
                     };
                     let (p50, p99) = latency(t, secs).await;
                     eprintln!(
-                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s ({cpu_us:4.1} µs CPU each)  p50 {p50:6.1} µs  p99 {p99:7.1} µs",
+                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s ({cpu_us:4.1} µs CPU each, {user_us:3.1} in user space)  p50 {p50:6.1} µs  p99 {p99:7.1} µs",
                         t.proxy, t.job
                     );
                     for (k, v) in [one, eight, rate, p50, p99].into_iter().enumerate() {

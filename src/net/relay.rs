@@ -171,6 +171,14 @@ impl Stop {
         })
     }
 
+    /// Points a registration at another waker (no-op after `stop`).
+    fn replace(&self, key: usize, waker: &Waker) {
+        let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot @ Some(_)) = s.wakers.get_mut(key) {
+            *slot = Some(waker.clone());
+        }
+    }
+
     fn unregister(&self, key: usize) {
         let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         // After `stop` the slots are gone and every key is stale.
@@ -198,12 +206,13 @@ pub fn relay<'a>(
     stop: &'a Stop,
 ) -> Relay<'a> {
     let start = Instant::now();
-    let bound = |d: Option<Duration>| d.and_then(|d| start.checked_add(d));
+    let bound = |d: Option<Duration>| d.map(|d| later(start, d));
     let mut relay = Relay {
         client,
         backend,
         up: Dir {
             carried: 0,
+            no_splice: false,
             state: if initial.is_empty() {
                 State::Read
             } else {
@@ -215,6 +224,7 @@ pub fn relay<'a>(
         },
         down: Dir {
             carried: 0,
+            no_splice: false,
             state: State::Read,
         },
         limits,
@@ -222,6 +232,8 @@ pub fn relay<'a>(
         progress,
         stop,
         stop_key: None,
+        stop_waker: None,
+        up_first: false,
         timer: Box::pin(sleep_until(start)),
         activity: start,
         max_at: bound(limits.max_duration),
@@ -238,6 +250,11 @@ pub fn relay<'a>(
 /// Far enough to mean "never" for a deadline that would overflow.
 const FAR: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// `t + d`, saturating at "never" instead of panicking on overflow.
+fn later(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d).or_else(|| t.checked_add(FAR)).unwrap_or(t)
+}
+
 /// The future [`relay`] returns; resolves to why the relay ended and what it carried.
 pub struct Relay<'a> {
     client: &'a TcpStream,
@@ -251,6 +268,10 @@ pub struct Relay<'a> {
     progress: &'a (dyn Fn(Stats) + Sync),
     stop: &'a Stop,
     stop_key: Option<usize>,
+    /// The waker left with `stop`, to notice when the relay is polled by another task.
+    stop_waker: Option<Waker>,
+    /// Which direction goes first in the next poll.
+    up_first: bool,
     /// One timer for every bound: it fires at the earliest of the idle, lifetime,
     /// half-close and progress deadlines, and the relay works out which one it was.
     timer: Pin<Box<Sleep>>,
@@ -269,6 +290,9 @@ pub struct Relay<'a> {
 struct Dir {
     /// Bytes written to the destination.
     carried: u64,
+    /// A pipe could not be had (e.g. past the per-user pipe quota): copy from now on rather
+    /// than retry on every readable event.
+    no_splice: bool,
     state: State,
 }
 
@@ -315,27 +339,25 @@ impl Dir {
                 State::Done => return Poll::Ready(Ok(())),
                 State::Read => {
                     ready!(src.poll_read_ready(cx)).map_err(|e| ("read", e))?;
-                    if self.carried >= SPLICE_AFTER
-                        && let Ok(pipe) = splice::Pipe::new()
-                    {
-                        // Bulk flow: from here on, bytes go socket -> pipe -> socket inside
-                        // the kernel.
-                        self.state = State::Splice { pipe, filled: 0 };
-                        continue;
+                    if self.carried >= SPLICE_AFTER && !self.no_splice {
+                        match splice::Pipe::new() {
+                            Ok(pipe) => {
+                                // Bulk flow: from here on, bytes go socket -> pipe -> socket
+                                // inside the kernel.
+                                self.state = State::Splice { pipe, filled: 0 };
+                                continue;
+                            }
+                            Err(_) => self.no_splice = true,
+                        }
                     }
                     let mut buf = pool::take(self.buf_size());
-                    match src.try_read_buf(&mut buf) {
+                    match read_draining(src, &mut buf) {
                         Ok(0) => {
                             pool::give(buf);
                             self.finish(dst, other_done);
                             return Poll::Ready(Ok(()));
                         }
-                        Ok(n) => {
-                            if n < buf.capacity() {
-                                clear_read_readiness(src);
-                            }
-                            self.state = State::Write { buf, off: 0 };
-                        }
+                        Ok(_) => self.state = State::Write { buf, off: 0 },
                         Err(e) => {
                             pool::give(buf);
                             if !retry(&e) {
@@ -436,17 +458,76 @@ fn retry(e: &io::Error) -> bool {
     )
 }
 
-/// After a short read the socket is drained: clear its readiness without a syscall (tokio
-/// otherwise keeps it set until a read fails with EAGAIN, one wasted recvfrom per message).
-/// Data arriving later raises a new edge-triggered event, and tokio's readiness ticks keep
-/// this from clearing an event newer than the read.
-fn clear_read_readiness(src: &TcpStream) {
-    let _ = src.try_io(Interest::READABLE, || {
-        Err::<(), _>(io::ErrorKind::WouldBlock.into())
+/// Reads what `src` has into `buf`'s spare capacity; `Ok(0)` at end of stream.
+///
+/// A short read means the socket is drained, so its readiness is cleared right away instead
+/// of by a later read failing with EAGAIN (one wasted recvfrom per message). The clear uses
+/// the readiness tick taken *before* the read: an event the I/O driver records after it
+/// (possibly on another thread) is newer and survives, so data arriving meanwhile is not
+/// lost to edge-triggered epoll.
+fn read_draining(src: &TcpStream, buf: &mut Vec<u8>) -> io::Result<usize> {
+    let room = buf.capacity() - buf.len();
+    let mut short = None;
+    let result = src.try_io(Interest::READABLE, || {
+        let n = src.try_read_buf(buf)?;
+        if n > 0 && n < room {
+            short = Some(n);
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        Ok(n)
     });
+    match (result, short) {
+        (_, Some(n)) => Ok(n),
+        (result, None) => result,
+    }
 }
 
 impl Relay<'_> {
+    /// Moves one direction along; `Ready(Err)` when the relay must end with an error.
+    fn poll_direction(&mut self, cx: &mut Context<'_>, up: bool) -> Poll<Result<(), End>> {
+        let (dir, other, src, dst, counter) = if up {
+            (
+                &mut self.up,
+                &self.down,
+                self.client,
+                self.backend,
+                self.counters.rx,
+            )
+        } else {
+            (
+                &mut self.down,
+                &self.up,
+                self.backend,
+                self.client,
+                self.counters.tx,
+            )
+        };
+        if dir.done() {
+            return Poll::Ready(Ok(()));
+        }
+        let (reader, writer) = if up {
+            ("client", "backend")
+        } else {
+            ("backend", "client")
+        };
+        match dir.poll_move(cx, src, dst, counter, &mut self.activity, other.done()) {
+            Poll::Ready(Ok(())) => {
+                let end = if up {
+                    End::ClientClosed
+                } else {
+                    End::BackendClosed
+                };
+                self.first.get_or_insert(end);
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err((op, e))) => {
+                let side = if op == "read" { reader } else { writer };
+                Poll::Ready(Err(side_error(side, &e)))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
     fn stats(&self) -> Stats {
         Stats {
             rx: self.up.carried,
@@ -455,10 +536,7 @@ impl Relay<'_> {
     }
 
     fn next_deadline(&self) -> Instant {
-        let idle = self
-            .activity
-            .checked_add(self.limits.idle)
-            .unwrap_or(self.activity + FAR);
+        let idle = later(self.activity, self.limits.idle);
         [self.max_at, self.half_at, self.progress_at]
             .into_iter()
             .flatten()
@@ -475,14 +553,14 @@ impl Relay<'_> {
             if self.half_at.is_some_and(|t| t <= now) {
                 return Poll::Ready(self.first.clone().unwrap_or(End::ClientClosed));
             }
-            if self.activity + self.limits.idle <= now {
+            if later(self.activity, self.limits.idle) <= now {
                 return Poll::Ready(End::IdleTimeout);
             }
             if let (Some(t), Some(every)) = (self.progress_at, self.limits.progress)
                 && t <= now
             {
                 (self.progress)(self.stats());
-                self.progress_at = Some(now + every);
+                self.progress_at = Some(later(now, every));
             }
             let next = self.next_deadline();
             self.timer.as_mut().reset(next);
@@ -496,55 +574,38 @@ impl Future for Relay<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<(End, Stats)> {
         let this = self.get_mut();
-        if this.stop_key.is_none() {
-            // The relay is awaited by one task, whose waker does not change: one
-            // registration serves for its lifetime.
-            match this.stop.register(cx.waker()) {
-                Some(k) => this.stop_key = Some(k),
+        match &this.stop_waker {
+            None => match this.stop.register(cx.waker()) {
+                Some(k) => {
+                    this.stop_key = Some(k);
+                    this.stop_waker = Some(cx.waker().clone());
+                }
                 None => return Poll::Ready((End::Drain, this.stats())),
+            },
+            Some(w) if !w.will_wake(cx.waker()) => {
+                // Polled from another task than before (not how the gateway awaits a
+                // relay, but allowed): the stop must wake this one.
+                if let Some(k) = this.stop_key {
+                    this.stop.replace(k, cx.waker());
+                }
+                this.stop_waker = Some(cx.waker().clone());
             }
-        } else if this.stop.is_stopped() {
+            Some(_) => {}
+        }
+        if this.stop.is_stopped() {
             return Poll::Ready((End::Drain, this.stats()));
         }
-        // Fixed order: data first, then bounds.
-        if !this.up.done() {
-            let other = this.down.done();
-            match this.up.poll_move(
-                cx,
-                this.client,
-                this.backend,
-                this.counters.rx,
-                &mut this.activity,
-                other,
-            ) {
-                Poll::Ready(Ok(())) => {
-                    this.first.get_or_insert(End::ClientClosed);
-                }
-                Poll::Ready(Err((op, e))) => {
-                    let side = if op == "read" { "client" } else { "backend" };
-                    return Poll::Ready((side_error(side, &e), this.stats()));
-                }
-                Poll::Pending => {}
-            }
-        }
-        if !this.down.done() {
-            let other = this.up.done();
-            match this.down.poll_move(
-                cx,
-                this.backend,
-                this.client,
-                this.counters.tx,
-                &mut this.activity,
-                other,
-            ) {
-                Poll::Ready(Ok(())) => {
-                    this.first.get_or_insert(End::BackendClosed);
-                }
-                Poll::Ready(Err((op, e))) => {
-                    let side = if op == "read" { "backend" } else { "client" };
-                    return Poll::Ready((side_error(side, &e), this.stats()));
-                }
-                Poll::Pending => {}
+        // Data first, then bounds; the directions take turns going first, so neither can
+        // spend the task's cooperative budget before the other is polled.
+        this.up_first = !this.up_first;
+        let order = if this.up_first {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for up in order {
+            if let Poll::Ready(Err(end)) = this.poll_direction(cx, up) {
+                return Poll::Ready((end, this.stats()));
             }
         }
         if this.up.done() && this.down.done() {
@@ -554,7 +615,7 @@ impl Future for Relay<'_> {
         if this.first.is_some() && !this.half_gauge {
             this.half_gauge = true;
             this.counters.half_closed.inc();
-            this.half_at = Some(Instant::now() + this.limits.half_close);
+            this.half_at = Some(later(Instant::now(), this.limits.half_close));
             let next = this.next_deadline();
             this.timer.as_mut().reset(next);
         }
@@ -818,6 +879,104 @@ mod tests {
             &stop,
         );
         assert_eq!(later.await.0, End::Drain);
+    }
+
+    /// A relay first polled by one waker and then awaited by another task is still cut by
+    /// `Stop` (the registration follows the waker).
+    #[tokio::test]
+    async fn stop_follows_a_changed_waker() {
+        let (_client, client_in) = pair().await;
+        let (_backend, backend_in) = pair().await;
+        let stop = std::sync::Arc::new(Stop::default());
+        // Its own task: nothing but the stop may wake it.
+        let task = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
+                let counters = Counters {
+                    rx: &rx,
+                    tx: &tx,
+                    half_closed: &half,
+                };
+                let mut r = relay(
+                    &client_in,
+                    &backend_in,
+                    Vec::new(),
+                    limits(Duration::from_secs(3600)),
+                    counters,
+                    &|_| {},
+                    &stop,
+                );
+                {
+                    let mut noop = Context::from_waker(Waker::noop());
+                    assert!(Pin::new(&mut r).poll(&mut noop).is_pending());
+                }
+                r.await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.stop();
+        let (end, _) = tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("stop wakes the task that awaits the relay now")
+            .unwrap();
+        assert_eq!(end, End::Drain);
+    }
+
+    /// Many small request/response exchanges with the relay on a multi-thread runtime (as
+    /// the node daemon runs it), where the I/O driver may record new data on another thread
+    /// while the relay reads: a lost readiness event would hang an exchange.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_on_a_multi_thread_runtime() {
+        let (mut client, client_in) = pair().await;
+        let (mut backend, backend_in) = pair().await;
+        let relay_task = tokio::spawn(async move {
+            let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
+            let counters = Counters {
+                rx: &rx,
+                tx: &tx,
+                half_closed: &half,
+            };
+            let stop = Stop::default();
+            relay(
+                &client_in,
+                &backend_in,
+                Vec::new(),
+                limits(Duration::from_secs(30)),
+                counters,
+                &|_| {},
+                &stop,
+            )
+            .await
+        });
+        let echo = tokio::spawn(async move {
+            let mut buf = [0u8; 64];
+            loop {
+                match backend.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => backend.write_all(&buf[..n]).await.unwrap(),
+                }
+            }
+        });
+        let exchanges = async {
+            for i in 0..3000u32 {
+                // Two writes per exchange, so data often arrives while the relay is reading.
+                let msg = i.to_be_bytes();
+                client.write_all(&msg[..2]).await.unwrap();
+                client.write_all(&msg[2..]).await.unwrap();
+                let mut back = [0u8; 4];
+                client.read_exact(&mut back).await.unwrap();
+                assert_eq!(back, msg);
+            }
+            client.shutdown().await.unwrap();
+        };
+        tokio::time::timeout(Duration::from_secs(60), exchanges)
+            .await
+            .expect("no exchange hangs");
+        let (end, stats) = relay_task.await.unwrap();
+        assert_eq!(end, End::ClientClosed);
+        assert_eq!((stats.rx, stats.tx), (12_000, 12_000));
+        echo.await.unwrap();
     }
 
     /// No bytes for `idle`: the relay ends with `IdleTimeout`.

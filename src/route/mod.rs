@@ -139,15 +139,25 @@ impl RoutingTable {
             routes: &routes,
             kind,
         };
-        let mut conflicts = Vec::new();
+        let mut conflicts: Vec<Conflict> = Vec::new();
         for (i, route) in routes.iter().enumerate() {
             let n = i as u32;
             let mut claim = |kind: &'static str, key: &dyn std::fmt::Display, prev: Option<u32>| {
-                // A route may list a key twice; only another route's claim conflicts.
-                if let Some(first) = prev.filter(|&p| p != n) {
+                // A route may list a key twice; only another route's claim conflicts, and
+                // it is reported once even when this route lists the key twice.
+                let key = key.to_string();
+                if let Some(first) = prev.filter(|&p| p != n)
+                    && !conflicts
+                        .iter()
+                        .rev()
+                        .take_while(|c| c.second_index == i)
+                        .any(|c: &Conflict| {
+                            c.kind == kind && c.first_index == first as usize && c.key == key
+                        })
+                {
                     conflicts.push(Conflict {
                         kind,
-                        key: key.to_string(),
+                        key,
                         first_index: first as usize,
                         first: routes[first as usize].name.clone(),
                         second_index: i,
@@ -301,6 +311,13 @@ mod tests {
         assert_eq!(err[0].first, "a");
         assert_eq!(err[0].second, "b");
         assert!(err[0].to_string().contains("\"a\""));
+        // Listed twice by the second route: still one conflict.
+        let err = RoutingTable::new(vec![
+            route("a", &["x.example.com"]),
+            route("b", &["x.example.com", "X.example.com."]),
+        ])
+        .unwrap_err();
+        assert_eq!(err.len(), 1, "{err:?}");
         let err = RoutingTable::new(vec![route("a", &[]), route("a", &[])]).unwrap_err();
         assert_eq!(err[0].kind, "name");
     }
