@@ -5,7 +5,8 @@
 //! Environment: `BENCH_SECONDS` (per figure and round, default 2), `BENCH_PEERS` (default
 //! `haproxy,nginx`), `BENCH_IDLE` (idle connections for the memory figure, default 5000),
 //! `BENCH_JOBS` (default `sni,proxy-destination,http-connect`), `BENCH_ROUNDS` (default 3),
-//! `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single thread).
+//! `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single thread), `BENCH_TRELLIS_BIN`
+//! (another trellis binary to measure, e.g. a previous build).
 //!
 //! Jobs: `sni` (TLS passthrough by SNI), `proxy-destination` (routed by a PROXY v2 header's
 //! destination), `http-connect` (CONNECT relay; no peer config does this, so trellis only).
@@ -407,7 +408,10 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
         ),
     )
     .unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_trellis"))
+    // BENCH_TRELLIS_BIN compares another build (e.g. the previous commit's) in the same run.
+    let bin = std::env::var("BENCH_TRELLIS_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_trellis").to_string());
+    let child = Command::new(bin)
         .args(["gateway", "--config"])
         .arg(dir.join("gateway.yaml"))
         .env("TRELLIS_LOG", "warn")

@@ -35,8 +35,11 @@ const BULK_AFTER: u64 = 4 * 1024 * 1024;
 const SPLICE_AFTER: u64 = 1024 * 1024;
 /// Most bytes moved by one splice call.
 const SPLICE_CHUNK: usize = 1024 * 1024;
-/// Most bytes one direction moves in one poll before it yields to other connections.
-const MAX_PER_POLL: u64 = 2 * 1024 * 1024;
+/// Most bytes one direction moves in one poll before it yields to other connections: a
+/// safety net only, since every round already takes cooperative budget through its
+/// readiness poll. A low cap costs bulk throughput (2 MiB cut 8-stream throughput by a
+/// quarter: more task switches between the flows).
+const MAX_PER_POLL: u64 = 64 * 1024 * 1024;
 
 /// Bounds of one relayed connection.
 #[derive(Debug, Clone, Copy)]
@@ -330,8 +333,7 @@ impl Dir {
         let mut moved = 0u64;
         loop {
             if moved >= MAX_PER_POLL {
-                // try_read/try_write take no cooperative budget, so a saturated flow would
-                // never yield: give the other connections on this thread their turn.
+                // Give the other connections on this thread their turn.
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
