@@ -750,6 +750,45 @@ mod tests {
         (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
     }
 
+    /// The metrics a relay updates.
+    #[derive(Default)]
+    struct Meters {
+        rx: Counter,
+        tx: Counter,
+        half: Gauge,
+    }
+
+    impl Meters {
+        fn counters(&self) -> Counters<'_> {
+            Counters {
+                rx: &self.rx,
+                tx: &self.tx,
+                half_closed: &self.half,
+            }
+        }
+    }
+
+    fn no_progress(_: Stats) {}
+
+    /// A relay with nothing to replay and no progress callback.
+    fn plain<'a>(
+        client: &'a TcpStream,
+        backend: &'a TcpStream,
+        idle: Duration,
+        meters: &'a Meters,
+        stop: &'a Stop,
+    ) -> Relay<'a> {
+        relay(
+            client,
+            backend,
+            Vec::new(),
+            limits(idle),
+            meters.counters(),
+            &no_progress,
+            stop,
+        )
+    }
+
     fn limits(idle: Duration) -> Limits {
         Limits {
             idle,
@@ -765,27 +804,22 @@ mod tests {
     async fn bulk_both_ways_with_replay_and_half_close() {
         let (mut client, client_in) = pair().await;
         let (mut backend, backend_in) = pair().await;
-        let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
-        let counters = Counters {
-            rx: &rx,
-            tx: &tx,
-            half_closed: &half,
-        };
+        let meters = Meters::default();
         let stop = Stop::default();
         let up = pattern(9 << 20, 0x11);
         let down = pattern(7 << 20, 0x22);
         let replay = b"replayed-first".to_vec();
 
         let relay = {
-            let (stop, replay) = (&stop, replay.clone());
+            let (stop, replay, meters) = (&stop, replay.clone(), &meters);
             async move {
                 let result = relay(
                     &client_in,
                     &backend_in,
                     replay,
                     limits(Duration::from_secs(30)),
-                    counters,
-                    &|_| {},
+                    meters.counters(),
+                    &no_progress,
                     stop,
                 )
                 .await;
@@ -835,9 +869,9 @@ mod tests {
         assert!(matches!(end, End::ClientClosed | End::BackendClosed));
         assert_eq!(stats.rx, want_up.len() as u64);
         assert_eq!(stats.tx, down.len() as u64);
-        assert_eq!(rx.get(), stats.rx);
-        assert_eq!(tx.get(), stats.tx);
-        assert_eq!(half.get(), 0, "the half-closed gauge is released");
+        assert_eq!(meters.rx.get(), stats.rx);
+        assert_eq!(meters.tx.get(), stats.tx);
+        assert_eq!(meters.half.get(), 0, "the half-closed gauge is released");
     }
 
     /// `Stop` ends idle relays at once, and a relay started after it ends immediately.
@@ -845,20 +879,13 @@ mod tests {
     async fn stop_cuts_idle_relays() {
         let (_client, client_in) = pair().await;
         let (_backend, backend_in) = pair().await;
-        let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
-        let counters = Counters {
-            rx: &rx,
-            tx: &tx,
-            half_closed: &half,
-        };
+        let meters = Meters::default();
         let stop = Stop::default();
-        let first = relay(
+        let first = plain(
             &client_in,
             &backend_in,
-            Vec::new(),
-            limits(Duration::from_secs(3600)),
-            counters,
-            &|_| {},
+            Duration::from_secs(3600),
+            &meters,
             &stop,
         );
         let stopper = async {
@@ -871,13 +898,11 @@ mod tests {
         .await
         .expect("stop wakes the relay");
         assert_eq!(end, End::Drain);
-        let later = relay(
+        let later = plain(
             &client_in,
             &backend_in,
-            Vec::new(),
-            limits(Duration::from_secs(3600)),
-            counters,
-            &|_| {},
+            Duration::from_secs(3600),
+            &meters,
             &stop,
         );
         assert_eq!(later.await.0, End::Drain);
@@ -894,19 +919,12 @@ mod tests {
         let task = tokio::spawn({
             let stop = stop.clone();
             async move {
-                let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
-                let counters = Counters {
-                    rx: &rx,
-                    tx: &tx,
-                    half_closed: &half,
-                };
-                let mut r = relay(
+                let meters = Meters::default();
+                let mut r = plain(
                     &client_in,
                     &backend_in,
-                    Vec::new(),
-                    limits(Duration::from_secs(3600)),
-                    counters,
-                    &|_| {},
+                    Duration::from_secs(3600),
+                    &meters,
                     &stop,
                 );
                 {
@@ -933,20 +951,13 @@ mod tests {
         let (mut client, client_in) = pair().await;
         let (mut backend, backend_in) = pair().await;
         let relay_task = tokio::spawn(async move {
-            let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
-            let counters = Counters {
-                rx: &rx,
-                tx: &tx,
-                half_closed: &half,
-            };
+            let meters = Meters::default();
             let stop = Stop::default();
-            relay(
+            plain(
                 &client_in,
                 &backend_in,
-                Vec::new(),
-                limits(Duration::from_secs(30)),
-                counters,
-                &|_| {},
+                Duration::from_secs(30),
+                &meters,
                 &stop,
             )
             .await
@@ -986,20 +997,13 @@ mod tests {
     async fn idle_timeout() {
         let (_client, client_in) = pair().await;
         let (_backend, backend_in) = pair().await;
-        let (rx, tx, half) = (Counter::default(), Counter::default(), Gauge::default());
-        let counters = Counters {
-            rx: &rx,
-            tx: &tx,
-            half_closed: &half,
-        };
+        let meters = Meters::default();
         let stop = Stop::default();
-        let r = relay(
+        let r = plain(
             &client_in,
             &backend_in,
-            Vec::new(),
-            limits(Duration::from_millis(200)),
-            counters,
-            &|_| {},
+            Duration::from_millis(200),
+            &meters,
             &stop,
         );
         let (end, _) = tokio::time::timeout(Duration::from_secs(5), r)

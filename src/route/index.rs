@@ -66,40 +66,34 @@ impl Index {
         if (self.len + 1) * 2 > self.tags.len() {
             self.grow(keys);
         }
-        let (mut i, tag) = self.hash(key);
-        let mask = self.tags.len() - 1;
-        loop {
-            match self.tags[i] {
-                0 => {
-                    self.tags[i] = tag;
-                    self.entries[i] = (route, position);
-                    self.len += 1;
-                    return None;
-                }
-                t if t == tag => {
-                    let (r, p) = self.entries[i];
-                    if keys.key(r, p) == key {
-                        return Some(r);
-                    }
-                }
-                _ => {}
+        match self.find(keys, key) {
+            Ok(i) => Some(self.entries[i].0),
+            Err((i, tag)) => {
+                self.tags[i] = tag;
+                self.entries[i] = (route, position);
+                self.len += 1;
+                None
             }
-            i = (i + 1) & mask;
         }
     }
 
     /// The route claiming `key`.
     pub(super) fn get(&self, keys: &impl Keys, key: &str) -> Option<u32> {
+        self.find(keys, key).ok().map(|i| self.entries[i].0)
+    }
+
+    /// The slot holding `key`, or the empty slot (and tag) where it would go.
+    fn find(&self, keys: &impl Keys, key: &str) -> Result<usize, (usize, u16)> {
         let (mut i, tag) = self.hash(key);
         let mask = self.tags.len() - 1;
         // At most half full: an empty slot always ends the probe.
         loop {
             match self.tags[i] {
-                0 => return None,
+                0 => return Err((i, tag)),
                 t if t == tag => {
                     let (r, p) = self.entries[i];
                     if keys.key(r, p) == key {
-                        return Some(r);
+                        return Ok(i);
                     }
                 }
                 _ => {}
