@@ -299,8 +299,9 @@ async fn conn_rate(t: &Target, secs: f64) -> f64 {
     done.load(Ordering::Relaxed) as f64 / elapsed
 }
 
-/// Request/response round-trip times on long-lived connections: (p50, p99) in µs.
-async fn latency(t: &Target, secs: f64) -> (f64, f64) {
+/// Request/response round-trip times on long-lived connections: (p50, p99) in µs, and how
+/// many round trips were made.
+async fn latency(t: &Target, secs: f64) -> (f64, f64, usize) {
     let mut tasks = Vec::new();
     for _ in 0..LATENCY_CONNS {
         let t = t.clone();
@@ -327,11 +328,11 @@ async fn latency(t: &Target, secs: f64) -> (f64, f64) {
         all.extend(t.await.unwrap_or_default());
     }
     if all.is_empty() {
-        return (f64::NAN, f64::NAN);
+        return (f64::NAN, f64::NAN, 0);
     }
     all.sort_by(|a, b| a.total_cmp(b));
     let pct = |p: f64| all[((all.len() as f64 * p) as usize).min(all.len() - 1)];
-    (pct(0.50), pct(0.99))
+    (pct(0.50), pct(0.99), all.len())
 }
 
 /// Bytes of proxy RSS per idle proxied connection, with `n` open.
@@ -611,9 +612,14 @@ fn main() {
                         }
                         _ => (f64::NAN, f64::NAN),
                     };
-                    let (p50, p99) = latency(t, secs).await;
+                    let cpu = proxy.pid().map(tree_cpu);
+                    let (p50, p99, trips) = latency(t, secs).await;
+                    let trip_us = match (cpu, proxy.pid().map(tree_cpu)) {
+                        (Some(a), Some(b)) => (b.0 + b.1 - a.0 - a.1) * 1e6 / trips.max(1) as f64,
+                        _ => f64::NAN,
+                    };
                     eprintln!(
-                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s ({cpu_us:4.1} µs CPU each, {user_us:3.1} in user space)  p50 {p50:6.1} µs  p99 {p99:7.1} µs",
+                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s ({cpu_us:4.1} µs CPU each, {user_us:3.1} in user space)  p50 {p50:6.1} µs  p99 {p99:7.1} µs ({trip_us:4.1} µs CPU per round trip)",
                         t.proxy, t.job
                     );
                     for (k, v) in [one, eight, rate, p50, p99].into_iter().enumerate() {
