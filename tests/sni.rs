@@ -547,3 +547,53 @@ routes:
     let logs = gw.logs();
     assert!(logs.contains("\"reason\":\"max_duration\""), "{logs}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn long_lived_connections_log_periodic_lines() {
+    let echo = echo_backend().await;
+    let gw = Gateway::start(
+        &routes_yaml(&[R {
+            name: "long",
+            sni: &["long.example.com"],
+            backends: &[echo],
+        }]),
+        "accessLog: {interval: 1s}",
+    );
+    let hello = trellis::wire::tls::testing::client_hello(Some("long.example.com"), &[], 0);
+    let mut s = TcpStream::connect(gw.tls).await.unwrap();
+    s.write_all(&hello).await.unwrap();
+    let mut back = vec![0u8; hello.len()];
+    s.read_exact(&mut back).await.unwrap();
+    // Open and active for a few intervals: interim lines carry the bytes so far.
+    for _ in 0..5 {
+        s.write_all(b"ping").await.unwrap();
+        let mut b = [0u8; 4];
+        s.read_exact(&mut b).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let periodic = |gw: &Gateway| {
+        gw.access_logs()
+            .into_iter()
+            .filter(|l| l["periodic"] == true)
+            .collect::<Vec<_>>()
+    };
+    let lines = periodic(&gw);
+    assert!(lines.len() >= 2, "{}", gw.logs());
+    for l in &lines {
+        assert_eq!(l["route"], "long");
+        assert_eq!(l["reason"], "open");
+        assert!(l["rx_bytes"].as_u64().unwrap() >= hello.len() as u64, "{l}");
+    }
+    drop(s);
+    // The final line follows, and interim lines stop with the connection.
+    let last = wait_for(Duration::from_secs(5), || {
+        gw.access_logs()
+            .into_iter()
+            .find(|l| l["route"] == "long" && l["periodic"] == false)
+    })
+    .expect("a final line");
+    assert_eq!(last["rx_bytes"].as_u64().unwrap(), hello.len() as u64 + 20);
+    let count = periodic(&gw).len();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(periodic(&gw).len(), count, "no lines after the end");
+}
