@@ -244,3 +244,54 @@ async fn sighup_and_timer_pick_up_changes_the_watch_cannot_see() {
     gw.wait_metric(APPLIED, |v| v == 2.0);
     assert_eq!(answer(gw.tls, "r.example.com").await, b"C");
 }
+
+/// Removed routes do not keep their metric series forever (shoots come and go): a route
+/// without connections loses them at the reload, one with an open connection once that
+/// connection has ended (at a later periodic check).
+#[tokio::test(flavor = "multi_thread")]
+async fn removed_routes_drop_their_metric_series() {
+    let x = RawBackend::start(b"X", 0).await;
+    let echo = echo_backend().await;
+    let route = |name, sni, backend| R {
+        name,
+        sni: std::slice::from_ref(sni),
+        backends: std::slice::from_ref(backend),
+    };
+    let gw = Gateway::start_opts(
+        &routes_yaml(&[
+            route("keep", &"keep.example.com", &x.addr),
+            route("gone", &"gone.example.com", &x.addr),
+            route("held", &"held.example.com", &echo),
+        ]),
+        "",
+        "",
+        "routes: {file: routes.yaml, checkInterval: 1s}",
+    );
+    assert_eq!(answer(gw.tls, "keep.example.com").await, b"X");
+    assert_eq!(answer(gw.tls, "gone.example.com").await, b"X");
+    let mut held = TcpStream::connect(gw.tls).await.unwrap();
+    held.write_all(&hello("held.example.com")).await.unwrap();
+    gw.wait_metric("trellis_route_connections_active{route=\"held\"}", |v| {
+        v == 1.0
+    });
+    let metrics = || http_get(gw.admin, "/metrics").unwrap().1;
+    assert!(metrics().contains("route=\"gone\""));
+
+    gw.write_routes(&routes_yaml(&[route("keep", &"keep.example.com", &x.addr)]));
+    gw.wait_metric(APPLIED, |v| v == 2.0);
+    let text = metrics();
+    assert!(!text.contains("route=\"gone\""), "{text}");
+    assert!(
+        text.contains("trellis_route_connections_active{route=\"held\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("route=\"keep\""), "{text}");
+
+    drop(held);
+    let dropped = wait_for(Duration::from_secs(10), || {
+        let text = metrics();
+        (!text.contains("route=\"held\"")).then_some(text)
+    });
+    let text = dropped.unwrap_or_else(|| panic!("held's series stay:\n{}", metrics()));
+    assert!(text.contains("route=\"keep\""), "{text}");
+}

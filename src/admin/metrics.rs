@@ -122,6 +122,9 @@ pub struct Metrics {
     pub half_closed: Gauge,
     /// Per-route handles by route name, so a connection resolves them with one lookup.
     route_cache: std::sync::RwLock<std::collections::HashMap<String, std::sync::Arc<RouteMetrics>>>,
+    /// The `(route, reason)` label sets of `connect_failures`, so a gone route's can be
+    /// dropped (written on the failure path only).
+    failure_labels: std::sync::Mutex<std::collections::HashSet<(String, &'static str)>>,
 }
 
 /// Per-route handles, resolved once per connection.
@@ -183,6 +186,7 @@ impl Metrics {
             half_closed: Gauge::default(),
             registry: Registry::default(),
             route_cache: Default::default(),
+            failure_labels: Default::default(),
         };
         let r = &mut registry;
         r.register(
@@ -280,6 +284,10 @@ impl Metrics {
 
     /// Counts a failed backend connect.
     pub fn connect_failure(&self, route: &str, reason: &'static str) {
+        self.failure_labels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((route.to_owned(), reason));
         self.connect_failures
             .get_or_create(&RouteReasonLabels {
                 route: route.to_owned(),
@@ -293,6 +301,51 @@ impl Metrics {
         self.table_reloads
             .get_or_create(&ResultLabel { result })
             .inc();
+    }
+
+    /// Drops the series of routes that are no longer in the table and have no open
+    /// connections, so the families do not keep every route ever seen (shoots come and go).
+    /// A route that comes back starts its counters from zero, which Prometheus reads as a
+    /// reset. Returns how many routes were dropped.
+    pub fn forget_routes(&self, exists: impl Fn(&str) -> bool) -> usize {
+        let mut cache = self.route_cache.write().unwrap_or_else(|e| e.into_inner());
+        let gone: Vec<String> = cache
+            .iter()
+            .filter(|(name, m)| !exists(name) && m.active.get() == 0)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in &gone {
+            cache.remove(name);
+            let label = RouteLabel {
+                route: name.clone(),
+            };
+            self.route_total.remove(&label);
+            self.route_active.remove(&label);
+            self.connect_duration.remove(&label);
+            for direction in ["rx", "tx"] {
+                self.route_bytes.remove(&RouteDirectionLabels {
+                    route: name.clone(),
+                    direction,
+                });
+            }
+        }
+        if !gone.is_empty() {
+            let gone: std::collections::HashSet<&String> = gone.iter().collect();
+            self.failure_labels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(route, reason)| {
+                    let keep = !gone.contains(route);
+                    if !keep {
+                        self.connect_failures.remove(&RouteReasonLabels {
+                            route: route.clone(),
+                            reason,
+                        });
+                    }
+                    keep
+                });
+        }
+        gone.len()
     }
 
     /// Handles for one route (cached: one map lookup per connection).

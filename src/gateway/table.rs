@@ -103,6 +103,17 @@ impl Tables {
         let mut last_rejected = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
         let result = self.try_reload(&mut last_rejected);
         self.metrics.reload(result.label());
+        // Also on unchanged ticks: a removed route's series go once its last connection has.
+        let current = self.snapshot();
+        let dropped = self
+            .metrics
+            .forget_routes(|name| current.table().by_name(name).is_some());
+        if dropped > 0 {
+            tracing::debug!(
+                routes = dropped,
+                "dropped the metric series of removed routes"
+            );
+        }
         result
     }
 
