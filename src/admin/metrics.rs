@@ -308,11 +308,25 @@ impl Metrics {
     /// A route that comes back starts its counters from zero, which Prometheus reads as a
     /// reset. Returns how many routes were dropped.
     pub fn forget_routes(&self, exists: impl Fn(&str) -> bool) -> usize {
+        let idle_and_gone = |name: &str, m: &RouteMetrics| !exists(name) && m.active.get() == 0;
+        // Looked for under the read lock: connections resolving their handles are not held
+        // up while a 10,000-route cache is scanned on every periodic check.
+        let candidates: Vec<String> = {
+            let cache = self.route_cache.read().unwrap_or_else(|e| e.into_inner());
+            cache
+                .iter()
+                .filter(|(name, m)| idle_and_gone(name, m))
+                .map(|(name, _)| name.clone())
+                .collect()
+        };
+        if candidates.is_empty() {
+            return 0;
+        }
         let mut cache = self.route_cache.write().unwrap_or_else(|e| e.into_inner());
-        let gone: Vec<String> = cache
-            .iter()
-            .filter(|(name, m)| !exists(name) && m.active.get() == 0)
-            .map(|(name, _)| name.clone())
+        // Checked again: a connection may have opened meanwhile.
+        let gone: Vec<String> = candidates
+            .into_iter()
+            .filter(|name| cache.get(name).is_some_and(|m| idle_and_gone(name, m)))
             .collect();
         for name in &gone {
             cache.remove(name);
