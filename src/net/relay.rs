@@ -512,7 +512,23 @@ impl Relay<'_> {
         } else {
             ("backend", "client")
         };
-        match dir.poll_move(cx, src, dst, counter, &mut self.activity, other.done()) {
+        let other_done = other.done();
+        match dir.poll_move(cx, src, dst, counter, &mut self.activity, other_done) {
+            Poll::Ready(Err((_, e)))
+                if other_done
+                    && matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+                    ) =>
+            {
+                // One side has already closed (its end of stream was forwarded) and now
+                // resets the bytes still coming its way, or the other side aborts after
+                // that close: the usual end of a TLS session (a close_notify sent after
+                // the server closed), so the connection ended the way `first` says.
+                tracing::debug!(error = %e, "reset after a close");
+                let first = self.first.clone().unwrap_or(End::ClientClosed);
+                Poll::Ready(Err(first))
+            }
             Poll::Ready(Ok(())) => {
                 let end = if up {
                     End::ClientClosed
@@ -990,6 +1006,43 @@ mod tests {
         assert_eq!(end, End::ClientClosed);
         assert_eq!((stats.rx, stats.tx), (12_000, 12_000));
         echo.await.unwrap();
+    }
+
+    /// The backend answers and closes; the client's late bytes are reset by the backend's
+    /// kernel. The relay ends as `backend_closed`, not as an error.
+    #[tokio::test]
+    async fn reset_after_the_backend_closed_is_its_close() {
+        let (mut client, client_in) = pair().await;
+        let (mut backend, backend_in) = pair().await;
+        let stop = Stop::default();
+        let meters = Meters::default();
+        let r = plain(
+            &client_in,
+            &backend_in,
+            Duration::from_secs(30),
+            &meters,
+            &stop,
+        );
+        let peers = async move {
+            backend.write_all(b"bye").await.unwrap();
+            drop(backend);
+            let mut got = Vec::new();
+            client.read_to_end(&mut got).await.unwrap();
+            assert_eq!(got, b"bye");
+            // Late bytes (a TLS close_notify, say) until the relay gives up on them.
+            for _ in 0..50 {
+                if client.write_all(b"late").await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let ((end, stats), ()) =
+            tokio::time::timeout(Duration::from_secs(10), async { tokio::join!(r, peers) })
+                .await
+                .expect("the relay ends");
+        assert_eq!(end, End::BackendClosed);
+        assert_eq!(stats.tx, 3);
     }
 
     /// No bytes for `idle`: the relay ends with `IdleTimeout`.
