@@ -105,16 +105,10 @@ admin: {address: \"127.0.0.1:15021\"}
 ",
     )
     .unwrap();
-    lab.spawn(
+    lab.spawn_trellis(
         &seed,
-        &[
-            BIN,
-            "--log-format",
-            "json",
-            "gateway",
-            "--config",
-            dir.join("gateway.yaml").to_str().unwrap(),
-        ],
+        "gateway",
+        &dir.join("gateway.yaml"),
         &dir.join("gateway.log"),
     );
     let up = wait_for(Duration::from_secs(20), || {
@@ -192,18 +186,7 @@ fn node_forwards_to_gateway_in_both_modes_needs_root_netns() {
     ] {
         let config = node_config(&dir, mode, &upstream, &iface, admin);
         let log = dir.join(format!("node-{mode}.log"));
-        let idx = lab.spawn(
-            &node_ns,
-            &[
-                BIN,
-                "--log-format",
-                "json",
-                "node",
-                "--config",
-                config.to_str().unwrap(),
-            ],
-            &log,
-        );
+        let idx = lab.spawn_trellis(&node_ns, "node", &config, &log);
         wait_ready(&lab, admin, &log);
         let out = tls_client(&lab, &ca);
         assert!(
@@ -274,18 +257,7 @@ fn node_forwards_to_gateway_in_both_modes_needs_root_netns() {
     );
     let config = node_config(&dir, "unreachable", &upstream, &iface, admin);
     let log = dir.join("node-unreachable.log");
-    lab.spawn(
-        &node_ns,
-        &[
-            BIN,
-            "--log-format",
-            "json",
-            "node",
-            "--config",
-            config.to_str().unwrap(),
-        ],
-        &log,
-    );
+    lab.spawn_trellis(&node_ns, "node", &config, &log);
     wait_ready(&lab, admin, &log);
     let start = std::time::Instant::now();
     let out = tls_client(&lab, &ca);
@@ -357,18 +329,7 @@ fn link_management_on_veth_needs_root_netns() {
     )
     .unwrap();
     let log = dir.join("node.log");
-    let idx = lab.spawn(
-        &ns,
-        &[
-            BIN,
-            "--log-format",
-            "json",
-            "node",
-            "--config",
-            config.to_str().unwrap(),
-        ],
-        &log,
-    );
+    let idx = lab.spawn_trellis(&ns, "node", &config, &log);
     wait_ready(&lab, admin, &log);
     let want = vec![("tla".to_string(), format!("{ip}/32"), "global".to_string())];
     let placed = wait_for(Duration::from_secs(10), || {
@@ -440,18 +401,7 @@ fn link_management_on_veth_needs_root_netns() {
     )
     .unwrap();
     let log2 = dir.join("node2.log");
-    lab.spawn(
-        &ns,
-        &[
-            BIN,
-            "--log-format",
-            "json",
-            "node",
-            "--config",
-            config2.to_str().unwrap(),
-        ],
-        &log2,
-    );
+    lab.spawn_trellis(&ns, "node", &config2, &log2);
     wait_ready(&lab, admin, &log2);
     let got = addresses(&lab, &ns, ip);
     let logs = std::fs::read_to_string(&log2).unwrap_or_default();

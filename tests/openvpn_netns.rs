@@ -109,18 +109,7 @@ admin: {{address: \"{admin}\"}}
     )
     .unwrap();
     let gw_log = dir.join("gateway.log");
-    lab.spawn(
-        &lab.ns(0),
-        &[
-            BIN,
-            "--log-format",
-            "json",
-            "gateway",
-            "--config",
-            dir.join("gateway.yaml").to_str().unwrap(),
-        ],
-        &gw_log,
-    );
+    lab.spawn_trellis(&lab.ns(0), "gateway", &dir.join("gateway.yaml"), &gw_log);
 
     // Two OpenVPN servers (vpn-seed-server and vpn-seed-server-1) behind trellis.
     let mut tunnels = Vec::new();

@@ -140,6 +140,13 @@ impl Lab {
         self.children.len() - 1
     }
 
+    /// Starts `trellis <role> --config <config>` (JSON logs) in `ns`, logging to `log`.
+    pub fn spawn_trellis(&mut self, ns: &str, role: &str, config: &Path, log: &Path) -> usize {
+        let config = config.to_str().unwrap();
+        let args = [super::BIN, "--log-format", "json", role, "--config", config];
+        self.spawn(ns, &args, log)
+    }
+
     /// GET `http://addr/path` from inside `ns`.
     pub fn http_get(&self, ns: &str, addr: &str, path: &str) -> (u16, String) {
         let out = self.output(
