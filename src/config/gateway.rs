@@ -627,9 +627,12 @@ mod tests {
     use super::*;
 
     fn check(yaml: &str) -> Result<GatewayConfig, String> {
-        let file = Path::new("/etc/trellis/gateway.yaml");
-        let doc = super::super::parse_document(file, yaml.as_bytes()).map_err(|e| e.to_string())?;
-        from_document(file, doc).map_err(|e| e.to_string())
+        super::super::parse_with(
+            Path::new("/etc/trellis/gateway.yaml"),
+            yaml.as_bytes(),
+            from_document,
+        )
+        .map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\n";

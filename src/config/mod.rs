@@ -259,8 +259,16 @@ pub(crate) fn load_with<T>(
     from_document: fn(&Path, serde_json::Value) -> Result<T, ConfigError>,
 ) -> Result<T, ConfigError> {
     let bytes = read_file(file)?;
-    let doc = parse_document(file, &bytes)?;
-    from_document(file, doc)
+    parse_with(file, &bytes, from_document)
+}
+
+/// Parses the bytes of `file` and hands its document to a kind's `from_document`.
+pub(crate) fn parse_with<T>(
+    file: &Path,
+    bytes: &[u8],
+    from_document: fn(&Path, serde_json::Value) -> Result<T, ConfigError>,
+) -> Result<T, ConfigError> {
+    from_document(file, parse_document(file, bytes)?)
 }
 
 /// Decodes file bytes straight into raw serde types, without the generic document in

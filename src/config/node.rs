@@ -385,9 +385,8 @@ mod tests {
     use super::*;
 
     fn check(yaml: &str) -> Result<NodeConfig, String> {
-        let file = Path::new("node.yaml");
-        let doc = super::super::parse_document(file, yaml.as_bytes()).map_err(|e| e.to_string())?;
-        from_document(file, doc).map_err(|e| e.to_string())
+        super::super::parse_with(Path::new("node.yaml"), yaml.as_bytes(), from_document)
+            .map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: NodeConfiguration\n";
