@@ -107,6 +107,16 @@ pub fn parse(
     bytes: &[u8],
     registry: &BackendRegistry,
 ) -> Result<LoadedTable, ConfigError> {
+    parse_hashed(file, bytes, content_hash(bytes), registry)
+}
+
+/// [`parse`] for a caller that has already hashed the bytes with [`content_hash`].
+pub fn parse_hashed(
+    file: &Path,
+    bytes: &[u8],
+    hash: String,
+    registry: &BackendRegistry,
+) -> Result<LoadedTable, ConfigError> {
     let raw: RawRoutingTable = super::decode_bytes(file, bytes)?;
     let mut errors = Errors::default();
     super::check_api_version(&mut errors, &raw.api_version);
@@ -135,13 +145,7 @@ pub fn parse(
     } else {
         RoutingTable::default()
     };
-    errors.finish(
-        file,
-        LoadedTable {
-            table,
-            hash: content_hash(bytes),
-        },
-    )
+    errors.finish(file, LoadedTable { table, hash })
 }
 
 /// `routes[i]`, formatted only when an error needs it.

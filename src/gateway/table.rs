@@ -131,7 +131,8 @@ impl Tables {
         if hash == current.loaded.hash || last_rejected.as_deref() == Some(hash.as_str()) {
             return Reload::Unchanged;
         }
-        match routes::parse(&self.file, &bytes, &self.registry) {
+        // Hashed once: the hash that decided "changed" is the new table's.
+        match routes::parse_hashed(&self.file, &bytes, hash.clone(), &self.registry) {
             Ok(loaded) => {
                 let generation = current.generation + 1;
                 let count = loaded.table.routes().len();

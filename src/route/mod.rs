@@ -145,15 +145,18 @@ impl RoutingTable {
             let mut claim = |kind: &'static str, key: &dyn std::fmt::Display, prev: Option<u32>| {
                 // A route may list a key twice; only another route's claim conflicts, and
                 // it is reported once even when this route lists the key twice.
+                let Some(first) = prev.filter(|&p| p != n) else {
+                    return;
+                };
+                // Formatted only for a conflict: a valid table formats no keys.
                 let key = key.to_string();
-                if let Some(first) = prev.filter(|&p| p != n)
-                    && !conflicts
-                        .iter()
-                        .rev()
-                        .take_while(|c| c.second_index == i)
-                        .any(|c: &Conflict| {
-                            c.kind == kind && c.first_index == first as usize && c.key == key
-                        })
+                if !conflicts
+                    .iter()
+                    .rev()
+                    .take_while(|c| c.second_index == i)
+                    .any(|c: &Conflict| {
+                        c.kind == kind && c.first_index == first as usize && c.key == key
+                    })
                 {
                     conflicts.push(Conflict {
                         kind,
