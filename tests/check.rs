@@ -81,8 +81,8 @@ timeouts: {drain: forever}
 #[test]
 fn invalid_config_or_table_binds_nothing_and_exits_non_zero() {
     let dir = TestDir::new("nobind");
-    let port = free_port();
-    let admin = free_port();
+    let ports = free_ports(2);
+    let (port, admin) = (ports[0], ports[1]);
     let config = format!(
         "apiVersion: trellis.gardener.cloud/v1alpha1
 kind: GatewayConfiguration

@@ -46,11 +46,19 @@ impl Drop for TestDir {
 
 /// A port that was free a moment ago.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    free_ports(1)[0]
+}
+
+/// `n` distinct free ports: the probes stay bound until all are picked, so the kernel cannot
+/// hand out one port twice (which once gave a gateway's admin and a listener the same port).
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let probes: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    probes
+        .iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
 }
 
 /// Polls `f` until it returns `Some` or `limit` passes.
@@ -158,12 +166,14 @@ impl Gateway {
         routes_source: &str,
     ) -> Gateway {
         let dir = TestDir::new("gw");
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut ports = free_ports(1 + listeners.len()).into_iter();
+        let mut next_addr = || SocketAddr::from(([127, 0, 0, 1], ports.next().unwrap()));
+        let admin = next_addr();
         std::fs::write(dir.path("routes.yaml"), routes).unwrap();
         let mut addrs = Vec::new();
         let mut listeners_yaml = String::new();
         for (name, protocol, more) in listeners {
-            let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+            let addr = next_addr();
             listeners_yaml +=
                 &format!("- name: {name}\n  address: \"{addr}\"\n  protocol: {protocol}\n{more}\n");
             addrs.push((name.to_string(), addr));
