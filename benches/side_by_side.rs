@@ -6,7 +6,8 @@
 //! `haproxy,nginx`), `BENCH_IDLE` (idle connections for the memory figure, default 5000),
 //! `BENCH_JOBS` (default `sni,proxy-destination,http-connect`), `BENCH_ROUNDS` (default 3),
 //! `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single thread), `BENCH_TRELLIS_BIN`
-//! (another trellis binary to measure, e.g. a previous build).
+//! (another trellis binary to measure, e.g. a previous build), `BENCH_FIGURES` (default
+//! `throughput,rate,latency`: which round figures to measure; the others print as NaN).
 //!
 //! Jobs: `sni` (TLS passthrough by SNI), `proxy-destination` (routed by a PROXY v2 header's
 //! destination), `http-connect` (CONNECT relay; no peer config does this, so trellis only).
@@ -553,6 +554,12 @@ fn main() {
     let idle: usize = env("BENCH_IDLE", "5000").parse().unwrap_or(5000);
     let peers_wanted = env("BENCH_PEERS", "haproxy,nginx");
     let jobs = env("BENCH_JOBS", "sni,proxy-destination,http-connect");
+    let figures = env("BENCH_FIGURES", "throughput,rate,latency");
+    let (want_tput, want_rate, want_lat) = (
+        figures.contains("throughput"),
+        figures.contains("rate"),
+        figures.contains("latency"),
+    );
     let peers_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/peers");
     let work = std::env::temp_dir().join(format!("trellis-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work).unwrap();
@@ -599,10 +606,13 @@ fn main() {
             }
             for round in 0..rounds {
                 for (i, (proxy, t)) in running.iter().enumerate() {
-                    let one = throughput(t, 1, secs).await;
-                    let eight = throughput(t, STREAMS, secs).await;
+                    let (one, eight) = if want_tput {
+                        (throughput(t, 1, secs).await, throughput(t, STREAMS, secs).await)
+                    } else {
+                        (f64::NAN, f64::NAN)
+                    };
                     let cpu = proxy.pid().map(tree_cpu);
-                    let rate = conn_rate(t, secs).await;
+                    let rate = if want_rate { conn_rate(t, secs).await } else { f64::NAN };
                     // The proxy's own CPU per proxied connection (and its user-space part):
                     // what the rate costs it.
                     let (cpu_us, user_us) = match (cpu, proxy.pid().map(tree_cpu)) {
@@ -613,7 +623,11 @@ fn main() {
                         _ => (f64::NAN, f64::NAN),
                     };
                     let cpu = proxy.pid().map(tree_cpu);
-                    let (p50, p99, trips) = latency(t, secs).await;
+                    let (p50, p99, trips) = if want_lat {
+                        latency(t, secs).await
+                    } else {
+                        (f64::NAN, f64::NAN, 0)
+                    };
                     let trip_us = match (cpu, proxy.pid().map(tree_cpu)) {
                         (Some(a), Some(b)) => (b.0 + b.1 - a.0 - a.1) * 1e6 / trips.max(1) as f64,
                         _ => f64::NAN,

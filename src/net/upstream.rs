@@ -8,6 +8,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use socket2::{Domain, Socket, Type};
 use thiserror::Error;
 use tokio::net::TcpStream;
 
@@ -154,11 +155,125 @@ async fn attempt(
     };
     let mut reason = "resolve";
     for addr in addrs {
-        match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
-            Ok(Ok(stream)) => return Ok((stream, addr)),
-            Ok(Err(e)) => reason = failure_reason(&e),
-            Err(_) => return Err("timeout"),
+        match connect_addr(addr, deadline).await {
+            Ok(stream) => return Ok((stream, addr)),
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => return Err("timeout"),
+            Err(e) => reason = failure_reason(&e),
         }
     }
     Err(reason)
+}
+
+/// Connects to `addr` by `deadline`. A backend on the same host or node has accepted by the
+/// time `connect(2)` returns: that is seen at once (`getpeername` succeeds), without a
+/// round through the event loop or a timer; only a connect still in progress waits for the
+/// socket to become writable.
+async fn connect_addr(addr: SocketAddr, deadline: tokio::time::Instant) -> io::Result<TcpStream> {
+    let socket = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.nonblocking().cloexec(),
+        None,
+    )?;
+    match socket.connect(&addr.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => return Err(e),
+    }
+    let stream = TcpStream::from_std(socket.into())?;
+    if stream.peer_addr().is_ok() {
+        return Ok(stream);
+    }
+    match tokio::time::timeout_at(deadline, stream.writable()).await {
+        Err(_) => Err(io::ErrorKind::TimedOut.into()),
+        Ok(ready) => {
+            ready?;
+            match stream.take_error()? {
+                Some(e) => Err(e),
+                None => Ok(stream),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn soon(ms: u64) -> tokio::time::Instant {
+        tokio::time::Instant::now() + Duration::from_millis(ms)
+    }
+
+    #[tokio::test]
+    async fn a_local_backend_is_connected_without_waiting() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut stream = connect_addr(addr, soon(2000)).await.unwrap();
+        assert_eq!(stream.peer_addr().unwrap(), addr);
+        let (mut accepted, _) = listener.accept().await.unwrap();
+        stream.write_all(b"hello").await.unwrap();
+        let mut got = [0u8; 5];
+        accepted.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hello");
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_is_refused() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let e = connect_addr(port, soon(2000)).await.unwrap_err();
+        assert_eq!(failure_reason(&e), "refused", "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_backend_that_drops_syns_times_out_at_the_deadline() {
+        // A full accept queue makes Linux drop further SYNs: the connect stays in progress.
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        socket
+            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        socket.listen(0).unwrap();
+        let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        let mut queued = Vec::new();
+        let started = Instant::now();
+        let e = loop {
+            match connect_addr(addr, soon(300)).await {
+                Ok(s) => queued.push(s),
+                Err(e) => break e,
+            }
+            assert!(queued.len() < 16, "the accept queue never filled");
+        };
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+    }
+
+    #[tokio::test]
+    async fn a_connect_in_progress_completes_once_the_backend_accepts() {
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        socket
+            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        socket.listen(0).unwrap();
+        let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        let first = connect_addr(addr, soon(2000)).await.unwrap();
+        // The queue is full, so this SYN is dropped; make room, and its retransmission
+        // (about a second later) is accepted.
+        let listener = std::net::TcpListener::from(socket);
+        let room = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let queued = listener.accept().unwrap();
+            let second = listener.accept().unwrap();
+            (listener, queued, second)
+        });
+        let mut stream = connect_addr(addr, soon(5000)).await.unwrap();
+        let (_listener, _queued, (mut second, _)) = room.join().unwrap();
+        assert_eq!(stream.peer_addr().unwrap(), addr);
+        stream.write_all(b"late").await.unwrap();
+        let mut got = [0u8; 4];
+        std::io::Read::read_exact(&mut second, &mut got).unwrap();
+        assert_eq!(&got, b"late");
+        drop(first);
+    }
 }
