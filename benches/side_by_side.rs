@@ -633,8 +633,10 @@ fn main() {
                         _ => f64::NAN,
                     };
                     eprintln!(
-                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s ({cpu_us:4.1} µs CPU each, {user_us:3.1} in user space)  p50 {p50:6.1} µs  p99 {p99:7.1} µs ({trip_us:4.1} µs CPU per round trip)",
-                        t.proxy, t.job
+                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s ({cpu_us:4.1} µs CPU each, {user_us:3.1} in user space)  p50 {p50:6.1} µs  p99 {p99:7.1} µs ({:.0} round trips/s, {trip_us:4.1} µs CPU each)",
+                        t.proxy,
+                        t.job,
+                        trips as f64 / secs,
                     );
                     for (k, v) in [one, eight, rate, p50, p99].into_iter().enumerate() {
                         samples[i][k].push(v);
