@@ -138,9 +138,31 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("trellis: {e:#}");
+            let message = render_error(&e);
+            if tracing::enabled!(tracing::Level::ERROR) {
+                tracing::error!("{message}");
+            } else {
+                // TRELLIS_LOG filters errors out: a failed start must still say why.
+                eprintln!("trellis: {message}");
+            }
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, each said once: a cause whose text its parent's message
+/// already includes (`"cannot bind ...: {source}"`) is not repeated.
+fn render_error(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }

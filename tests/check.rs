@@ -163,6 +163,9 @@ fn gateway_that_cannot_bind_exits_non_zero() {
         err.contains(&format!("cannot bind listener tls on 127.0.0.1:{port}")),
         "{err}"
     );
+    // Said once: one line, and the cause is not repeated after itself.
+    assert_eq!(err.matches("cannot bind").count(), 1, "{err}");
+    assert_eq!(err.matches("Address already in use").count(), 1, "{err}");
 }
 
 #[test]
