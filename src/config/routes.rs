@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -123,11 +124,16 @@ pub fn parse_hashed(
     if raw.kind != KIND {
         errors.push("kind", format!("expected {KIND:?}"));
     }
+    // The routes copy what they keep, and the decoded file is freed only after the last
+    // one is built: the table's allocations then sit together instead of in the holes each
+    // freed raw route would leave, so the previous generation's memory can be given back
+    // whole after a reload.
+    let mut zones = Vec::new();
     let routes: Vec<Route> = raw
         .routes
-        .into_iter()
+        .iter()
         .enumerate()
-        .map(|(i, r)| validate_route(RoutePath(i), r, registry, &mut errors))
+        .filter_map(|(i, r)| validate_route(RoutePath(i), r, registry, &mut zones, &mut errors))
         .collect();
     let table = if errors.0.is_empty() {
         match RoutingTable::new(routes) {
@@ -158,12 +164,15 @@ impl std::fmt::Display for RoutePath {
     }
 }
 
+/// The route, unless it is too large to build (every other problem is only recorded in
+/// `errors`: the table is not built then). `zones` holds one shared string per zone.
 fn validate_route(
     path: RoutePath,
-    raw: RawRoute,
+    raw: &RawRoute,
     registry: &BackendRegistry,
+    zones: &mut Vec<Arc<str>>,
     errors: &mut Errors,
-) -> Route {
+) -> Option<Route> {
     let name_ok = !raw.name.is_empty()
         && raw.name.len() <= MAX_ROUTE_NAME
         && raw
@@ -179,7 +188,7 @@ fn validate_route(
             ),
         );
     }
-    let sni = raw
+    let sni: Vec<String> = raw
         .sni
         .iter()
         .enumerate()
@@ -222,13 +231,13 @@ fn validate_route(
     }
     let backends = raw
         .backends
-        .into_iter()
+        .iter()
         .enumerate()
         .filter_map(|(i, b)| match BackendAddress::parse(&b.address) {
             Ok(address) => Some(Backend {
                 state: registry.state(&address),
                 address,
-                zone: b.zone,
+                zone: b.zone.as_deref().map(|z| intern(zones, z)),
             }),
             Err(e) => {
                 errors.push(
@@ -256,21 +265,35 @@ fn validate_route(
         .max_connection_duration
         .as_deref()
         .and_then(|v| positive(errors, &at(path, "maxConnectionDuration"), v));
-    Route {
-        name: raw.name,
-        sni: exact(sni),
-        destinations: exact(raw.destinations),
-        proxy_destinations: exact(proxy_destinations),
-        backends: exact(backends),
-        timeouts,
-        max_connection_duration,
+    match Route::new(
+        &raw.name,
+        &sni,
+        &raw.destinations,
+        proxy_destinations,
+        backends,
+    ) {
+        Ok(mut route) => {
+            route.timeouts = timeouts;
+            route.max_connection_duration = max_connection_duration;
+            Some(route)
+        }
+        Err(e) => {
+            errors.push(path.to_string(), e.to_string());
+            None
+        }
     }
 }
 
-/// The list without spare capacity: a table lives long, and decoders grow lists in steps.
-fn exact<T>(mut v: Vec<T>) -> Vec<T> {
-    v.shrink_to_fit();
-    v
+/// The shared string for `zone` (a table names a handful of zones, tens of thousands of times).
+fn intern(zones: &mut Vec<Arc<str>>, zone: &str) -> Arc<str> {
+    match zones.iter().find(|z| &***z == zone) {
+        Some(z) => z.clone(),
+        None => {
+            let z: Arc<str> = zone.into();
+            zones.push(z.clone());
+            z
+        }
+    }
 }
 
 /// A duration that must be greater than zero.

@@ -284,8 +284,8 @@ pub async fn forward(
 ) {
     let cfg = &shared.config;
     lm.routed.inc();
-    conn.log.route = Some(route.name.clone());
-    let rm = shared.metrics.route(&route.name);
+    conn.log.route = Some(route.name().to_owned());
+    let rm = shared.metrics.route(route.name());
     rm.total.inc();
     rm.active.inc();
     // Downstream keepalive and nodelay are inherited from the listening socket.
@@ -295,7 +295,7 @@ pub async fn forward(
         route,
         cfg.zone.as_deref(),
         budget,
-        |reason| shared.metrics.connect_failure(&route.name, reason),
+        |reason| shared.metrics.connect_failure(route.name(), reason),
     ))
     .await;
     let (end, stats) = match connected {

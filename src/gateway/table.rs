@@ -14,8 +14,8 @@ use crate::admin::Metrics;
 use crate::config::ConfigError;
 use crate::config::duration_text;
 use crate::config::routes::{self, LoadedTable};
-use crate::route::RouteTimeouts;
 use crate::route::{BackendRegistry, RoutingTable};
+use crate::route::{RouteKeyList, RouteTimeouts};
 
 /// One published table.
 #[derive(Debug)]
@@ -182,10 +182,10 @@ impl Tables {
         #[serde(rename_all = "camelCase")]
         struct RouteView<'a> {
             name: &'a str,
-            #[serde(skip_serializing_if = "<[_]>::is_empty")]
-            sni: &'a [String],
-            #[serde(skip_serializing_if = "<[_]>::is_empty")]
-            destinations: &'a [String],
+            #[serde(skip_serializing_if = "RouteKeyList::is_empty")]
+            sni: RouteKeyList<'a>,
+            #[serde(skip_serializing_if = "RouteKeyList::is_empty")]
+            destinations: RouteKeyList<'a>,
             #[serde(skip_serializing_if = "<[_]>::is_empty")]
             proxy_destinations: &'a [std::net::SocketAddr],
             backends: Vec<BackendView<'a>>,
@@ -213,9 +213,9 @@ impl Tables {
             .routes()
             .iter()
             .map(|r| RouteView {
-                name: &r.name,
-                sni: &r.sni,
-                destinations: &r.destinations,
+                name: r.name(),
+                sni: r.sni(),
+                destinations: r.destinations(),
                 proxy_destinations: &r.proxy_destinations,
                 backends: r
                     .backends

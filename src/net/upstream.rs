@@ -94,7 +94,7 @@ pub async fn connect(
     let order = route.backend_order(zone);
     if order.is_empty() {
         return Err(ConnectError::NoBackends {
-            route: route.name.clone(),
+            route: route.name().to_owned(),
         });
     }
     let mut last = ("", String::new());
@@ -121,7 +121,7 @@ pub async fn connect(
                 });
             }
             Err(reason) => {
-                tracing::debug!(route = %route.name, backend = %name, reason, "backend connect failed");
+                tracing::debug!(route = %route.name(), backend = %name, reason, "backend connect failed");
                 backend.state.record_failure();
                 on_failure(reason);
                 last = (reason, name);
@@ -129,7 +129,7 @@ pub async fn connect(
         }
     }
     Err(ConnectError::Failed {
-        route: route.name.clone(),
+        route: route.name().to_owned(),
         timed_out: last.0 == "timeout" || Instant::now() >= deadline,
         reason: if last.0.is_empty() { "timeout" } else { last.0 },
         backend: last.1,

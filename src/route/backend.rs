@@ -223,7 +223,6 @@ impl Route {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::route::RouteTimeouts;
 
     fn backend(reg: &BackendRegistry, addr: &str, zone: Option<&str>) -> Backend {
         let address = BackendAddress::parse(addr).unwrap();
@@ -235,15 +234,7 @@ mod tests {
     }
 
     fn route(backends: Vec<Backend>) -> Route {
-        Route {
-            name: "r".into(),
-            sni: vec![],
-            destinations: vec![],
-            proxy_destinations: vec![],
-            backends,
-            timeouts: RouteTimeouts::default(),
-            max_connection_duration: None,
-        }
+        Route::new::<&str, &str>("r", &[], &[], vec![], backends).unwrap()
     }
 
     fn order(r: &Route, zone: Option<&str>) -> Vec<String> {

@@ -27,8 +27,8 @@ pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
 pub struct Backend {
     /// Where to connect.
     pub address: BackendAddress,
-    /// Availability zone, for zone preference.
-    pub zone: Option<String>,
+    /// Availability zone, for zone preference (one shared string per zone and table).
+    pub zone: Option<Arc<str>>,
     /// Shared load and health, kept across reloads.
     pub state: Arc<BackendState>,
 }
@@ -43,22 +43,137 @@ pub struct RouteTimeouts {
 }
 
 /// A validated route: the keys that select it and the backends it leads to.
+///
+/// The name, server names and CONNECT destinations are kept back to back in one string: a
+/// seed's table has tens of thousands of routes, and one allocation instead of one per key
+/// keeps the table small and a reload's two generations from fragmenting the heap.
 #[derive(Debug, Clone)]
 pub struct Route {
-    /// Unique name; used in metrics and logs.
-    pub name: String,
-    /// Server names: exact (lower case, no trailing dot) or `*.suffix`.
-    pub sni: Vec<String>,
-    /// CONNECT destination header values.
-    pub destinations: Vec<String>,
+    /// The name, then the server names, then the destinations.
+    keys: Box<str>,
+    /// Where each key in `keys` ends.
+    ends: Box<[u32]>,
+    /// How many server names there are.
+    sni_count: u32,
     /// Original destinations carried in a PROXY header.
-    pub proxy_destinations: Vec<SocketAddr>,
+    pub proxy_destinations: Box<[SocketAddr]>,
     /// Where connections go.
-    pub backends: Vec<Backend>,
+    pub backends: Box<[Backend]>,
     /// Timeout overrides.
     pub timeouts: RouteTimeouts,
     /// Close connections that have lasted this long.
     pub max_connection_duration: Option<Duration>,
+}
+
+/// The keys of one kind of a route, in order.
+#[derive(Debug, Clone)]
+pub struct RouteKeyList<'a> {
+    route: &'a Route,
+    next: usize,
+    end: usize,
+}
+
+impl<'a> Iterator for RouteKeyList<'a> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        (self.next < self.end).then(|| {
+            self.next += 1;
+            self.route.key(self.next - 1)
+        })
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.end - self.next;
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for RouteKeyList<'_> {}
+
+impl RouteKeyList<'_> {
+    /// Whether no keys are left.
+    pub fn is_empty(&self) -> bool {
+        self.next >= self.end
+    }
+}
+
+impl Serialize for RouteKeyList<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.clone())
+    }
+}
+
+/// Why a route cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("the route's name, server names and destinations exceed 4 GiB")]
+pub struct KeysTooLong;
+
+impl Route {
+    /// A route with these keys (server names already normalised) and backends.
+    pub fn new<S: AsRef<str>, D: AsRef<str>>(
+        name: &str,
+        sni: &[S],
+        destinations: &[D],
+        proxy_destinations: Vec<SocketAddr>,
+        backends: Vec<Backend>,
+    ) -> Result<Route, KeysTooLong> {
+        let all = || {
+            std::iter::once(name)
+                .chain(sni.iter().map(AsRef::as_ref))
+                .chain(destinations.iter().map(AsRef::as_ref))
+        };
+        let total: usize = all().map(str::len).sum();
+        if u32::try_from(total).is_err() {
+            return Err(KeysTooLong);
+        }
+        let mut keys = String::with_capacity(total);
+        let mut ends = Vec::with_capacity(1 + sni.len() + destinations.len());
+        for k in all() {
+            keys.push_str(k);
+            ends.push(keys.len() as u32);
+        }
+        Ok(Route {
+            keys: keys.into_boxed_str(),
+            ends: ends.into_boxed_slice(),
+            sni_count: sni.len() as u32,
+            proxy_destinations: proxy_destinations.into_boxed_slice(),
+            backends: backends.into_boxed_slice(),
+            timeouts: RouteTimeouts::default(),
+            max_connection_duration: None,
+        })
+    }
+
+    fn key(&self, i: usize) -> &str {
+        let start = match i {
+            0 => 0,
+            _ => self.ends[i - 1] as usize,
+        };
+        &self.keys[start..self.ends[i] as usize]
+    }
+
+    fn list(&self, next: usize, end: usize) -> RouteKeyList<'_> {
+        RouteKeyList {
+            route: self,
+            next,
+            end,
+        }
+    }
+
+    /// Unique name; used in metrics and logs.
+    pub fn name(&self) -> &str {
+        self.key(0)
+    }
+
+    /// Server names: exact (lower case, no trailing dot) or `*.suffix`.
+    pub fn sni(&self) -> RouteKeyList<'_> {
+        self.list(1, 1 + self.sni_count as usize)
+    }
+
+    /// CONNECT destination header values.
+    pub fn destinations(&self) -> RouteKeyList<'_> {
+        self.list(1 + self.sni_count as usize, self.ends.len())
+    }
 }
 
 /// A key that two routes claim at once.
@@ -112,11 +227,12 @@ impl<R: std::ops::Deref<Target = Route>> Keys for RouteKeys<'_, R> {
     fn key(&self, route: u32, position: u32) -> &str {
         let r: &Route = &self.routes[route as usize];
         let p = position as usize;
+        let first_destination = 1 + r.sni_count as usize;
         match self.kind {
-            KeyKind::Name => &r.name,
-            KeyKind::Sni => &r.sni[p],
-            KeyKind::SniSuffix => &r.sni[p][1..],
-            KeyKind::Destination => &r.destinations[p],
+            KeyKind::Name => r.name(),
+            KeyKind::Sni => r.key(1 + p),
+            KeyKind::SniSuffix => &r.key(1 + p)[1..],
+            KeyKind::Destination => r.key(first_destination + p),
         }
     }
 }
@@ -126,12 +242,12 @@ impl RoutingTable {
     pub fn new(routes: Vec<Route>) -> Result<Self, Vec<Conflict>> {
         let routes: Vec<Arc<Route>> = routes.into_iter().map(Arc::new).collect();
         let count = |f: fn(&Route) -> usize| routes.iter().map(|r| f(r)).sum::<usize>();
-        let wildcards = count(|r| r.sni.iter().filter(|s| s.starts_with('*')).count());
+        let wildcards = count(|r| r.sni().filter(|s| s.starts_with('*')).count());
         let mut table = RoutingTable {
             by_name: Index::with_capacity(routes.len()),
-            sni_exact: Index::with_capacity(count(|r| r.sni.len()) - wildcards),
+            sni_exact: Index::with_capacity(count(|r| r.sni().len()) - wildcards),
             sni_wildcard: Index::with_capacity(wildcards),
-            destinations: Index::with_capacity(count(|r| r.destinations.len())),
+            destinations: Index::with_capacity(count(|r| r.destinations().len())),
             proxy_destinations: HashMap::with_capacity(count(|r| r.proxy_destinations.len())),
             routes: Vec::new(),
         };
@@ -162,17 +278,17 @@ impl RoutingTable {
                         kind,
                         key,
                         first_index: first as usize,
-                        first: routes[first as usize].name.clone(),
+                        first: routes[first as usize].name().to_owned(),
                         second_index: i,
-                        second: route.name.clone(),
+                        second: route.name().to_owned(),
                     });
                 }
             };
             let prev = table
                 .by_name
-                .insert(&keys(KeyKind::Name), &route.name, n, 0);
-            claim("name", &route.name, prev);
-            for (p, name) in route.sni.iter().enumerate() {
+                .insert(&keys(KeyKind::Name), route.name(), n, 0);
+            claim("name", &route.name(), prev);
+            for (p, name) in route.sni().enumerate() {
                 let prev = match name.strip_prefix('*') {
                     Some(suffix) => {
                         table
@@ -183,15 +299,15 @@ impl RoutingTable {
                         .sni_exact
                         .insert(&keys(KeyKind::Sni), name, n, p as u32),
                 };
-                claim("sni", name, prev);
+                claim("sni", &name, prev);
             }
-            for (p, d) in route.destinations.iter().enumerate() {
+            for (p, d) in route.destinations().enumerate() {
                 let prev = table
                     .destinations
                     .insert(&keys(KeyKind::Destination), d, n, p as u32);
-                claim("destination", d, prev);
+                claim("destination", &d, prev);
             }
-            for d in &route.proxy_destinations {
+            for d in route.proxy_destinations.iter() {
                 let prev = *table.proxy_destinations.entry(*d).or_insert(n);
                 claim("proxyDestination", d, Some(prev));
             }
@@ -271,18 +387,42 @@ mod tests {
     use super::*;
 
     pub(crate) fn route(name: &str, sni: &[&str]) -> Route {
-        Route {
-            name: name.into(),
-            sni: sni
-                .iter()
-                .map(|s| normalize_sni_pattern(s).unwrap())
-                .collect(),
-            destinations: vec![],
-            proxy_destinations: vec![],
-            backends: vec![],
-            timeouts: RouteTimeouts::default(),
-            max_connection_duration: None,
-        }
+        let sni: Vec<String> = sni
+            .iter()
+            .map(|s| normalize_sni_pattern(s).unwrap())
+            .collect();
+        Route::new::<_, &str>(name, &sni, &[], vec![], vec![]).unwrap()
+    }
+
+    #[test]
+    fn keys_are_read_back_from_one_string() {
+        let r = Route::new(
+            "r",
+            &["a.example.com", "*.b.example.com"],
+            &["outbound|443||x", "y"],
+            vec![],
+            vec![],
+        )
+        .unwrap();
+        assert_eq!(r.name(), "r");
+        assert_eq!(
+            r.sni().collect::<Vec<_>>(),
+            ["a.example.com", "*.b.example.com"]
+        );
+        assert_eq!(r.sni().len(), 2);
+        assert_eq!(
+            r.destinations().collect::<Vec<_>>(),
+            ["outbound|443||x", "y"]
+        );
+        let none = Route::new::<&str, &str>("n", &[], &[], vec![], vec![]).unwrap();
+        assert_eq!(
+            (none.name(), none.sni().len(), none.destinations().len()),
+            ("n", 0, 0)
+        );
+        assert_eq!(
+            serde_json::to_string(&r.destinations()).unwrap(),
+            r#"["outbound|443||x","y"]"#
+        );
     }
 
     #[test]
@@ -293,7 +433,7 @@ mod tests {
             route("exact", &["API.alpha.example.com."]),
         ])
         .unwrap();
-        let name = |n: &str| t.by_sni(n).map(|r| r.name.as_str());
+        let name = |n: &str| t.by_sni(n).map(|r| r.name());
         assert_eq!(name("api.alpha.example.com"), Some("exact"));
         assert_eq!(name("x.alpha.example.com"), Some("long"));
         assert_eq!(name("x.y.alpha.example.com"), Some("long"));
