@@ -196,7 +196,12 @@ pub fn read_file(file: &Path) -> Result<Vec<u8>, ConfigError> {
         source,
     };
     let f = std::fs::File::open(file).map_err(read_err)?;
-    let mut bytes = Vec::new();
+    // Sized up front (the file may still change between stat and read; read_to_end grows
+    // the buffer then): a buffer grown by doubling is reallocated inside the heap, and a
+    // routing table's megabytes stay resident after it is freed; one allocation this large
+    // gets its own mapping and is returned on free.
+    let hint = f.metadata().map_or(0, |m| m.len().min(MAX_FILE_BYTES + 1));
+    let mut bytes = Vec::with_capacity(hint as usize + 1);
     f.take(MAX_FILE_BYTES + 1)
         .read_to_end(&mut bytes)
         .map_err(read_err)?;
