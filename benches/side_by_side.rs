@@ -556,9 +556,9 @@ fn main() {
     let jobs = env("BENCH_JOBS", "sni,proxy-destination,http-connect");
     let figures = env("BENCH_FIGURES", "throughput,rate,latency");
     let (want_tput, want_rate, want_lat) = (
-        figures.contains("throughput"),
-        figures.contains("rate"),
-        figures.contains("latency"),
+        figures.split(',').any(|f| f == "throughput"),
+        figures.split(',').any(|f| f == "rate"),
+        figures.split(',').any(|f| f == "latency"),
     );
     let peers_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/peers");
     let work = std::env::temp_dir().join(format!("trellis-bench-{}", std::process::id()));
@@ -616,7 +616,7 @@ fn main() {
                     // The proxy's own CPU per proxied connection (and its user-space part):
                     // what the rate costs it.
                     let (cpu_us, user_us) = match (cpu, proxy.pid().map(tree_cpu)) {
-                        (Some(a), Some(b)) => {
+                        (Some(a), Some(b)) if want_rate => {
                             let n = (rate * secs).max(1.0);
                             ((b.0 + b.1 - a.0 - a.1) * 1e6 / n, (b.0 - a.0) * 1e6 / n)
                         }
@@ -629,7 +629,9 @@ fn main() {
                         (f64::NAN, f64::NAN, 0)
                     };
                     let trip_us = match (cpu, proxy.pid().map(tree_cpu)) {
-                        (Some(a), Some(b)) => (b.0 + b.1 - a.0 - a.1) * 1e6 / trips.max(1) as f64,
+                        (Some(a), Some(b)) if want_lat => {
+                            (b.0 + b.1 - a.0 - a.1) * 1e6 / trips.max(1) as f64
+                        }
                         _ => f64::NAN,
                     };
                     eprintln!(

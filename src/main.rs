@@ -154,15 +154,40 @@ fn main() -> ExitCode {
 /// already includes (`"cannot bind ...: {source}"`) is not repeated.
 fn render_error(e: &anyhow::Error) -> String {
     let mut out = String::new();
+    let mut parent = String::new();
     for cause in e.chain() {
         let text = cause.to_string();
-        if out.contains(&text) {
-            continue;
+        if parent.is_empty() || !parent.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
         }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&text);
+        parent = text;
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::render_error;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot bind: {0}")]
+    struct Bind(#[source] std::io::Error);
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let io = || std::io::Error::other("address in use");
+        let e = anyhow::Error::new(Bind(io())).context("starting");
+        assert_eq!(render_error(&e), "starting: cannot bind: address in use");
+        // A cause whose text only happens to appear in an earlier message is kept.
+        let e = anyhow::Error::new(std::io::Error::other("timed out"))
+            .context("cannot connect")
+            .context("timed out waiting for the table");
+        assert_eq!(
+            render_error(&e),
+            "timed out waiting for the table: cannot connect: timed out"
+        );
+    }
 }

@@ -157,18 +157,38 @@ async fn attempt(
     for addr in addrs {
         match connect_addr(addr, deadline).await {
             Ok(stream) => return Ok((stream, addr)),
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => return Err("timeout"),
-            Err(e) => reason = failure_reason(&e),
+            // The budget is spent: no time for the next address.
+            Err(Failure::Deadline) => return Err("timeout"),
+            // Refused, unreachable, or the kernel gave up (its own `ETIMEDOUT`): try the next.
+            Err(Failure::Io(e)) => reason = failure_reason(&e),
         }
     }
     Err(reason)
+}
+
+/// Why one connect attempt failed.
+#[derive(Debug)]
+enum Failure {
+    /// The deadline passed first.
+    Deadline,
+    /// The kernel's answer.
+    Io(io::Error),
+}
+
+impl From<io::Error> for Failure {
+    fn from(e: io::Error) -> Self {
+        Failure::Io(e)
+    }
 }
 
 /// Connects to `addr` by `deadline`. A backend on the same host or node has accepted by the
 /// time `connect(2)` returns: that is seen at once (`getpeername` succeeds), without a
 /// round through the event loop or a timer; only a connect still in progress waits for the
 /// socket to become writable.
-async fn connect_addr(addr: SocketAddr, deadline: tokio::time::Instant) -> io::Result<TcpStream> {
+async fn connect_addr(
+    addr: SocketAddr,
+    deadline: tokio::time::Instant,
+) -> Result<TcpStream, Failure> {
     let socket = Socket::new(
         Domain::for_address(addr),
         Type::STREAM.nonblocking().cloexec(),
@@ -177,18 +197,18 @@ async fn connect_addr(addr: SocketAddr, deadline: tokio::time::Instant) -> io::R
     match socket.connect(&addr.into()) {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-        Err(e) => return Err(e),
+        Err(e) => return Err(e.into()),
     }
     let stream = TcpStream::from_std(socket.into())?;
     if stream.peer_addr().is_ok() {
         return Ok(stream);
     }
     match tokio::time::timeout_at(deadline, stream.writable()).await {
-        Err(_) => Err(io::ErrorKind::TimedOut.into()),
+        Err(_) => Err(Failure::Deadline),
         Ok(ready) => {
             ready?;
             match stream.take_error()? {
-                Some(e) => Err(e),
+                Some(e) => Err(e.into()),
                 None => Ok(stream),
             }
         }
@@ -223,8 +243,10 @@ mod tests {
             .unwrap()
             .local_addr()
             .unwrap();
-        let e = connect_addr(port, soon(2000)).await.unwrap_err();
-        assert_eq!(failure_reason(&e), "refused", "{e}");
+        match connect_addr(port, soon(2000)).await {
+            Err(Failure::Io(e)) => assert_eq!(failure_reason(&e), "refused", "{e}"),
+            other => panic!("expected refused, got {other:?}"),
+        }
     }
 
     #[tokio::test]
@@ -245,7 +267,7 @@ mod tests {
             }
             assert!(queued.len() < 16, "the accept queue never filled");
         };
-        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(matches!(e, Failure::Deadline), "{e:?}");
         assert!(started.elapsed() >= Duration::from_millis(300));
     }
 
@@ -267,7 +289,10 @@ mod tests {
             let second = listener.accept().unwrap();
             (listener, queued, second)
         });
+        let started = Instant::now();
         let mut stream = connect_addr(addr, soon(5000)).await.unwrap();
+        // It waited for the retransmission: the connect really was in progress.
+        assert!(started.elapsed() >= Duration::from_millis(500));
         let (_listener, _queued, (mut second, _)) = room.join().unwrap();
         assert_eq!(stream.peer_addr().unwrap(), addr);
         stream.write_all(b"late").await.unwrap();
