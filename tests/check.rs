@@ -152,20 +152,24 @@ fn gateway_that_cannot_bind_exits_non_zero() {
         "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\n",
     )
     .unwrap();
-    let out = Command::new(BIN)
-        .args(["gateway", "--config"])
-        .arg(dir.path("gateway.yaml"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains(&format!("cannot bind listener tls on 127.0.0.1:{port}")),
-        "{err}"
-    );
-    // Said once: one line, and the cause is not repeated after itself.
-    assert_eq!(err.matches("cannot bind").count(), 1, "{err}");
-    assert_eq!(err.matches("Address already in use").count(), 1, "{err}");
+    // Logged at error level; with errors filtered out of the log, said on stderr instead.
+    for log in ["info", "off"] {
+        let out = Command::new(BIN)
+            .args(["gateway", "--config"])
+            .arg(dir.path("gateway.yaml"))
+            .env("TRELLIS_LOG", log)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!("cannot bind listener tls on 127.0.0.1:{port}")),
+            "{log}: {err}"
+        );
+        // Said once: one line, and the cause is not repeated after itself.
+        assert_eq!(err.matches("cannot bind").count(), 1, "{log}: {err}");
+        assert_eq!(err.matches("Address already in use").count(), 1, "{err}");
+    }
 }
 
 #[test]
