@@ -200,19 +200,23 @@ pub fn read_file(file: &Path) -> Result<Vec<u8>, ConfigError> {
     // the buffer then): a buffer grown by doubling is reallocated inside the heap, and a
     // routing table's megabytes stay resident after it is freed; one allocation this large
     // gets its own mapping and is returned on free.
-    let hint = f.metadata().map_or(0, |m| m.len().min(MAX_FILE_BYTES + 1));
+    let hint = f.metadata().map_or(0, |m| m.len());
+    if hint > MAX_FILE_BYTES {
+        // Rejected before reading: a watch event must not read 64 MiB each time.
+        return Err(too_large(file));
+    }
     let mut bytes = Vec::with_capacity(hint as usize + 1);
     f.take(MAX_FILE_BYTES + 1)
         .read_to_end(&mut bytes)
         .map_err(read_err)?;
     if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(invalid(
-            file,
-            "",
-            format!("file larger than {MAX_FILE_BYTES} bytes"),
-        ));
+        return Err(too_large(file));
     }
     Ok(bytes)
+}
+
+fn too_large(file: &Path) -> ConfigError {
+    invalid(file, "", format!("file larger than {MAX_FILE_BYTES} bytes"))
 }
 
 fn invalid(file: &Path, path: &str, message: impl fmt::Display) -> ConfigError {
@@ -366,6 +370,23 @@ pub(crate) fn at(base: impl fmt::Display, field: impl fmt::Display) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn files_are_read_whole_and_capped() {
+        let dir = std::env::temp_dir().join(format!("trellis-read-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let big = dir.join("big");
+        let f = std::fs::File::create(&big).unwrap();
+        f.set_len(MAX_FILE_BYTES + 1).unwrap(); // sparse: nothing is written
+        let err = read_file(&big).unwrap_err().to_string();
+        assert!(err.contains("larger than"), "{err}");
+        f.set_len(3 * 4096 + 7).unwrap();
+        assert_eq!(read_file(&big).unwrap().len(), 3 * 4096 + 7);
+        // A file that reports no size (procfs) is still read to its end.
+        let status = read_file(Path::new("/proc/self/status")).unwrap();
+        assert!(String::from_utf8_lossy(&status).contains("VmRSS"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn json_and_yaml_documents_are_the_same() {

@@ -1,5 +1,6 @@
 //! `kind: RoutingTable` files: raw schema and conversion into a [`RoutingTable`].
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -128,7 +129,7 @@ pub fn parse_hashed(
     // one is built: the table's allocations then sit together instead of in the holes each
     // freed raw route would leave, so the previous generation's memory can be given back
     // whole after a reload.
-    let mut zones = Vec::new();
+    let mut zones = HashSet::new();
     let routes: Vec<Route> = raw
         .routes
         .iter()
@@ -170,7 +171,7 @@ fn validate_route(
     path: RoutePath,
     raw: &RawRoute,
     registry: &BackendRegistry,
-    zones: &mut Vec<Arc<str>>,
+    zones: &mut HashSet<Arc<str>>,
     errors: &mut Errors,
 ) -> Option<Route> {
     let name_ok = !raw.name.is_empty()
@@ -285,15 +286,13 @@ fn validate_route(
 }
 
 /// The shared string for `zone` (a table names a handful of zones, tens of thousands of times).
-fn intern(zones: &mut Vec<Arc<str>>, zone: &str) -> Arc<str> {
-    match zones.iter().find(|z| &***z == zone) {
-        Some(z) => z.clone(),
-        None => {
-            let z: Arc<str> = zone.into();
-            zones.push(z.clone());
-            z
-        }
+fn intern(zones: &mut HashSet<Arc<str>>, zone: &str) -> Arc<str> {
+    if let Some(z) = zones.get(zone) {
+        return z.clone();
     }
+    let z: Arc<str> = zone.into();
+    zones.insert(z.clone());
+    z
 }
 
 /// A duration that must be greater than zero.
