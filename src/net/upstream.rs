@@ -220,6 +220,18 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// A loopback listener with room for one unaccepted connection (`listen(0)`): once it
+    /// is queued, Linux drops further SYNs and their connects stay in progress.
+    fn one_slot_listener() -> (Socket, SocketAddr) {
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        socket
+            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        socket.listen(0).unwrap();
+        let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        (socket, addr)
+    }
+
     fn soon(ms: u64) -> tokio::time::Instant {
         tokio::time::Instant::now() + Duration::from_millis(ms)
     }
@@ -252,12 +264,7 @@ mod tests {
     #[tokio::test]
     async fn a_backend_that_drops_syns_times_out_at_the_deadline() {
         // A full accept queue makes Linux drop further SYNs: the connect stays in progress.
-        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-        socket
-            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
-            .unwrap();
-        socket.listen(0).unwrap();
-        let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        let (_listener, addr) = one_slot_listener();
         let mut queued = Vec::new();
         let started = Instant::now();
         let e = loop {
@@ -273,12 +280,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connect_in_progress_completes_once_the_backend_accepts() {
-        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-        socket
-            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
-            .unwrap();
-        socket.listen(0).unwrap();
-        let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        let (socket, addr) = one_slot_listener();
         let first = connect_addr(addr, soon(2000)).await.unwrap();
         // The queue is full, so this SYN is dropped; make room, and its retransmission
         // (about a second later) is accepted.
