@@ -597,3 +597,48 @@ async fn long_lived_connections_log_periodic_lines() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(periodic(&gw).len(), count, "no lines after the end");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn urgent_data_on_a_spliced_flow_is_forwarded_inline() {
+    // Backend: counts what it receives until the client's half-close, answers the count.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        // After the ClientHello (whose random bytes may contain anything).
+        let hello_len = 5 + u16::from_be_bytes([got[3], got[4]]) as usize;
+        let urgent_at = got[hello_len..].iter().position(|&b| b == b'!');
+        s.write_all(format!("{} {urgent_at:?}", got.len()).as_bytes())
+            .await
+            .unwrap();
+        s.shutdown().await.unwrap();
+    });
+    let gw = Gateway::start(
+        &routes_yaml(&[R {
+            name: "urg",
+            sni: &["urg.example.com"],
+            backends: &[addr],
+        }]),
+        "",
+    );
+    let hello = rustls_client_hello("urg.example.com");
+    let mut s = TcpStream::connect(gw.tls).await.unwrap();
+    s.write_all(&hello).await.unwrap();
+    // 2 MiB: the upload has become a spliced bulk flow by the time the urgent byte comes.
+    let bulk = vec![b'x'; 2 << 20];
+    s.write_all(&bulk).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sent = socket2::SockRef::from(&s).send_out_of_band(b"!").unwrap();
+    assert_eq!(sent, 1);
+    s.write_all(&bulk).await.unwrap();
+    s.shutdown().await.unwrap();
+    let got = read_all(&mut s, Duration::from_secs(10)).await.unwrap();
+    let expected = hello.len() + (4 << 20) + 1;
+    assert_eq!(
+        String::from_utf8_lossy(&got),
+        format!("{expected} Some({})", 2 << 20),
+        "every byte, the urgent one in place, and no stall"
+    );
+}

@@ -401,6 +401,11 @@ impl Dir {
                             return Poll::Ready(Ok(()));
                         }
                         Ok(n) => *filled = n,
+                        Err(e) if splice::is_urgent_mark(&e) => {
+                            // The pipe is empty: copying carries on where splicing stopped.
+                            self.no_splice = true;
+                            self.state = State::Read;
+                        }
                         Err(e) if retry(&e) => {}
                         Err(e) => return Poll::Ready(Err(("read", e))),
                     }
@@ -696,11 +701,56 @@ mod splice {
         SpliceFlags::NONBLOCK | SpliceFlags::MOVE
     }
 
+    /// `SIOCATMARK` from `<linux/sockios.h>` (not in the libc crate).
+    const SIOCATMARK: libc::Ioctl = 0x8905;
+
+    /// The socket's next byte is TCP urgent data.
+    fn at_urgent_mark(src: &TcpStream) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut at: libc::c_int = 0;
+        // SAFETY: SIOCATMARK writes one int through the pointer, which points to `at`; the
+        // descriptor is the open socket `src` borrows.
+        let r = unsafe { libc::ioctl(src.as_raw_fd(), SIOCATMARK, &mut at) };
+        r == 0 && at != 0
+    }
+
+    /// `fill` found TCP urgent data, which `splice` cannot move.
+    #[derive(Debug)]
+    pub struct AtUrgentMark;
+
+    impl std::fmt::Display for AtUrgentMark {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("at TCP urgent data")
+        }
+    }
+
+    impl std::error::Error for AtUrgentMark {}
+
+    /// Whether `e` is [`AtUrgentMark`].
+    pub fn is_urgent_mark(e: &io::Error) -> bool {
+        e.get_ref().is_some_and(|e| e.is::<AtUrgentMark>())
+    }
+
     impl Pipe {
         /// Moves what `src` has (at most a chunk) into the pipe; `Ok(0)` at end of stream.
         /// Called only when the pipe is empty, so a failure never strands counted bytes.
+        ///
+        /// `splice` stops at TCP urgent data and never moves past it: it returns nothing, as
+        /// if at end of stream or as if no data had come. That is told apart by asking
+        /// whether the socket is at the urgent mark, and reported as [`AtUrgentMark`]: the
+        /// caller copies from then on (`recv` does move past the mark). Not a `WouldBlock`,
+        /// so the socket's readiness stays set for that read.
         pub fn fill(&self, src: &TcpStream) -> io::Result<usize> {
-            Ok(splice(src, None, &self.write, None, SPLICE_CHUNK, flags())?)
+            match splice(src, None, &self.write, None, SPLICE_CHUNK, flags()) {
+                Ok(n) if n > 0 => Ok(n),
+                Err(e) if e != rustix::io::Errno::AGAIN => Err(e.into()),
+                nothing => {
+                    if at_urgent_mark(src) {
+                        return Err(io::Error::other(AtUrgentMark));
+                    }
+                    Ok(nothing?)
+                }
+            }
         }
 
         /// Moves up to `len` bytes from the pipe into `dst`.

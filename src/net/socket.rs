@@ -40,6 +40,9 @@ pub fn bind_std_with(
     if reuse_port {
         socket.set_reuse_port(true)?;
     }
+    // TCP urgent data is read inline, as the next byte of the stream (inherited by accepted
+    // sockets): a proxy forwards it in place instead of dropping it.
+    socket.set_out_of_band_inline(true)?;
     if let Some((idle, interval)) = keepalive {
         socket.set_tcp_nodelay(true)?;
         let ka = TcpKeepalive::new().with_time(idle).with_interval(interval);
@@ -101,5 +104,6 @@ mod tests {
         assert!(s.keepalive().unwrap(), "SO_KEEPALIVE inherited");
         assert_eq!(s.tcp_keepalive_time().unwrap(), idle);
         assert_eq!(s.tcp_keepalive_interval().unwrap(), Duration::from_secs(17));
+        assert!(s.out_of_band_inline().unwrap(), "SO_OOBINLINE inherited");
     }
 }
