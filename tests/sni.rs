@@ -20,6 +20,32 @@ async fn two_backends() -> (TlsBackend, TlsBackend) {
     )
 }
 
+/// A backend for one connection: reads to the client's half-close, writes `answer(bytes)`,
+/// closes.
+async fn answering_backend(
+    answer: impl FnOnce(Vec<u8>) -> Vec<u8> + Send + 'static,
+) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        s.write_all(&answer(got)).await.unwrap();
+        s.shutdown().await.unwrap();
+    });
+    addr
+}
+
+/// A table with one route, `name`, for server name `sni`, to `backend`.
+fn one_route(name: &str, sni: &str, backend: std::net::SocketAddr) -> String {
+    routes_yaml(&[R {
+        name,
+        sni: &[sni],
+        backends: &[backend],
+    }])
+}
+
 fn two_routes(a: &TlsBackend, b: &TlsBackend) -> String {
     routes_yaml(&[
         R {
@@ -413,27 +439,13 @@ async fn all_backends_down_closes_the_client() {
 #[tokio::test(flavor = "multi_thread")]
 async fn half_close_delivers_full_response() {
     // Backend: read to EOF, then answer with 1 MiB and close.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await.unwrap();
-        let mut got = Vec::new();
-        s.read_to_end(&mut got).await.unwrap();
-        let body = vec![b'x'; 1 << 20];
-        s.write_all(format!("{}\n", got.len()).as_bytes())
-            .await
-            .unwrap();
-        s.write_all(&body).await.unwrap();
-        s.shutdown().await.unwrap();
-    });
-    let gw = Gateway::start(
-        &routes_yaml(&[R {
-            name: "hc",
-            sni: &["hc.example.com"],
-            backends: &[addr],
-        }]),
-        "",
-    );
+    let addr = answering_backend(|got| {
+        let mut answer = format!("{}\n", got.len()).into_bytes();
+        answer.extend(vec![b'x'; 1 << 20]);
+        answer
+    })
+    .await;
+    let gw = Gateway::start(&one_route("hc", "hc.example.com", addr), "");
     let hello = rustls_client_hello("hc.example.com");
     let mut s = TcpStream::connect(gw.tls).await.unwrap();
     s.write_all(&hello).await.unwrap();
@@ -601,28 +613,14 @@ async fn long_lived_connections_log_periodic_lines() {
 #[tokio::test(flavor = "multi_thread")]
 async fn urgent_data_on_a_spliced_flow_is_forwarded_inline() {
     // Backend: counts what it receives until the client's half-close, answers the count.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await.unwrap();
-        let mut got = Vec::new();
-        s.read_to_end(&mut got).await.unwrap();
+    let addr = answering_backend(|got| {
         // After the ClientHello (whose random bytes may contain anything).
         let hello_len = 5 + u16::from_be_bytes([got[3], got[4]]) as usize;
         let urgent_at = got[hello_len..].iter().position(|&b| b == b'!');
-        s.write_all(format!("{} {urgent_at:?}", got.len()).as_bytes())
-            .await
-            .unwrap();
-        s.shutdown().await.unwrap();
-    });
-    let gw = Gateway::start(
-        &routes_yaml(&[R {
-            name: "urg",
-            sni: &["urg.example.com"],
-            backends: &[addr],
-        }]),
-        "",
-    );
+        format!("{} {urgent_at:?}", got.len()).into_bytes()
+    })
+    .await;
+    let gw = Gateway::start(&one_route("urg", "urg.example.com", addr), "");
     let hello = rustls_client_hello("urg.example.com");
     let mut s = TcpStream::connect(gw.tls).await.unwrap();
     s.write_all(&hello).await.unwrap();
