@@ -151,14 +151,7 @@ async fn openssl_and_curl_reach_backends_by_sni() {
 #[tokio::test(flavor = "multi_thread")]
 async fn hello_one_byte_per_write_and_three_records_is_routed_byte_exact() {
     let mut backend = RawBackend::start(b"from-backend", usize::MAX).await;
-    let gw = Gateway::start(
-        &routes_yaml(&[R {
-            name: "raw",
-            sni: &["api.raw.example.com"],
-            backends: &[backend.addr],
-        }]),
-        "",
-    );
+    let gw = Gateway::start(&one_route("raw", "api.raw.example.com", backend.addr), "");
     let hello = rustls_client_hello("api.raw.example.com");
     assert!(
         hello.len() > 1100,
@@ -405,14 +398,7 @@ routes:
 #[tokio::test(flavor = "multi_thread")]
 async fn all_backends_down_closes_the_client() {
     let dead = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let gw = Gateway::start(
-        &routes_yaml(&[R {
-            name: "down",
-            sni: &["down.example.com"],
-            backends: &[dead],
-        }]),
-        "",
-    );
+    let gw = Gateway::start(&one_route("down", "down.example.com", dead), "");
     let mut s = TcpStream::connect(gw.tls).await.unwrap();
     s.write_all(&trellis::wire::tls::testing::client_hello(
         Some("down.example.com"),
@@ -479,11 +465,7 @@ async fn half_close_is_bounded_and_idle_connections_time_out() {
         }
     });
     let gw = Gateway::start(
-        &routes_yaml(&[R {
-            name: "hold",
-            sni: &["hold.example.com"],
-            backends: &[addr],
-        }]),
+        &one_route("hold", "hold.example.com", addr),
         "timeouts: {halfClose: 1s, idle: 2s}",
     );
     let hello = trellis::wire::tls::testing::client_hello(Some("hold.example.com"), &[], 0);
@@ -564,11 +546,7 @@ routes:
 async fn long_lived_connections_log_periodic_lines() {
     let echo = echo_backend().await;
     let gw = Gateway::start(
-        &routes_yaml(&[R {
-            name: "long",
-            sni: &["long.example.com"],
-            backends: &[echo],
-        }]),
+        &one_route("long", "long.example.com", echo),
         "accessLog: {interval: 1s}",
     );
     let hello = trellis::wire::tls::testing::client_hello(Some("long.example.com"), &[], 0);
