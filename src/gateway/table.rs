@@ -63,15 +63,65 @@ pub struct Tables {
     file: PathBuf,
     registry: BackendRegistry,
     metrics: Arc<Metrics>,
-    /// Serialises reloads so generations are applied in order; holds the hash of the last
-    /// rejected file, so an unchanged bad file is not re-parsed and re-counted on every tick.
-    reload_lock: Mutex<Option<String>>,
+    /// Serialises reloads so generations are applied in order, and remembers what was read.
+    reload_lock: Mutex<ReadState>,
+    /// Times the file was read (for tests: a skipped read is the point of [`Stamp`]).
+    reads: std::sync::atomic::AtomicU64,
+}
+
+/// What the last reload attempt learned about the file.
+#[derive(Debug, Default)]
+struct ReadState {
+    /// Hash of the last rejected file, so an unchanged bad file is not re-parsed and
+    /// re-counted on every tick.
+    last_rejected: Option<String>,
+    /// Stamp of the file as last read, when it can be trusted.
+    read: Option<Stamp>,
+}
+
+/// Identifies one version of the file without reading it, as git's index does: the file
+/// behind every symlink (device, inode), its size, and its modification and change times.
+/// Any write changes the change time, which no one can set back, and a ConfigMap update
+/// swaps the symlink to a new inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+/// A file changed this recently may change again within the file system's timestamp
+/// granularity (a clock tick) without its stamp changing; its stamp is not trusted.
+const RACY_STAMP: Duration = Duration::from_secs(1);
+
+impl Stamp {
+    /// The file's stamp, or `None` if it cannot be had or trusted (then it is read).
+    fn of(file: &Path) -> Option<Stamp> {
+        use std::os::unix::fs::MetadataExt;
+        let now = SystemTime::now();
+        let m = std::fs::metadata(file).ok()?;
+        let changed = SystemTime::UNIX_EPOCH
+            + Duration::new(u64::try_from(m.ctime()).ok()?, m.ctime_nsec() as u32);
+        if now.duration_since(changed).unwrap_or_default() < RACY_STAMP {
+            return None;
+        }
+        Some(Stamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
 }
 
 impl Tables {
     /// Loads the initial table; an invalid table is an error (nothing to fall back to).
     pub fn load(file: &Path, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
         let registry = BackendRegistry::default();
+        let stamp = Stamp::of(file);
         let loaded = routes::load(file, &registry)?;
         let snapshot = Snapshot {
             generation: 1,
@@ -88,7 +138,11 @@ impl Tables {
             file: file.to_owned(),
             registry,
             metrics,
-            reload_lock: Mutex::new(None),
+            reload_lock: Mutex::new(ReadState {
+                last_rejected: None,
+                read: stamp,
+            }),
+            reads: 1.into(),
         })
     }
 
@@ -97,11 +151,22 @@ impl Tables {
         self.current.load_full()
     }
 
-    /// Re-reads the file and applies it if it changed and is valid.
+    /// Re-reads the file (as on SIGHUP) and applies it if it changed and is valid.
     pub fn reload(&self) -> Reload {
-        // A poisoned lock still holds a usable hash.
-        let mut last_rejected = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
-        let result = self.try_reload(&mut last_rejected);
+        self.reload_with(true)
+    }
+
+    /// Like [`Tables::reload`], but the file is not even read when its [`Stamp`] shows it
+    /// unchanged since the last read: for directory events (a file written next to the table
+    /// raises them too) and the periodic check.
+    pub fn reload_if_changed(&self) -> Reload {
+        self.reload_with(false)
+    }
+
+    fn reload_with(&self, force: bool) -> Reload {
+        // A poisoned lock still holds a usable state.
+        let mut state = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let result = self.try_reload(&mut state, force);
         self.metrics.reload(result.label());
         // Also on unchanged ticks: a removed route's series go once its last connection has.
         let current = self.snapshot();
@@ -117,15 +182,25 @@ impl Tables {
         result
     }
 
-    fn try_reload(&self, last_rejected: &mut Option<String>) -> Reload {
+    fn try_reload(&self, state: &mut ReadState, force: bool) -> Reload {
         let started = std::time::Instant::now();
+        // Taken before the read: a write after it changes the stamp, so it is read next time.
+        let stamp = Stamp::of(&self.file);
+        if !force && stamp.is_some() && stamp == state.read {
+            return Reload::Unchanged;
+        }
+        self.reads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let bytes = match crate::config::read_file(&self.file) {
             Ok(b) => b,
             Err(e) => {
                 tracing::error!(error = %e, "routing table not reloaded; keeping the last good table");
+                state.read = None;
                 return Reload::Rejected;
             }
         };
+        state.read = stamp;
+        let last_rejected = &mut state.last_rejected;
         let current = self.current.load();
         let hash = routes::content_hash(&bytes);
         if hash == current.loaded.hash || last_rejected.as_deref() == Some(hash.as_str()) {
@@ -263,19 +338,23 @@ impl Tables {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         loop {
-            tokio::select! {
+            let force = tokio::select! {
                 Some(()) = events.recv() => {
                     // Let a burst of events (write, rename, symlink swap) settle.
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     while events.try_recv().is_ok() {}
+                    false
                 }
-                Some(()) = hup.recv() => tracing::info!("SIGHUP: re-reading the routing table"),
-                _ = tick.tick() => {}
-            }
+                Some(()) = hup.recv() => {
+                    tracing::info!("SIGHUP: re-reading the routing table");
+                    true
+                }
+                _ = tick.tick() => false,
+            };
             // This runs on the control-plane thread, not on a connection worker, so parsing a
             // large table here delays no traffic; staying on one thread also keeps glibc from
             // growing a new heap arena per reload thread.
-            if self.reload() == Reload::Applied {
+            if self.reload_with(force) == Reload::Applied {
                 release_free_memory();
             }
         }
@@ -321,5 +400,66 @@ pub fn release_free_memory() {
     // SAFETY: malloc_trim only walks and shrinks glibc's own heaps; it has no preconditions.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    fn table(port: u16) -> String {
+        format!(
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes:\n- name: r\n  sni: [r.example.com]\n  backends:\n  - address: \"127.0.0.1:{port}\"\n"
+        )
+    }
+
+    #[test]
+    fn checks_skip_reading_a_file_whose_stamp_is_unchanged() {
+        let dir = std::env::temp_dir().join(format!("trellis-stamp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("routes.yaml");
+        std::fs::write(&file, table(7001)).unwrap();
+        let t = Tables::load(&file, Arc::new(Metrics::new())).unwrap();
+        let reads = || t.reads.load(Ordering::Relaxed);
+        let port = |t: &Tables| {
+            t.snapshot().table().routes()[0].backends[0]
+                .address
+                .to_string()
+        };
+
+        // Just written, so its stamp is not trusted: a check reads it.
+        assert_eq!(t.reload_if_changed(), Reload::Unchanged);
+        assert_eq!(reads(), 2);
+        // A rewrite of the same size within the same clock tick is still seen.
+        std::fs::write(&file, table(7002)).unwrap();
+        assert_eq!(t.reload_if_changed(), Reload::Applied);
+        assert_eq!(port(&t), "127.0.0.1:7002");
+        // The next version, ConfigMap style: written now, swapped in by a symlink later.
+        std::fs::write(dir.join("v3.yaml"), table(7003)).unwrap();
+
+        std::thread::sleep(RACY_STAMP + Duration::from_millis(100));
+        // Now trusted: read once more to take the stamp, then checks read nothing.
+        assert_eq!(t.reload_if_changed(), Reload::Unchanged);
+        assert_eq!(reads(), 4);
+        assert_eq!(t.reload_if_changed(), Reload::Unchanged);
+        assert_eq!(t.reload_if_changed(), Reload::Unchanged);
+        assert_eq!(reads(), 4, "an unchanged stamp skips the read");
+        // SIGHUP reads regardless.
+        assert_eq!(t.reload(), Reload::Unchanged);
+        assert_eq!(reads(), 5);
+
+        // Swapped to another inode whose times are old: the stamp differs.
+        std::os::unix::fs::symlink(dir.join("v3.yaml"), dir.join("next")).unwrap();
+        std::fs::rename(dir.join("next"), &file).unwrap();
+        assert_eq!(t.reload_if_changed(), Reload::Applied);
+        assert_eq!(port(&t), "127.0.0.1:7003");
+        // Rewritten in place with the same size: the change time moves.
+        std::thread::sleep(RACY_STAMP + Duration::from_millis(100));
+        assert_eq!(t.reload_if_changed(), Reload::Unchanged);
+        std::fs::write(dir.join("v3.yaml"), table(7004)).unwrap();
+        assert_eq!(t.reload_if_changed(), Reload::Applied);
+        assert_eq!(port(&t), "127.0.0.1:7004");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
