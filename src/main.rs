@@ -89,7 +89,21 @@ fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
         }
     };
     match trellis::net::socket::raise_nofile_limit() {
-        Ok(n) => tracing::debug!(nofile = n, "open files limit"),
+        Ok(n) => {
+            tracing::debug!(nofile = n, "open files limit");
+            let max = config.limits.max_connections;
+            let needed = trellis::net::socket::descriptors_for(max);
+            if n < needed {
+                tracing::warn!(
+                    nofile = n,
+                    needed,
+                    max_connections = max,
+                    "the open files limit is below what limits.maxConnections needs (two \
+                     descriptors per connection and a reserve); past it, accepts fail with \
+                     EMFILE and back off. Raise the limit or lower maxConnections"
+                );
+            }
+        }
         Err(e) => tracing::warn!(error = %e, "could not raise the open files limit"),
     }
     // The control plane (signals, admin, table reloads) runs here; connections run on the

@@ -173,6 +173,61 @@ fn gateway_that_cannot_bind_exits_non_zero() {
 }
 
 #[test]
+fn gateway_warns_when_open_files_cannot_cover_max_connections() {
+    use std::os::unix::process::CommandExt;
+    let dir = TestDir::new("nofile");
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port();
+    std::fs::write(
+        dir.path("routes.yaml"),
+        "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\n",
+    )
+    .unwrap();
+    // The listener's port is taken, so the gateway exits by itself after its start-up checks.
+    for (max, warned) in [(1000, true), (50, false)] {
+        std::fs::write(
+            dir.path("gateway.yaml"),
+            format!(
+                "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:{port}\", protocol: sni}}\nadmin: {{address: \"127.0.0.1:{}\"}}\nlimits: {{maxConnections: {max}}}\n",
+                free_port()
+            ),
+        )
+        .unwrap();
+        let mut cmd = Command::new(BIN);
+        cmd.args(["gateway", "--config"])
+            .arg(dir.path("gateway.yaml"))
+            .env("TRELLIS_LOG", "warn");
+        // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                let limit = libc::rlimit {
+                    rlim_cur: 512,
+                    rlim_max: 512,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("cannot bind"), "{err}");
+        assert_eq!(
+            err.contains("open files limit is below what limits.maxConnections needs"),
+            warned,
+            "maxConnections {max}: {err}"
+        );
+        if warned {
+            assert!(
+                err.contains("nofile=512") && err.contains("needed=2064"),
+                "{err}"
+            );
+        }
+    }
+}
+
+#[test]
 fn daemonset_config_is_valid_and_pod_is_locked_down() {
     let manifest = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/node-daemonset.yaml"),
