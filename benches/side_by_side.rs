@@ -69,7 +69,9 @@ impl Proxy {
 
 impl Drop for Proxy {
     fn drop(&mut self) {
-        if let Some(c) = &mut self.child {
+        if let Some(c) = &mut self.child
+            && matches!(c.try_wait(), Ok(None))
+        {
             // SIGTERM, not SIGKILL: nginx's master must stop its workers.
             let _ = Command::new("kill").arg(c.id().to_string()).status();
             let _ = c.wait();
@@ -402,16 +404,34 @@ fn ensure_installed(bin: &str, packages: &[&str]) -> bool {
 /// and backend threads, while a proxy in its own session gets a share of its own: in an A/A
 /// run, HAProxy left in the bench's session made 0.78-0.96x the connections per second of
 /// HAProxy in its own.
+/// Out of the terminal's process group, the proxy no longer gets the Ctrl-C that stops the
+/// bench, so it is told to stop (`SIGTERM`) when the bench exits, however it exits: a
+/// leftover proxy would keep its ports and answer in place of the next run's.
 fn own_session(cmd: &mut Command) -> &mut Command {
-    // SAFETY: setsid is async-signal-safe, and nothing else runs between fork and exec.
+    let bench = std::process::id() as libc::pid_t;
+    // SAFETY: only async-signal-safe calls that do not allocate run in the forked child.
     unsafe {
-        cmd.pre_exec(|| {
-            if libc::setsid() < 0 {
+        cmd.pre_exec(move || {
+            if libc::setsid() < 0
+                || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong) < 0
+            {
                 return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != bench {
+                // The bench died before the death signal was armed.
+                return Err(std::io::ErrorKind::Interrupted.into());
             }
             Ok(())
         })
     }
+}
+
+/// Idle connections held open for the memory figure (`BENCH_IDLE`).
+fn idle_connections() -> usize {
+    std::env::var("BENCH_IDLE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5000)
 }
 
 fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
@@ -425,7 +445,10 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
     std::fs::write(
         dir.join("gateway.yaml"),
         format!(
-            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:8440\", protocol: sni}}\n- {{name: pp, address: \"127.0.0.1:8450\", protocol: proxy-destination}}\n- {{name: connect, address: \"127.0.0.1:8460\", protocol: http-connect}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: 100000}}\nworkers: {}\n", std::env::var("BENCH_TRELLIS_WORKERS").unwrap_or_else(|_| "1".into())
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:8440\", protocol: sni}}\n- {{name: pp, address: \"127.0.0.1:8450\", protocol: proxy-destination}}\n- {{name: connect, address: \"127.0.0.1:8460\", protocol: http-connect}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: {}}}\nworkers: {}\n",
+            // Room for the idle connections, within the open files this machine allows.
+            idle_connections() + 1000,
+            std::env::var("BENCH_TRELLIS_WORKERS").unwrap_or_else(|_| "1".into())
         ),
     )
     .unwrap();
@@ -570,7 +593,7 @@ fn main() {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
     let secs: f64 = env("BENCH_SECONDS", "2").parse().unwrap_or(2.0);
     let rounds: usize = env("BENCH_ROUNDS", "3").parse().unwrap_or(3);
-    let idle: usize = env("BENCH_IDLE", "5000").parse().unwrap_or(5000);
+    let idle = idle_connections();
     let peers_wanted = env("BENCH_PEERS", "haproxy,nginx");
     let jobs = env("BENCH_JOBS", "sni,proxy-destination,http-connect");
     let figures = env("BENCH_FIGURES", "throughput,rate,latency");
@@ -609,10 +632,22 @@ fn main() {
             // because a 2-core machine shared by client, proxies and backend is noisy.
             let mut running = Vec::new();
             for start in &starters {
-                let Some((proxy, targets)) = start() else { continue };
+                let Some((mut proxy, targets)) = start() else { continue };
                 let Some(t) = targets.into_iter().find(|t| t.job == job) else { continue };
                 if !works(&t).await {
                     eprintln!("{} {} does not work on {}; skipped", t.proxy, t.job, t.addr);
+                    continue;
+                }
+                // Answered, but not by the process just started (it could not bind and is
+                // exiting, or has).
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                if let Some(c) = &mut proxy.child
+                    && !matches!(c.try_wait(), Ok(None))
+                {
+                    eprintln!(
+                        "{} exited, yet {} answers: is an earlier one still running? skipped",
+                        t.proxy, t.addr
+                    );
                     continue;
                 }
                 running.push((proxy, t));
