@@ -134,15 +134,13 @@ limits: {{maxClientHelloBytes: 1}}
     std::net::TcpListener::bind(("127.0.0.1", admin)).expect("admin port must be free");
 }
 
-#[test]
-fn gateway_that_cannot_bind_exits_non_zero() {
-    let dir = TestDir::new("busy");
-    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = busy.local_addr().unwrap().port();
+/// Writes a gateway config whose one listener is on `port` (taken by the test, so the gateway
+/// exits after its start-up checks), with `extra` YAML lines, and an empty routing table.
+fn busy_gateway(dir: &TestDir, port: u16, extra: &str) {
     std::fs::write(
         dir.path("gateway.yaml"),
         format!(
-            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:{port}\", protocol: sni}}\nadmin: {{address: \"127.0.0.1:{}\"}}\n",
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:{port}\", protocol: sni}}\nadmin: {{address: \"127.0.0.1:{}\"}}\n{extra}",
             free_port()
         ),
     )
@@ -152,6 +150,14 @@ fn gateway_that_cannot_bind_exits_non_zero() {
         "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\n",
     )
     .unwrap();
+}
+
+#[test]
+fn gateway_that_cannot_bind_exits_non_zero() {
+    let dir = TestDir::new("busy");
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port();
+    busy_gateway(&dir, port, "");
     // Logged at error level; with errors filtered out of the log, said on stderr instead.
     for log in ["info", "off"] {
         let out = Command::new(BIN)
@@ -178,21 +184,9 @@ fn gateway_warns_when_open_files_cannot_cover_max_connections() {
     let dir = TestDir::new("nofile");
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = busy.local_addr().unwrap().port();
-    std::fs::write(
-        dir.path("routes.yaml"),
-        "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\n",
-    )
-    .unwrap();
     // The listener's port is taken, so the gateway exits by itself after its start-up checks.
     for (max, warned) in [(1000, true), (50, false)] {
-        std::fs::write(
-            dir.path("gateway.yaml"),
-            format!(
-                "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:{port}\", protocol: sni}}\nadmin: {{address: \"127.0.0.1:{}\"}}\nlimits: {{maxConnections: {max}}}\n",
-                free_port()
-            ),
-        )
-        .unwrap();
+        busy_gateway(&dir, port, &format!("limits: {{maxConnections: {max}}}\n"));
         let mut cmd = Command::new(BIN);
         cmd.args(["gateway", "--config"])
             .arg(dir.path("gateway.yaml"))
