@@ -4,7 +4,7 @@
 //! `cargo bench --bench side_by_side` (installs the peers with apt-get when missing).
 //! Environment: `BENCH_SECONDS` (per figure and round, default 2), `BENCH_PEERS` (default
 //! `haproxy,nginx`), `BENCH_IDLE` (idle connections for the memory figure, default 5000),
-//! `BENCH_JOBS` (default `sni,proxy-destination,http-connect`), `BENCH_ROUNDS` (default 3),
+//! `BENCH_JOBS` (default `sni,proxy-destination,http-connect`), `BENCH_ROUNDS` (default 5),
 //! `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single thread), `BENCH_TRELLIS_BIN`
 //! (another trellis binary to measure, e.g. a previous build), `BENCH_FIGURES` (default
 //! `throughput,rate,latency`: which round figures to measure; the others print as NaN).
