@@ -31,8 +31,14 @@ const MEDIUM_BUF: usize = 16 * 1024;
 const LARGE_BUF: usize = 64 * 1024;
 const GROW_AFTER: u64 = 128 * 1024;
 const BULK_AFTER: u64 = 4 * 1024 * 1024;
-/// A direction that has carried this much is a bulk flow: it switches to `splice(2)`.
+/// A direction that has carried this much, and whose last read filled its buffer (more was
+/// waiting), is a bulk flow: it switches to `splice(2)`.
 const SPLICE_AFTER: u64 = 1024 * 1024;
+/// A splice that moves less than this finds an interactive flow (small messages, as on a
+/// long-lived watch or exec stream): once the pipe is drained it copies again, which moves a
+/// message in one read and one write where splicing takes two splices, an empty splice and
+/// the urgent-mark check.
+const SMALL_SPLICE: usize = SMALL_BUF;
 /// Most bytes moved by one splice call.
 const SPLICE_CHUNK: usize = 1024 * 1024;
 /// Most bytes one direction moves in one poll before it yields to other connections: a
@@ -216,6 +222,8 @@ pub fn relay<'a>(
         up: Dir {
             carried: 0,
             no_splice: false,
+            full_read: false,
+            spliced: 0,
             state: if initial.is_empty() {
                 State::Read
             } else {
@@ -228,6 +236,8 @@ pub fn relay<'a>(
         down: Dir {
             carried: 0,
             no_splice: false,
+            full_read: false,
+            spliced: 0,
             state: State::Read,
         },
         limits,
@@ -296,6 +306,10 @@ struct Dir {
     /// A pipe could not be had (e.g. past the per-user pipe quota): copy from now on rather
     /// than retry on every readable event.
     no_splice: bool,
+    /// The last read filled its buffer: more data was waiting.
+    full_read: bool,
+    /// Bytes of `carried` that went through a pipe.
+    spliced: u64,
     state: State,
 }
 
@@ -304,8 +318,13 @@ enum State {
     Read,
     /// Writing `buf[off..]` to the destination (the buffer is held only meanwhile).
     Write { buf: Vec<u8>, off: usize },
-    /// A bulk flow moving through a pipe; `filled` bytes are in the pipe.
-    Splice { pipe: splice::Pipe, filled: usize },
+    /// A bulk flow moving through a pipe; `filled` bytes are in the pipe. With `then_copy`,
+    /// the last splice was small, and the direction copies again once they are written.
+    Splice {
+        pipe: splice::Pipe,
+        filled: usize,
+        then_copy: bool,
+    },
     /// End of stream was forwarded.
     Done,
 }
@@ -341,12 +360,16 @@ impl Dir {
                 State::Done => return Poll::Ready(Ok(())),
                 State::Read => {
                     ready!(src.poll_read_ready(cx)).map_err(|e| ("read", e))?;
-                    if self.carried >= SPLICE_AFTER && !self.no_splice {
+                    if self.carried >= SPLICE_AFTER && self.full_read && !self.no_splice {
                         match splice::Pipe::new() {
                             Ok(pipe) => {
                                 // Bulk flow: from here on, bytes go socket -> pipe -> socket
                                 // inside the kernel.
-                                self.state = State::Splice { pipe, filled: 0 };
+                                self.state = State::Splice {
+                                    pipe,
+                                    filled: 0,
+                                    then_copy: false,
+                                };
                                 continue;
                             }
                             Err(_) => self.no_splice = true,
@@ -359,7 +382,10 @@ impl Dir {
                             self.finish(dst, other_done);
                             return Poll::Ready(Ok(()));
                         }
-                        Ok(_) => self.state = State::Write { buf, off: 0 },
+                        Ok(n) => {
+                            self.full_read = n == buf.capacity();
+                            self.state = State::Write { buf, off: 0 };
+                        }
                         Err(e) => {
                             pool::give(buf);
                             if !retry(&e) {
@@ -393,14 +419,21 @@ impl Dir {
                         Err(e) => return Poll::Ready(Err(("write", e))),
                     }
                 }
-                State::Splice { pipe, filled } if *filled == 0 => {
+                State::Splice {
+                    pipe,
+                    filled,
+                    then_copy,
+                } if *filled == 0 => {
                     ready!(src.poll_read_ready(cx)).map_err(|e| ("read", e))?;
                     match src.try_io(Interest::READABLE, || pipe.fill(src)) {
                         Ok(0) => {
                             self.finish(dst, other_done);
                             return Poll::Ready(Ok(()));
                         }
-                        Ok(n) => *filled = n,
+                        Ok(n) => {
+                            *filled = n;
+                            *then_copy = n < SMALL_SPLICE;
+                        }
                         Err(e) if splice::is_urgent_mark(&e) => {
                             // The pipe is empty: copying carries on where splicing stopped.
                             self.no_splice = true;
@@ -410,7 +443,11 @@ impl Dir {
                         Err(e) => return Poll::Ready(Err(("read", e))),
                     }
                 }
-                State::Splice { pipe, filled } => {
+                State::Splice {
+                    pipe,
+                    filled,
+                    then_copy,
+                } => {
                     ready!(dst.poll_write_ready(cx)).map_err(|e| ("write", e))?;
                     match dst.try_io(Interest::WRITABLE, || pipe.drain(dst, *filled)) {
                         Ok(0) => {
@@ -418,8 +455,14 @@ impl Dir {
                         }
                         Ok(n) => {
                             *filled -= n;
+                            self.spliced += n as u64;
                             count(&mut self.carried, n, counter, activity);
                             moved += n as u64;
+                            if *filled == 0 && *then_copy {
+                                // The pipe is empty and closes; copying carries on.
+                                self.full_read = false;
+                                self.state = State::Read;
+                            }
                         }
                         Err(e) if retry(&e) => {}
                         Err(e) => return Poll::Ready(Err(("write", e))),
@@ -938,6 +981,69 @@ mod tests {
         assert_eq!(meters.rx.get(), stats.rx);
         assert_eq!(meters.tx.get(), stats.tx);
         assert_eq!(meters.half.get(), 0, "the half-closed gauge is released");
+    }
+
+    /// A long-lived interactive flow (small messages, as on a watch or exec stream) copies
+    /// even past the splice threshold, and a bulk flow that turns interactive copies again:
+    /// one read and one write per message instead of two splices, an empty splice and the
+    /// urgent-mark check.
+    #[tokio::test]
+    async fn interactive_flows_copy_past_the_splice_threshold() {
+        const MSG: usize = 1024;
+        const BEFORE: usize = 1536; // 1.5 MiB of messages each way, past SPLICE_AFTER
+        const AFTER: usize = 256;
+        const BULK: usize = 3 << 20;
+        let (mut client, client_in) = pair().await;
+        let (mut backend, backend_in) = pair().await;
+        let meters = Meters::default();
+        let stop = Stop::default();
+        let mut relay = plain(
+            &client_in,
+            &backend_in,
+            Duration::from_secs(30),
+            &meters,
+            &stop,
+        );
+        async fn ping_pong(client: &mut TcpStream, backend: &mut TcpStream, n: usize) {
+            let msg = pattern(MSG, 0x33);
+            let mut back = vec![0u8; MSG];
+            for _ in 0..n {
+                client.write_all(&msg).await.unwrap();
+                backend.read_exact(&mut back).await.unwrap();
+                assert!(back == msg);
+                backend.write_all(&msg).await.unwrap();
+                client.read_exact(&mut back).await.unwrap();
+                assert!(back == msg);
+            }
+        }
+        let peers = async {
+            ping_pong(&mut client, &mut backend, BEFORE).await;
+            let bulk = pattern(BULK, 0x44);
+            let mut got = vec![0u8; BULK];
+            let (w, r) = tokio::join!(client.write_all(&bulk), backend.read_exact(&mut got));
+            w.unwrap();
+            r.unwrap();
+            assert!(got == bulk, "bulk bytes differ");
+            ping_pong(&mut client, &mut backend, AFTER).await;
+            client.shutdown().await.unwrap();
+            backend.shutdown().await.unwrap();
+        };
+        let ((end, stats), ()) = tokio::time::timeout(Duration::from_secs(60), async {
+            tokio::join!(&mut relay, peers)
+        })
+        .await
+        .expect("relay finishes");
+        assert!(matches!(end, End::ClientClosed | End::BackendClosed));
+        assert_eq!(stats.rx, ((BEFORE + AFTER) * MSG + BULK) as u64);
+        assert_eq!(relay.down.spliced, 0, "small messages only: never spliced");
+        assert!(relay.up.spliced >= 2 << 20, "the bulk upload was spliced");
+        // All the messages were copied but at most one (the first after the bulk upload).
+        let copied = relay.up.carried - relay.up.spliced;
+        assert!(
+            copied >= ((BEFORE + AFTER - 1) * MSG) as u64,
+            "copied {copied} of {} message bytes",
+            (BEFORE + AFTER) * MSG
+        );
     }
 
     /// `Stop` ends idle relays at once, and a relay started after it ends immediately.
