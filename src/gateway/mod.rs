@@ -196,8 +196,11 @@ fn worker(
     stop: watch::Receiver<bool>,
     mut exit: watch::Receiver<bool>,
 ) {
+    // Sockets and timers only: the signal and process drivers (signals are the control
+    // plane's) would otherwise be checked on every turn of the loop.
     let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
+        .enable_io()
+        .enable_time()
         .build()
     {
         Ok(r) => r,
