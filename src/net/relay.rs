@@ -3,8 +3,9 @@
 //! Each direction waits for readability without holding a buffer, reads into a buffer that
 //! is only held while data is in flight (pooled per thread, sized by how much the direction
 //! has carried), writes everything on, and counts the bytes. A direction that has carried
-//! a bulk amount switches to `splice(2)` through a pipe, so its bytes never enter user
-//! space. End of stream in one direction is forwarded as a TCP half-close
+//! a bulk amount and still finds its buffer filled by a read switches to `splice(2)` through
+//! a pipe, so its bytes never enter user space, and copies again when it turns interactive
+//! (small messages). End of stream in one direction is forwarded as a TCP half-close
 //! (`shutdown(SHUT_WR)`) and the other direction may continue for at most `half_close`. The
 //! relay also ends on idle timeout, maximum lifetime, or a [`Stop`] (the end of a drain).
 //! It never parses the bytes.
@@ -37,8 +38,10 @@ const SPLICE_AFTER: u64 = 1024 * 1024;
 /// A splice that moves less than this finds an interactive flow (small messages, as on a
 /// long-lived watch or exec stream): once the pipe is drained it copies again, which moves a
 /// message in one read and one write where splicing takes two splices, an empty splice and
-/// the urgent-mark check.
-const SMALL_SPLICE: usize = SMALL_BUF;
+/// the urgent-mark check. Only a splice made after waiting for data counts: the one right
+/// after a drain only finds what arrived meanwhile, which is little on a bulk flow that the
+/// relay keeps up with, and would make it give up and re-create its pipe over and over.
+const SMALL_SPLICE: usize = 4 * 1024;
 /// Most bytes moved by one splice call.
 const SPLICE_CHUNK: usize = 1024 * 1024;
 /// Most bytes one direction moves in one poll before it yields to other connections: a
@@ -308,7 +311,7 @@ struct Dir {
     no_splice: bool,
     /// The last read filled its buffer: more data was waiting.
     full_read: bool,
-    /// Bytes of `carried` that went through a pipe.
+    /// Bytes of `carried` that went through a pipe (for tests and debugging).
     spliced: u64,
     state: State,
 }
@@ -350,6 +353,8 @@ impl Dir {
         other_done: bool,
     ) -> Poll<Result<(), DirError>> {
         let mut moved = 0u64;
+        // The next splice into the pipe follows a drain in this same poll, not a wait.
+        let mut refill = false;
         loop {
             if moved >= MAX_PER_POLL {
                 // Give the other connections on this thread their turn.
@@ -432,7 +437,7 @@ impl Dir {
                         }
                         Ok(n) => {
                             *filled = n;
-                            *then_copy = n < SMALL_SPLICE;
+                            *then_copy = n < SMALL_SPLICE && !refill;
                         }
                         Err(e) if splice::is_urgent_mark(&e) => {
                             // The pipe is empty: copying carries on where splicing stopped.
@@ -458,10 +463,14 @@ impl Dir {
                             self.spliced += n as u64;
                             count(&mut self.carried, n, counter, activity);
                             moved += n as u64;
-                            if *filled == 0 && *then_copy {
-                                // The pipe is empty and closes; copying carries on.
-                                self.full_read = false;
-                                self.state = State::Read;
+                            if *filled == 0 {
+                                if *then_copy {
+                                    // The pipe is empty and closes; copying carries on.
+                                    self.full_read = false;
+                                    self.state = State::Read;
+                                } else {
+                                    refill = true;
+                                }
                             }
                         }
                         Err(e) if retry(&e) => {}
