@@ -660,7 +660,7 @@ fn main() {
             }
             for round in 0..rounds {
                 // Each round starts with another proxy, so none always goes first (an A/A run
-                // showed the first place costing ~5 % of p99).
+                // showed the first place costing 5-10 % of p99).
                 for k in 0..running.len() {
                     let i = (k + round) % running.len();
                     let (proxy, t) = &running[i];
@@ -669,29 +669,26 @@ fn main() {
                     } else {
                         (f64::NAN, f64::NAN)
                     };
-                    let cpu = proxy.pid().map(tree_cpu);
+                    // The proxy's CPU time (all, user space) in µs per event of a figure.
+                    let per = |a: Option<(f64, f64)>, n: f64| match (a, proxy.pid().map(tree_cpu)) {
+                        (Some(a), Some(b)) => (
+                            (b.0 + b.1 - a.0 - a.1) * 1e6 / n.max(1.0),
+                            (b.0 - a.0) * 1e6 / n.max(1.0),
+                        ),
+                        _ => (f64::NAN, f64::NAN),
+                    };
+                    let before = proxy.pid().map(tree_cpu).filter(|_| want_rate);
                     let rate = if want_rate { conn_rate(t, secs).await } else { f64::NAN };
                     // The proxy's own CPU per proxied connection (and its user-space part):
                     // what the rate costs it.
-                    let (cpu_us, user_us) = match (cpu, proxy.pid().map(tree_cpu)) {
-                        (Some(a), Some(b)) if want_rate => {
-                            let n = (rate * secs).max(1.0);
-                            ((b.0 + b.1 - a.0 - a.1) * 1e6 / n, (b.0 - a.0) * 1e6 / n)
-                        }
-                        _ => (f64::NAN, f64::NAN),
-                    };
-                    let cpu = proxy.pid().map(tree_cpu);
+                    let (cpu_us, user_us) = per(before, rate * secs);
+                    let before = proxy.pid().map(tree_cpu).filter(|_| want_lat);
                     let (p50, p99, trips) = if want_lat {
                         latency(t, secs).await
                     } else {
                         (f64::NAN, f64::NAN, 0)
                     };
-                    let trip_us = match (cpu, proxy.pid().map(tree_cpu)) {
-                        (Some(a), Some(b)) if want_lat => {
-                            (b.0 + b.1 - a.0 - a.1) * 1e6 / trips.max(1) as f64
-                        }
-                        _ => f64::NAN,
-                    };
+                    let (trip_us, _) = per(before, trips as f64);
                     eprintln!(
                         "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s ({cpu_us:4.1} µs CPU each, {user_us:3.1} in user space)  p50 {p50:6.1} µs  p99 {p99:7.1} µs ({:.0} round trips/s, {trip_us:4.1} µs CPU each)",
                         t.proxy,
