@@ -7,6 +7,7 @@
 //! processes themselves run exactly this path, so what `check` accepts is what runs. This
 //! module reads files but never opens sockets.
 
+pub mod block_yaml;
 pub mod cidr;
 pub mod gateway;
 pub mod node;
@@ -290,7 +291,11 @@ fn decode_bytes<T: DeserializeOwned>(file: &Path, bytes: &[u8]) -> Result<T, Con
     let fast = if text.trim_start().starts_with('{') {
         serde_json::from_str::<T>(text).ok()
     } else {
-        serde_saphyr::from_str::<T>(text).ok()
+        // Block YAML of one-line scalars (what tables are written in) goes through JSON;
+        // the YAML parser takes the rest, and anything that does not decode from the JSON.
+        block_yaml::to_json(text)
+            .and_then(|json| serde_json::from_str::<T>(&json).ok())
+            .or_else(|| serde_saphyr::from_str::<T>(text).ok())
     };
     match fast {
         Some(value) => Ok(value),
@@ -355,7 +360,7 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
             "kind",
             format!(
                 "unknown kind {other:?}, expected one of {:?}",
-                [gateway::KIND, routes::KIND]
+                [gateway::KIND, routes::KIND, node::KIND]
             ),
         )),
         None => Err(invalid(file, "kind", "missing")),
@@ -386,6 +391,17 @@ mod tests {
         let status = read_file(Path::new("/proc/self/status")).unwrap();
         assert!(String::from_utf8_lossy(&status).contains("VmRSS"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_unknown_kind_names_every_kind() {
+        let file = std::env::temp_dir().join(format!("trellis-kind-{}.yaml", std::process::id()));
+        std::fs::write(&file, format!("apiVersion: {API_VERSION}\nkind: Shoot\n")).unwrap();
+        let err = check_file(&file).unwrap_err().to_string();
+        std::fs::remove_file(&file).unwrap();
+        for kind in [gateway::KIND, routes::KIND, node::KIND] {
+            assert!(err.contains(kind), "{kind} not in {err}");
+        }
     }
 
     #[test]
