@@ -1,13 +1,14 @@
 //! A fast path for the YAML that tables are written in: block mappings and sequences whose
 //! scalars and flow collections each fit on one line, with comments. Such a document is
 //! turned into JSON text, which serde_json decodes several times faster than the full YAML
-//! parser (a 10,000-route table: ~10 ms here against ~110 ms in serde-saphyr).
+//! parser (a 10,000-route table is parsed, validated and indexed in 41 ms this way, 154 ms
+//! through serde-saphyr).
 //!
 //! Anything outside that subset returns `None`, and the caller takes the full parser, which
 //! is also the one that reports errors: anchors, aliases, tags, block and multi-line
-//! scalars, escapes, tabs, carriage returns, non-ASCII text, document markers, merge keys,
-//! complex keys, duplicate keys, plain keys that may not read as strings (`0`, `yes`),
-//! trailing commas, deep nesting. Nothing is ever guessed.
+//! scalars, escapes, tabs, carriage returns (so CRLF files too), non-ASCII text, document
+//! markers, merge keys, complex keys, duplicate keys, plain keys that may not read as
+//! strings (`0`, `yes`), trailing commas, deep nesting. Nothing is ever guessed.
 //!
 //! Scalars other than the null forms become JSON strings holding their text, which is what
 //! the full parser hands a string field. A field of another type fails to decode from such a
@@ -386,7 +387,8 @@ impl<'a> Writer<'a> {
                             break;
                         }
                         // A comment or a nested collection inside a plain scalar: the
-                        // collection does not end on this line, or is an error.
+                        // collection does not end on this line, or is an error. (`i` is not
+                        // 0 here: a plain scalar does not start with `#`.)
                         b'#' if b[i - 1] == b' ' => return None,
                         b'[' | b'{' => return None,
                         _ => {}
@@ -505,7 +507,8 @@ fn string(out: &mut String, s: &str) {
 
 /// The fast path's contract, checked against the YAML parser (for tests and the fuzz
 /// target): when it takes a document, the YAML parser reads the same structure from it,
-/// and a routing table decoded from the JSON is the one the YAML parser decodes. `None`:
+/// and a routing table decoded from the JSON is the one trellis decodes without the fast
+/// path. `None`:
 /// not taken; `Some(decoded)`: taken, and whether a routing table decoded from it.
 #[doc(hidden)]
 pub fn check_against_yaml_parser(doc: &str) -> Result<Option<bool>, String> {
@@ -518,20 +521,10 @@ pub fn check_against_yaml_parser(doc: &str) -> Result<Option<bool>, String> {
         serde_json::from_str(&json).map_err(|e| format!("invalid JSON ({e}): {json}"))?;
     // The parser's generic documents reject `.inf` and `.nan` by default; a string field
     // takes their text.
-    let options = serde_saphyr::options! {
-        non_finite_float_policy: serde_saphyr::NonFiniteFloatPolicy::AsString,
-    };
-    let theirs: Value = match serde_saphyr::from_str_with_options(doc, options) {
-        Ok(v) => v,
-        // The parser buffers a bounded number of comment lines while it looks for a key's
-        // value; the fast path reads past any number of them.
-        Err(e) if e.to_string().contains("too many buffered comments") => return Ok(None),
-        Err(e) => {
-            return Err(format!(
-                "took YAML the parser rejects:\n{doc}\n--- {e}\n--- {json}"
-            ));
-        }
-    };
+    let mut options = super::yaml_options();
+    options.non_finite_float_policy = serde_saphyr::NonFiniteFloatPolicy::AsString;
+    let theirs: Value = serde_saphyr::from_str_with_options(doc, options)
+        .map_err(|e| format!("took YAML the parser rejects:\n{doc}\n--- {e}\n--- {json}"))?;
     if !same_shape(&mine, &theirs) {
         return Err(format!(
             "different documents:\n{doc}\n--- fast: {mine}\n--- full: {theirs}"
@@ -541,8 +534,15 @@ pub fn check_against_yaml_parser(doc: &str) -> Result<Option<bool>, String> {
         return Ok(Some(false));
     };
     let table = serde_json::to_value(table).map_err(|e| e.to_string())?;
-    let full = serde_saphyr::from_str::<RawRoutingTable>(doc)
-        .map_err(|e| format!("table the parser rejects:\n{doc}\n--- {e}"))?;
+    // What trellis decodes without the fast path: the YAML parser's typed path, else its
+    // generic document. (Like the JSON paths, the generic-document path reads a sequence
+    // where a mapping is expected field by field; the typed path refuses it.)
+    let full =
+        match serde_saphyr::from_str_with_options::<RawRoutingTable>(doc, super::yaml_options()) {
+            Ok(t) => t,
+            Err(_) => super::decode::<RawRoutingTable>(std::path::Path::new("table"), theirs)
+                .map_err(|e| format!("table the slow path rejects:\n{doc}\n--- {e}"))?,
+        };
     match serde_json::to_value(full) {
         Ok(full) if full == table => Ok(Some(true)),
         full => Err(format!(
@@ -594,6 +594,9 @@ mod tests {
             // Text that looks like other types stays text; `#` without a space is text.
             "routes:\n- name: \"123\"\n  sni: [a#b.example.com]\n  destinations: [a:b, 'x: y', \"[z]\", -q, a b c]\n  backends: [{address: 'a\"b:1', zone: true}]\n  timeouts:\n    idle: 10s\n",
             "routes: []\n",
+            // Found by the fuzz target: a list where a mapping is expected reads field by
+            // field in serde_json, as in the generic-document path (and in JSON tables).
+            "routes:\n- name: a\n  backends: [{address: \"a:1\"}]\n  timeouts:\n  - 1h\n",
         ] {
             let doc = format!("{HEAD}{body}");
             assert_eq!(check_against_yaml_parser(&doc), Ok(Some(true)), "{doc}");

@@ -397,6 +397,27 @@ mod tests {
     }
 
     #[test]
+    fn the_yaml_parser_takes_what_the_fast_path_takes() {
+        // An anchor sends this table to the YAML parser, whose defaults refuse more than 32
+        // comment lines before a value and more than 250,000 nodes (~10,400 routes of the
+        // benches' shape; here 12 nodes a route).
+        let mut doc = format!("{HEAD}routes:\n");
+        doc += &"# a retired route\n".repeat(40);
+        for i in 0..21_000 {
+            let zone = match i {
+                0 => "&z eu-1a",
+                1 => "*z",
+                _ => "eu-1a",
+            };
+            doc += &format!(
+                "- name: r{i}\n  sni: [r{i}.example.com]\n  backends: [{{address: \"10.0.0.1:443\", zone: {zone}}}]\n"
+            );
+        }
+        assert_eq!(super::super::block_yaml::to_json(&doc), None);
+        assert_eq!(check(&doc).unwrap().table.routes().len(), 21_000);
+    }
+
+    #[test]
     fn rejects_wrong_header() {
         let err = check("apiVersion: v1\nkind: RoutingTable\n").unwrap_err();
         assert!(err.contains("apiVersion: unsupported"), "{err}");
