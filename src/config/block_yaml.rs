@@ -151,6 +151,13 @@ fn quoted(s: &str) -> Option<(Cow<'_, str>, &str)> {
     }
 }
 
+/// After a quoted key: the text after its colon, which must be followed by a space or the
+/// end of the line.
+fn key_colon(rest: &str) -> Option<&str> {
+    let rest = rest.trim_start_matches(' ').strip_prefix(':')?;
+    (rest.is_empty() || rest.starts_with(' ')).then_some(rest)
+}
+
 /// A plain scalar in block context at the start of `s`, if it is a key (`key:` followed by
 /// a space or the end of the line): the key and the text after the colon.
 fn block_key(s: &str) -> Option<(&str, &str)> {
@@ -217,11 +224,7 @@ impl<'a> Writer<'a> {
         self.comma();
         let column = indent + content.len() - after.len();
         let is_key = match after.as_bytes()[0] {
-            b'"' | b'\'' => {
-                let (_, rest) = quoted(after)?;
-                let rest = rest.trim_start_matches(' ');
-                rest.starts_with(':') && rest[1..].is_empty() || rest.starts_with(": ")
-            }
+            b'"' | b'\'' => key_colon(quoted(after)?.1).is_some(),
             b'[' | b'{' => false,
             _ => block_key(after).is_some(),
         };
@@ -239,11 +242,7 @@ impl<'a> Writer<'a> {
         let (key, rest): (Cow<'a, str>, &'a str) = match content.as_bytes()[0] {
             b'"' | b'\'' => {
                 let (key, rest) = quoted(content)?;
-                let rest = rest.trim_start_matches(' ').strip_prefix(':')?;
-                if !(rest.is_empty() || rest.starts_with(' ')) {
-                    return None;
-                }
-                (key, rest)
+                (key, key_colon(rest)?)
             }
             _ => {
                 if !plain_start(content, false) {
@@ -260,7 +259,7 @@ impl<'a> Writer<'a> {
             return None;
         }
         self.comma();
-        self.key(key)?;
+        self.key(key, self.stack.last()?.keys_from)?;
         if is_line_end(rest) {
             self.pending = Some(indent);
             return Some(());
@@ -409,16 +408,11 @@ impl<'a> Writer<'a> {
             Scalar::Plain(p) => Cow::Borrowed(p),
             Scalar::Quoted(q) => q,
         };
-        self.check_key(&key, keys_from)?;
-        string(&mut self.out, &key);
-        self.keys.push(key);
-        self.out.push(':');
-        Some(())
+        self.key(key, keys_from)
     }
 
-    /// Writes a block mapping's key and its colon.
-    fn key(&mut self, key: Cow<'a, str>) -> Option<()> {
-        let from = self.stack.last()?.keys_from;
+    /// Writes a key new to its mapping (whose keys start at `from`), and its colon.
+    fn key(&mut self, key: Cow<'a, str>, from: usize) -> Option<()> {
         self.check_key(&key, from)?;
         string(&mut self.out, &key);
         self.keys.push(key);
