@@ -10,6 +10,19 @@ use serde::Deserialize;
 use super::cidr::Cidr;
 use super::{ConfigError, Errors, at};
 
+mapping_only!(
+    RawGateway,
+    RawRoutesSource,
+    RawListener,
+    RawProxyProtocol,
+    RawAdmin,
+    RawTimeouts,
+    RawKeepalive,
+    RawKeepaliveSide,
+    RawLimits,
+    RawAccessLog
+);
+
 /// The `kind` of gateway configuration files.
 pub const KIND: &str = "GatewayConfiguration";
 
@@ -20,7 +33,7 @@ pub const MAX_CLIENT_HELLO_BYTES: usize = 65_536;
 
 /// A gateway configuration file as written.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawGateway {
     /// Always `trellis.gardener.cloud/v1alpha1`.
     pub api_version: String,
@@ -55,7 +68,7 @@ pub struct RawGateway {
 
 /// Where the routing table is read from.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawRoutesSource {
     /// Path of the `RoutingTable` file; relative paths are relative to this config file.
     pub file: String,
@@ -66,7 +79,7 @@ pub struct RawRoutesSource {
 
 /// One listener as written.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawListener {
     /// Unique name, used in metrics and logs.
     pub name: String,
@@ -88,7 +101,7 @@ pub struct RawListener {
 
 /// PROXY protocol settings as written.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawProxyProtocol {
     /// `off` (default), `optional` or `required`.
     #[serde(default)]
@@ -100,7 +113,7 @@ pub struct RawProxyProtocol {
 
 /// Admin endpoint as written.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawAdmin {
     /// `IP:port` to bind.
     pub address: String,
@@ -108,7 +121,7 @@ pub struct RawAdmin {
 
 /// Timeouts as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawTimeouts {
     /// Budget to connect to a backend, failover included (default `5s`).
     pub connect: Option<String>,
@@ -124,7 +137,7 @@ pub struct RawTimeouts {
 
 /// TCP keepalive as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawKeepalive {
     /// Towards clients (default idle `55s`, interval `55s`).
     pub downstream: Option<RawKeepaliveSide>,
@@ -134,7 +147,7 @@ pub struct RawKeepalive {
 
 /// Keepalive of one leg as written.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawKeepaliveSide {
     /// Idle time before the first probe.
     pub idle: Option<String>,
@@ -144,7 +157,7 @@ pub struct RawKeepaliveSide {
 
 /// Limits as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawLimits {
     /// Most client connections open at once (default 100000).
     pub max_connections: Option<u64>,
@@ -158,7 +171,7 @@ pub struct RawLimits {
 
 /// Access log settings as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawAccessLog {
     /// Log a line for long-lived connections this often (off by default).
     pub interval: Option<String>,

@@ -7,6 +7,26 @@
 //! processes themselves run exactly this path, so what `check` accepts is what runs. This
 //! module reads files but never opens sockets.
 
+/// Implements `Deserialize` for raw types whose derive is `#[serde(remote = "Self")]`, so
+/// that they take a mapping and nothing else. serde's derived structs also take a sequence
+/// of their fields' values in declaration order, which would make `timeouts: [5s, 1h]` mean
+/// `connect: 5s, idle: 1h` in a JSON table or a gateway configuration; the YAML parser's
+/// typed path refused that, every other path took it.
+macro_rules! mapping_only {
+    ($($ty:ident),* $(,)?) => {$(
+        impl<'de> serde::Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                d.deserialize_map($crate::config::MappingOnly::<$ty>::new())
+            }
+        }
+        impl<'de> $crate::config::Derived<'de> for $ty {
+            fn derived<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                $ty::deserialize(d)
+            }
+        }
+    )*};
+}
+
 pub mod block_yaml;
 pub mod cidr;
 pub mod gateway;
@@ -14,10 +34,12 @@ pub mod node;
 pub mod routes;
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::de::DeserializeOwned;
+use serde::de::value::MapAccessDeserializer;
+use serde::de::{DeserializeOwned, MapAccess, Visitor};
 use thiserror::Error;
 
 /// The only API version this build understands.
@@ -227,6 +249,33 @@ fn invalid(file: &Path, path: &str, message: impl fmt::Display) -> ConfigError {
             path: path.into(),
             message: message.to_string(),
         }],
+    }
+}
+
+/// A raw type's derived decoder (`#[serde(remote = "Self")]`), for [`mapping_only!`].
+pub(crate) trait Derived<'de>: Sized {
+    /// The derived `deserialize`, which would also take a sequence.
+    fn derived<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error>;
+}
+
+/// Takes a mapping and hands it to `T`'s derived decoder; anything else is an error.
+pub(crate) struct MappingOnly<T>(PhantomData<T>);
+
+impl<T> MappingOnly<T> {
+    pub(crate) fn new() -> Self {
+        MappingOnly(PhantomData)
+    }
+}
+
+impl<'de, T: Derived<'de>> Visitor<'de> for MappingOnly<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a mapping")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+        T::derived(MapAccessDeserializer::new(map))
     }
 }
 
@@ -476,6 +525,137 @@ mod tests {
             "8761h",
         ] {
             assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Every mapping in the example files, replaced by the sequence of its values (which
+    /// serde's derived structs read field by field: `timeouts: [5s, 1h]` as connect and
+    /// idle), is refused on every path: JSON and block-YAML fast paths, the YAML parser's
+    /// typed path, and the generic document.
+    #[test]
+    fn a_sequence_is_never_read_as_a_mapping() {
+        use serde_json::Value;
+        let dir = std::env::temp_dir().join(format!("trellis-seq-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let routes = include_str!("../../config/routes.yaml");
+        std::fs::write(dir.join("routes.yaml"), routes).unwrap();
+        let gateway =
+            include_str!("../../config/gateway.yaml").to_string() + "accessLog: {interval: 1m}\n";
+        let examples = [
+            ("gateway", gateway.as_str()),
+            ("node", include_str!("../../config/node.yaml")),
+            ("routes", routes),
+        ];
+        let (mut refused, mut fast) = (0, 0);
+        for (kind, example) in examples {
+            let doc: Value = serde_saphyr::from_str(example).unwrap();
+            let mut pointers = Vec::new();
+            mappings(&doc, String::new(), &mut pointers);
+            for pointer in pointers {
+                let mut mutant = doc.clone();
+                let node = mutant.pointer_mut(&pointer).unwrap();
+                *node = Value::Array(node.as_object().unwrap().values().cloned().collect());
+                for (ext, text) in [("json", mutant.to_string()), ("yaml", block(&mutant))] {
+                    if kind == "routes" && ext == "yaml" && !pointer.is_empty() {
+                        assert!(block_yaml::to_json(&text).is_some(), "not taken:\n{text}");
+                        fast += 1;
+                    }
+                    let file = dir.join(format!("{kind}-mutant.{ext}"));
+                    std::fs::write(&file, &text).unwrap();
+                    match check_file(&file) {
+                        Ok(_) => panic!("{kind} with {pointer:?} as a sequence accepted:\n{text}"),
+                        Err(e) => assert!(e.to_string().contains("expected a mapping"), "{e}"),
+                    }
+                    refused += 1;
+                }
+            }
+            // The example itself passes, in both forms.
+            for (ext, text) in [("json", doc.to_string()), ("yaml", block(&doc))] {
+                let file = dir.join(format!("{kind}-example.{ext}"));
+                std::fs::write(&file, &text).unwrap();
+                check_file(&file).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(refused > 40, "{refused}");
+        assert_eq!(
+            fast, 8,
+            "routes, backends and timeouts of config/routes.yaml"
+        );
+
+        fn mappings(v: &Value, at: String, out: &mut Vec<String>) {
+            match v {
+                Value::Object(m) => {
+                    out.push(at.clone());
+                    for (k, v) in m {
+                        mappings(v, format!("{at}/{k}"), out);
+                    }
+                }
+                Value::Array(a) => {
+                    for (i, v) in a.iter().enumerate() {
+                        mappings(v, format!("{at}/{i}"), out);
+                    }
+                }
+                _ => {}
+            }
+        }
+
+        /// Block YAML as written by hand: nested collections in block style, sequences
+        /// inside sequences in flow style, quoted strings.
+        fn block(v: &Value) -> String {
+            fn scalar(v: &Value) -> String {
+                match v {
+                    Value::Object(m) => {
+                        let entries: Vec<_> = m
+                            .iter()
+                            .map(|(k, v)| format!("{k}: {}", scalar(v)))
+                            .collect();
+                        format!("{{{}}}", entries.join(", "))
+                    }
+                    Value::Array(a) => {
+                        let items: Vec<_> = a.iter().map(scalar).collect();
+                        format!("[{}]", items.join(", "))
+                    }
+                    _ => v.to_string(),
+                }
+            }
+            fn nested(v: &Value) -> bool {
+                matches!(v, Value::Object(m) if !m.is_empty())
+                    || matches!(v, Value::Array(a) if !a.is_empty())
+            }
+            fn body(v: &Value, indent: usize, out: &mut String) {
+                let pad = " ".repeat(indent);
+                match v {
+                    Value::Object(m) => {
+                        for (k, v) in m {
+                            if !nested(v) {
+                                out.push_str(&format!("{pad}{k}: {}\n", scalar(v)));
+                            } else if v.is_object() {
+                                out.push_str(&format!("{pad}{k}:\n"));
+                                body(v, indent + 2, out);
+                            } else {
+                                out.push_str(&format!("{pad}{k}:\n"));
+                                body(v, indent, out);
+                            }
+                        }
+                    }
+                    Value::Array(a) => {
+                        for v in a {
+                            if v.is_object() && nested(v) {
+                                let mut inner = String::new();
+                                body(v, indent + 2, &mut inner);
+                                out.push_str(&format!("{pad}- {}", &inner[indent + 2..]));
+                            } else {
+                                out.push_str(&format!("{pad}- {}\n", scalar(v)));
+                            }
+                        }
+                    }
+                    _ => out.push_str(&format!("{pad}{}\n", scalar(v))),
+                }
+            }
+            let mut out = String::new();
+            body(v, 0, &mut out);
+            out
         }
     }
 }

@@ -12,12 +12,14 @@ use super::gateway::{
 use super::routes::positive;
 use super::{ConfigError, Errors, at};
 
+mapping_only!(RawNode, RawInterface, RawUpstream, RawNodeLimits);
+
 /// The `kind` of node configuration files.
 pub const KIND: &str = "NodeConfiguration";
 
 /// A node configuration file as written.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawNode {
     /// Always `trellis.gardener.cloud/v1alpha1`.
     pub api_version: String,
@@ -45,7 +47,7 @@ pub struct RawNode {
 
 /// The managed link and address as written.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawInterface {
     /// Link name; created as a dummy link if missing (default `apiserver-proxy`).
     #[serde(default)]
@@ -59,7 +61,7 @@ pub struct RawInterface {
 
 /// The upstream as written.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawUpstream {
     /// `host:port` of the seed gateway; the host is resolved per connection.
     pub address: String,
@@ -79,7 +81,7 @@ pub struct RawUpstream {
 
 /// Limits as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawNodeLimits {
     /// Most client connections at once (default 10000, as in Gardener).
     pub max_connections: Option<u64>,

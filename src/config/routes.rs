@@ -5,10 +5,12 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use super::{ConfigError, Errors, at};
 use crate::route::{Backend, BackendAddress, BackendRegistry, Route, RouteTimeouts, RoutingTable};
+
+mapping_only!(RawRoutingTable, RawRoute, RawBackend, RawRouteTimeouts);
 
 /// The `kind` of routing table files.
 pub const KIND: &str = "RoutingTable";
@@ -17,8 +19,8 @@ pub const KIND: &str = "RoutingTable";
 pub const MAX_ROUTE_NAME: usize = 253;
 
 /// A routing table file as written.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawRoutingTable {
     /// Always `trellis.gardener.cloud/v1alpha1`.
     pub api_version: String,
@@ -30,51 +32,51 @@ pub struct RawRoutingTable {
 }
 
 /// One route as written.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawRoute {
     /// Unique name, used in metrics and logs.
     pub name: String,
     /// TLS server names: exact, or `*.` followed by a suffix.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub sni: Vec<String>,
     /// Values of the CONNECT destination header.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub destinations: Vec<String>,
     /// Original destinations (`IP:port`) carried in a PROXY header.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub proxy_destinations: Vec<String>,
     /// Where connections go.
     #[serde(default)]
     pub backends: Vec<RawBackend>,
     /// Per-route timeout overrides.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub timeouts: Option<RawRouteTimeouts>,
     /// Close connections after this long (e.g. `24h`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub max_connection_duration: Option<String>,
 }
 
 /// One backend as written.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawBackend {
     /// `IP:port` or `DNS-name:port` (resolved at connect time).
     pub address: String,
     /// Availability zone, for zone-preferring backend choice.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub zone: Option<String>,
 }
 
 /// Per-route timeout overrides as written.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
 pub struct RawRouteTimeouts {
     /// Connect budget for this route (failover included).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub connect: Option<String>,
     /// Idle timeout for this route's connections.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub idle: Option<String>,
 }
 
