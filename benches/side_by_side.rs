@@ -3,7 +3,7 @@
 //!
 //! `cargo bench --bench side_by_side` (installs the peers with apt-get when missing).
 //! Environment: `BENCH_SECONDS` (per figure and round, default 2), `BENCH_PEERS` (default
-//! `haproxy,nginx`), `BENCH_IDLE` (idle connections for the memory figure, default 5000),
+//! `haproxy,nginx,floor`; `floor` is a reference, not a peer: see `floor.rs`), `BENCH_IDLE` (idle connections for the memory figure, default 5000),
 //! `BENCH_JOBS` (default `sni,proxy-destination,http-connect`), `BENCH_ROUNDS` (default 5),
 //! `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single thread), `BENCH_TRELLIS_BIN`
 //! (another trellis binary to measure, e.g. a previous build), `BENCH_FIGURES` (default
@@ -26,11 +26,15 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+#[path = "side_by_side/floor.rs"]
+mod floor;
+
 const BACKEND: &str = "127.0.0.1:7001";
 const SNI: &str = "api.alpha.example.com";
 const PP_DEST: &str = "10.0.1.10:443";
 const CONNECT_DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
 const TRELLIS_ADMIN: &str = "127.0.0.1:8449";
+const FLOOR_SNI: &str = "127.0.0.1:8448";
 const CONN_WORKERS: usize = 8;
 const STREAMS: usize = 8;
 const LATENCY_CONNS: usize = 8;
@@ -492,6 +496,29 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
     )
 }
 
+/// The floor (`floor.rs`): this bench binary again, in a session of its own.
+fn start_floor() -> Option<(Proxy, Vec<Target>)> {
+    let child = own_session(&mut Command::new(std::env::current_exe().ok()?))
+        .env("BENCH_FLOOR_SERVE", FLOOR_SNI)
+        .stderr(Stdio::inherit())
+        .spawn()
+        .ok()?;
+    let target = Target {
+        proxy: "floor",
+        job: "sni",
+        addr: FLOOR_SNI.parse().unwrap(),
+        preamble: Preamble::None,
+    };
+    Some((
+        Proxy {
+            name: "floor",
+            child: Some(child),
+            pidfile: None,
+        },
+        vec![target],
+    ))
+}
+
 fn start_haproxy(peers: &Path) -> Option<(Proxy, Vec<Target>)> {
     if !ensure_installed("haproxy", &["haproxy"]) {
         return None;
@@ -581,6 +608,9 @@ const FIGURES: [(&str, bool); 6] = [
 ];
 
 fn main() {
+    if let Ok(listen) = std::env::var("BENCH_FLOOR_SERVE") {
+        floor::serve(&listen, BACKEND.parse().unwrap());
+    }
     // `cargo bench` passes `--bench`; a filter that excludes us means skip.
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -594,7 +624,7 @@ fn main() {
     let secs: f64 = env("BENCH_SECONDS", "2").parse().unwrap_or(2.0);
     let rounds: usize = env("BENCH_ROUNDS", "5").parse().unwrap_or(5);
     let idle = idle_connections();
-    let peers_wanted = env("BENCH_PEERS", "haproxy,nginx");
+    let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,floor");
     let jobs = env("BENCH_JOBS", "sni,proxy-destination,http-connect");
     let figures = env("BENCH_FIGURES", "throughput,rate,latency");
     let (want_tput, want_rate, want_lat) = (
@@ -624,6 +654,9 @@ fn main() {
             }
         } else {
             eprintln!("no peer configs at {}; measuring trellis only", peers_dir.display());
+        }
+        if peers_wanted.contains("floor") {
+            starters.push(Box::new(start_floor));
         }
         let mut rows = Vec::new();
         for job in jobs.split(',') {
@@ -742,7 +775,16 @@ fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize) {
         for r in &in_job {
             print!("{:>12}", r.proxy);
         }
-        println!("{:>14}", "trellis/best");
+        let floor = in_job.iter().find(|r| r.proxy == "floor");
+        print!("{:>14}", "trellis/best");
+        println!(
+            "{}",
+            if floor.is_some() {
+                "    floor/best"
+            } else {
+                ""
+            }
+        );
         for (i, (label, higher_is_better)) in FIGURES.iter().enumerate() {
             print!("{label:38}");
             for r in &in_job {
@@ -754,7 +796,7 @@ fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize) {
                 .map(|r| r.figures[i]);
             let peers = in_job
                 .iter()
-                .filter(|r| r.proxy != "trellis")
+                .filter(|r| r.proxy != "trellis" && r.proxy != "floor")
                 .map(|r| r.figures[i])
                 .filter(|v| v.is_finite());
             let best = if *higher_is_better {
@@ -762,13 +804,23 @@ fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize) {
             } else {
                 peers.fold(f64::NAN, f64::min)
             };
-            match trellis {
-                Some(t) if best.is_finite() => println!("{:>13.2}x", t / best),
-                _ => println!("{:>14}", "-"),
-            }
+            let ratio = |v: Option<f64>| match v {
+                Some(v) if best.is_finite() && v.is_finite() => format!("{:>13.2}x", v / best),
+                _ => format!("{:>14}", "-"),
+            };
+            print!("{}", ratio(trellis));
+            println!(
+                "{}",
+                floor.map(|f| ratio(Some(f.figures[i]))).unwrap_or_default()
+            );
         }
     }
     println!(
         "\nratios: for throughput and connections higher is better; for latency and memory lower is better"
     );
+    if rows.iter().any(|r| r.proxy == "floor") {
+        println!(
+            "floor: a reference, not a peer (left out of \"best\"): one bare epoll loop that waits for the first bytes, connects and copies; no parsing, timers, limits or splice"
+        );
+    }
 }
