@@ -423,6 +423,12 @@ impl AnyFile {
 /// Reads and validates any trellis file, dispatching on its `kind`.
 pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
     let bytes = read_file(file)?;
+    // A routing table, the kind that runs to megabytes, is decoded once, without a generic
+    // document, when its kind can be read on a fast path.
+    if quick_kind(&bytes).as_deref() == Some(routes::KIND) {
+        let registry = crate::route::BackendRegistry::default();
+        return routes::parse(file, &bytes, &registry).map(AnyFile::Routes);
+    }
     let doc = parse_document(file, &bytes)?;
     match doc.get("kind").and_then(|v| v.as_str()) {
         Some(gateway::KIND) => gateway::from_document(file, doc).map(AnyFile::Gateway),
@@ -441,6 +447,23 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
         )),
         None => Err(invalid(file, "kind", "missing")),
     }
+}
+
+/// The `kind` of a JSON document or of block YAML the fast path takes; `None` for anything
+/// else, which then goes through the generic document.
+fn quick_kind(bytes: &[u8]) -> Option<String> {
+    /// Every other field is skipped unread.
+    #[derive(serde::Deserialize)]
+    struct Head {
+        kind: Option<String>,
+    }
+    let text = std::str::from_utf8(bytes).ok()?;
+    let head: Head = if text.trim_start().starts_with('{') {
+        serde_json::from_str(text).ok()?
+    } else {
+        serde_json::from_str(&block_yaml::to_json(text)?).ok()?
+    };
+    head.kind
 }
 
 /// Joins `name[index]` or `name.field` paths.
@@ -526,6 +549,28 @@ mod tests {
         ] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
+    }
+
+    /// `check` reads a routing table's kind without building a generic document when the
+    /// file is JSON or block YAML the fast path takes, and leaves the rest to it.
+    #[test]
+    fn kinds_are_read_on_the_fast_paths() {
+        let kind = |text: &str| quick_kind(text.as_bytes());
+        assert_eq!(
+            kind("{\"routes\": [], \"kind\": \"RoutingTable\"}").as_deref(),
+            Some(routes::KIND)
+        );
+        assert_eq!(
+            kind("routes: []\nkind: RoutingTable\n").as_deref(),
+            Some(routes::KIND)
+        );
+        assert_eq!(
+            kind("kind: GatewayConfiguration\n").as_deref(),
+            Some(gateway::KIND)
+        );
+        assert_eq!(kind("routes: []\n"), None);
+        assert_eq!(kind("kind: &k RoutingTable\n"), None); // anchors: the YAML parser's
+        assert_eq!(kind("{\"kind\": 1}"), None);
     }
 
     /// Every mapping in the example files, replaced by the sequence of its values (which
