@@ -8,10 +8,12 @@
 //! pauses. It is started by the bench binary itself (`BENCH_FLOOR_SERVE=<listen address>`)
 //! in a session of its own, like the proxies, and runs only the `sni` job.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::os::fd::{IntoRawFd, RawFd};
 
 const LISTENER: u64 = u64::MAX;
+/// `armed` of an fd taken out of the epoll set for good (see `EPOLLHUP` below).
+const GONE: u32 = u32::MAX;
 
 /// One proxied connection: side 0 is the client, side 1 the backend (-1 until the first
 /// bytes arrive).
@@ -113,9 +115,13 @@ impl Conn {
         true
     }
 
-    /// Shuts side `i` for writing once the other side has ended and nothing waits for `i`.
+    /// Shuts side `i` for writing once the other side has ended and nothing waits for `i`
+    /// (unless the connection is about to close, which sends the FIN anyway).
     fn forward_eof(&mut self, i: usize) {
         if self.eof[1 - i] && self.pending[i].is_empty() && !self.shut[i] && self.fds[i] >= 0 {
+            if self.eof[i] && self.pending[1 - i].is_empty() {
+                return;
+            }
             // SAFETY: `fds[i]` is an open socket owned by this connection.
             unsafe { libc::shutdown(self.fds[i], libc::SHUT_WR) };
             self.shut[i] = true;
@@ -150,8 +156,15 @@ impl Conn {
 
 /// Runs the floor proxy on `listen`, forwarding to `backend`; never returns.
 pub fn serve(listen: &str, backend: SocketAddr) -> ! {
-    let listener = TcpListener::bind(listen).expect("floor: bind");
-    listener.set_nonblocking(true).unwrap();
+    // trellis's own listener set-up (backlog 4096, non-blocking), without its socket options.
+    let addr: SocketAddr = listen.parse().expect("floor: listen address");
+    let listener = trellis::net::socket::bind_std_with(
+        addr,
+        trellis::net::socket::LISTEN_BACKLOG,
+        false,
+        None,
+    )
+    .expect("floor: bind");
     let lfd = listener.into_raw_fd();
     nodelay(lfd); // inherited by accepted sockets
     // SAFETY: creating an epoll instance has no preconditions.
@@ -180,6 +193,10 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
                         )
                     };
                     if fd < 0 {
+                        if os_err() != libc::EAGAIN {
+                            // Out of descriptors: the level-triggered listener would spin.
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
                         break;
                     }
                     let slot = free.pop().unwrap_or_else(|| {
@@ -212,8 +229,17 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
                 ok = c.flush(i);
                 c.forward_eof(i);
             }
-            let readable = what & (libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR) as u32 != 0;
-            if ok && readable && !c.eof[i] && c.pending[1 - i].is_empty() {
+            // EPOLLHUP cannot be masked: once both directions of a socket are shut it is
+            // reported on every wait. Its peer has finished, so what is left is read even
+            // while reading is paused (bounded by the receive buffer), and a socket already
+            // read to its end leaves the epoll set.
+            let hup = what & libc::EPOLLHUP as u32 != 0;
+            if ok && hup && c.eof[i] && c.armed[i] != GONE {
+                ctl(ep, libc::EPOLL_CTL_DEL, c.fds[i], 0, 0);
+                c.armed[i] = GONE;
+            }
+            let readable = what & libc::EPOLLIN as u32 != 0 || hup;
+            if ok && readable && !c.eof[i] && (c.pending[1 - i].is_empty() || hup) {
                 // SAFETY: `buf` is a live buffer of the given length.
                 let r = unsafe { libc::recv(c.fds[i], buf.as_mut_ptr().cast(), buf.len(), 0) };
                 if r > 0 {
@@ -225,15 +251,10 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
                             Some(fd) => {
                                 c.fds[1] = fd;
                                 c.pending[1].extend_from_slice(data);
-                                c.armed[1] = c.wanted(1);
-                                ctl(
-                                    ep,
-                                    libc::EPOLL_CTL_ADD,
-                                    fd,
-                                    c.armed[1],
-                                    (slot as u64) << 1 | 1,
-                                );
                                 ok = c.flush(1);
+                                c.armed[1] = c.wanted(1);
+                                let token = (slot as u64) << 1 | 1;
+                                ctl(ep, libc::EPOLL_CTL_ADD, fd, c.armed[1], token);
                             }
                             None => ok = false,
                         }
@@ -262,7 +283,7 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
             }
             for side in 0..2 {
                 let want = c.wanted(side);
-                if c.fds[side] >= 0 && want != c.armed[side] {
+                if c.fds[side] >= 0 && c.armed[side] != GONE && want != c.armed[side] {
                     c.armed[side] = want;
                     let token = (slot as u64) << 1 | side as u64;
                     ctl(ep, libc::EPOLL_CTL_MOD, c.fds[side], want, token);
