@@ -11,7 +11,9 @@
 /// that they take a mapping and nothing else. serde's derived structs also take a sequence
 /// of their fields' values in declaration order, which would make `timeouts: [5s, 1h]` mean
 /// `connect: 5s, idle: 1h` in a JSON table or a gateway configuration; the YAML parser's
-/// typed path refused that, every other path took it.
+/// typed path refused that, every other path took it. A type listed here must derive
+/// `Deserialize` with `remote = "Self"`: without that inherent `deserialize`, the impl would
+/// call itself.
 macro_rules! mapping_only {
     ($($ty:ident),* $(,)?) => {$(
         impl<'de> serde::Deserialize<'de> for $ty {
@@ -287,9 +289,12 @@ pub(crate) fn yaml_options() -> serde_saphyr::Options {
     let mut budget = serde_saphyr::Budget::default();
     budget.max_nodes = MAX_FILE_BYTES as usize;
     budget.max_events = MAX_FILE_BYTES as usize;
+    // `.inf` and `.nan` reach a generic document as text (a typed string field takes them as
+    // text anyway), instead of failing the whole file.
     serde_saphyr::options! {
         budget: Some(budget),
         emit_comments: false,
+        non_finite_float_policy: serde_saphyr::NonFiniteFloatPolicy::AsString,
     }
 }
 
@@ -299,11 +304,16 @@ fn parse_document(file: &Path, bytes: &[u8]) -> Result<serde_json::Value, Config
         std::str::from_utf8(bytes).map_err(|e| invalid(file, "", format!("not UTF-8: {e}")))?;
     // JSON is YAML too, and a JSON parser is several times faster on the large tables a
     // controller writes; hand-written YAML takes the YAML parser.
-    let doc: serde_json::Value = if text.trim_start().starts_with('{') {
-        serde_json::from_str(text).map_err(|e| invalid(file, "", format!("JSON: {e}")))?
+    let yaml = || serde_saphyr::from_str_with_options::<serde_json::Value>(text, yaml_options());
+    let doc = if text.trim_start().starts_with('{') {
+        // A flow mapping that is YAML but not JSON is read as the gateway reads it; when
+        // neither parser takes the file, the JSON parser's error is the one to show.
+        match serde_json::from_str(text) {
+            Ok(doc) => doc,
+            Err(e) => yaml().map_err(|_| invalid(file, "", format!("JSON: {e}")))?,
+        }
     } else {
-        serde_saphyr::from_str_with_options(text, yaml_options())
-            .map_err(|e| invalid(file, "", format!("YAML: {e}")))?
+        yaml().map_err(|e| invalid(file, "", format!("YAML: {e}")))?
     };
     if !doc.is_object() {
         return Err(invalid(
@@ -573,6 +583,31 @@ mod tests {
         assert_eq!(kind("{\"kind\": 1}"), None);
     }
 
+    /// `check` accepts the routing tables the gateway loads, whichever path reads them: a
+    /// flow mapping that is YAML but not JSON, a trailing comma, `.inf` as text next to an
+    /// anchor (which keeps the file off the fast path).
+    #[test]
+    fn check_accepts_what_the_gateway_loads() {
+        let dir = std::env::temp_dir().join(format!("trellis-agree-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let head = format!("apiVersion: {API_VERSION}, kind: RoutingTable");
+        for (i, text) in [
+            format!("{{{head}, routes: [{{name: x, backends: [{{address: 'a:1'}}]}}]}}"),
+            format!("{{\"apiVersion\": \"{API_VERSION}\", \"kind\": \"RoutingTable\", \"routes\": [],}}"),
+            format!("apiVersion: {API_VERSION}\nkind: RoutingTable\nroutes:\n- &r\n  name: x\n  backends: [{{address: 'a:1', zone: .inf}}]\n"),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let file = dir.join(format!("table-{i}.yaml"));
+            std::fs::write(&file, text).unwrap();
+            let registry = crate::route::BackendRegistry::default();
+            routes::load(&file, &registry).unwrap_or_else(|e| panic!("gateway: {e}\n{text}"));
+            check_file(&file).unwrap_or_else(|e| panic!("check: {e}\n{text}"));
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// Every mapping in the example files, replaced by the sequence of its values (which
     /// serde's derived structs read field by field: `timeouts: [5s, 1h]` as connect and
     /// idle), is refused on every path: JSON and block-YAML fast paths, the YAML parser's
@@ -607,9 +642,14 @@ mod tests {
                     }
                     let file = dir.join(format!("{kind}-mutant.{ext}"));
                     std::fs::write(&file, &text).unwrap();
+                    let expected = if pointer.is_empty() {
+                        "expected a mapping with apiVersion and kind"
+                    } else {
+                        "invalid type: sequence, expected a mapping"
+                    };
                     match check_file(&file) {
                         Ok(_) => panic!("{kind} with {pointer:?} as a sequence accepted:\n{text}"),
-                        Err(e) => assert!(e.to_string().contains("expected a mapping"), "{e}"),
+                        Err(e) => assert!(e.to_string().contains(expected), "{e}"),
                     }
                     refused += 1;
                 }
