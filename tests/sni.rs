@@ -588,6 +588,41 @@ async fn long_lived_connections_log_periodic_lines() {
     assert_eq!(periodic(&gw).len(), count, "no lines after the end");
 }
 
+/// The same in the other direction: a backend's urgent byte on a spliced download reaches
+/// the client in place.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backends_urgent_data_is_forwarded_inline() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let hello = rustls_client_hello("urg.example.com");
+    let hello_len = hello.len();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut got = vec![0u8; hello_len];
+        s.read_exact(&mut got).await.unwrap();
+        // 2 MiB: the download has become a spliced bulk flow by the time the urgent byte comes.
+        let bulk = vec![b'y'; 2 << 20];
+        s.write_all(&bulk).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            socket2::SockRef::from(&s).send_out_of_band(b"!").unwrap(),
+            1
+        );
+        s.write_all(&bulk).await.unwrap();
+        s.shutdown().await.unwrap();
+    });
+    let gw = Gateway::start(&one_route("urg", "urg.example.com", addr), "");
+    let mut s = TcpStream::connect(gw.tls).await.unwrap();
+    s.write_all(&hello).await.unwrap();
+    let got = read_all(&mut s, Duration::from_secs(10)).await.unwrap();
+    let urgent_at = got.iter().position(|&b| b == b'!');
+    assert_eq!(
+        (got.len(), urgent_at),
+        ((4 << 20) + 1, Some(2 << 20)),
+        "every byte, the urgent one in place"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn urgent_data_on_a_spliced_flow_is_forwarded_inline() {
     // Backend: counts what it receives until the client's half-close, answers the count.

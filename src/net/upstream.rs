@@ -194,6 +194,10 @@ async fn connect_addr(
         Type::STREAM.nonblocking().cloexec(),
         None,
     )?;
+    // The backend's TCP urgent data is read inline, as the next byte of the stream, and so
+    // forwarded in place (listeners set the same for clients); without it the kernel keeps
+    // the byte out of band and the client's stream would silently lose it.
+    socket.set_out_of_band_inline(true)?;
     match socket.connect(&addr.into()) {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
