@@ -11,6 +11,8 @@
 use std::net::SocketAddr;
 use std::os::fd::{IntoRawFd, RawFd};
 
+use socket2::{Domain, SockRef, Socket, Type};
+
 const LISTENER: u64 = u64::MAX;
 /// `armed` of an fd taken out of the epoll set for good (see `EPOLLHUP` below).
 const GONE: u32 = u32::MAX;
@@ -39,54 +41,21 @@ fn ctl(ep: RawFd, op: i32, fd: RawFd, events: u32, token: u64) {
     unsafe { libc::epoll_ctl(ep, op, fd, &mut ev) };
 }
 
-fn nodelay(fd: RawFd) {
-    let one: libc::c_int = 1;
-    // SAFETY: the option value points to a live c_int of the given size.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_NODELAY,
-            (&one as *const libc::c_int).cast(),
-            size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-}
-
-/// A non-blocking connect to `to`; the socket, connected or connecting.
+/// A non-blocking connect to `to` with `TCP_NODELAY`; the socket, connected or connecting.
 fn connect(to: SocketAddr) -> Option<RawFd> {
-    let SocketAddr::V4(v4) = to else { return None };
-    // SAFETY: plain socket calls on a descriptor this function owns; `sa` outlives connect.
-    unsafe {
-        let fd = libc::socket(
-            libc::AF_INET,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        );
-        if fd < 0 {
-            return None;
-        }
-        nodelay(fd);
-        let sa = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: v4.port().to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(*v4.ip()).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        let r = libc::connect(
-            fd,
-            (&sa as *const libc::sockaddr_in).cast(),
-            size_of::<libc::sockaddr_in>() as libc::socklen_t,
-        );
-        if r == 0 || os_err() == libc::EINPROGRESS {
-            Some(fd)
-        } else {
-            libc::close(fd);
-            None
-        }
+    let socket = Socket::new(
+        Domain::for_address(to),
+        Type::STREAM.nonblocking().cloexec(),
+        None,
+    )
+    .ok()?;
+    socket.set_tcp_nodelay(true).ok()?;
+    match socket.connect(&to.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(_) => return None,
     }
+    Some(socket.into_raw_fd())
 }
 
 /// Writes as much of `data` as the socket takes; the rest, or `None` on an error.
@@ -165,8 +134,10 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
         None,
     )
     .expect("floor: bind");
+    SockRef::from(&listener)
+        .set_tcp_nodelay(true) // inherited by accepted sockets
+        .expect("floor: TCP_NODELAY");
     let lfd = listener.into_raw_fd();
-    nodelay(lfd); // inherited by accepted sockets
     // SAFETY: creating an epoll instance has no preconditions.
     let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
     assert!(ep >= 0, "floor: epoll_create1");
