@@ -1,8 +1,10 @@
 //! trellis: the L4 data plane between hosted Kubernetes control planes and their shoots.
 //!
-//! Layers, dependencies pointing down: `gateway` (listeners, lifecycle) uses `net` (sockets,
-//! connect, relay), `route` (immutable routing table), `config` (validated files), `wire`
-//! (sans-IO codecs) and `admin` (metrics, health). `main.rs` only parses the command line.
+//! Layers, dependencies pointing down: the roles `gateway` (listener protocols, routing
+//! table) and `node` (the shoot's `kubernetes.default` endpoint) are wiring on `serve` (accept
+//! loop, connection tracking and record, forward, drain), which uses `net` (sockets, dialers,
+//! the relay), `route` (immutable routing table), `config` (validated files), `wire` (sans-IO
+//! codecs) and `admin` (metrics, health). `main.rs` only parses the command line.
 
 pub mod admin;
 pub mod config;
@@ -10,4 +12,5 @@ pub mod gateway;
 pub mod net;
 pub mod node;
 pub mod route;
+pub mod serve;
 pub mod wire;

@@ -653,3 +653,44 @@ async fn urgent_data_on_a_spliced_flow_is_forwarded_inline() {
         "every byte, the urgent one in place, and no stall"
     );
 }
+
+/// The half-close bound is its own rule, not the idle timeout's: with `halfClose` far below
+/// `idle`, a client that half-closes against a backend that neither answers nor closes is
+/// closed one `halfClose` later, as `client_closed`.
+#[tokio::test(flavor = "multi_thread")]
+async fn half_close_bound_is_not_the_idle_timeout() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            held.push(s);
+        }
+    });
+    let gw = Gateway::start(
+        &one_route("hold", "hold.example.com", addr),
+        "timeouts: {halfClose: 1s, idle: 60s}",
+    );
+    let hello = trellis::wire::tls::testing::client_hello(Some("hold.example.com"), &[], 0);
+    let mut s = TcpStream::connect(gw.tls).await.unwrap();
+    s.write_all(&hello).await.unwrap();
+    s.shutdown().await.unwrap();
+    gw.wait_metric("trellis_half_closed_connections", |v| v == 1.0);
+    let start = Instant::now();
+    assert_eq!(
+        read_all(&mut s, Duration::from_secs(20)).await.unwrap(),
+        b"",
+        "closed long before the idle timeout"
+    );
+    let window = start.elapsed();
+    assert!(window <= Duration::from_secs(5), "closed after {window:?}");
+    let line = gw.wait_access_log(|l| l["route"] == "hold" && l["periodic"] == false);
+    assert_eq!(line["reason"], "client_closed", "{line}");
+    let duration = line["duration_ms"].as_u64().unwrap();
+    assert!(
+        (1000..5000).contains(&duration),
+        "the connection lived one halfClose: {line}"
+    );
+    gw.wait_metric("trellis_half_closed_connections", |v| v == 0.0);
+}

@@ -188,6 +188,17 @@ pub enum Protocol {
     ProxyDestination,
 }
 
+impl Protocol {
+    /// The name as written in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Sni => "sni",
+            Protocol::HttpConnect => "http-connect",
+            Protocol::ProxyDestination => "proxy-destination",
+        }
+    }
+}
+
 /// Whether a PROXY header from a load balancer is expected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProxyMode {

@@ -3,20 +3,21 @@
 //! counts as the client), then the listener's own protocol. Everything before routing runs
 //! under one handshake deadline, with bounded buffers.
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::sync::Arc;
+
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::Shared;
-use super::access::AccessLog;
-use super::listener::{Accepted, ConnGuard};
-use crate::admin::metrics::ListenerMetrics;
 use crate::config::gateway::{ListenerConfig, Protocol, ProxyMode};
+use crate::route::Route;
+use crate::serve::accept::Accepted;
+use crate::serve::forward::{self, Relaying, Reply};
+use crate::serve::record::{ConnRecord, Outcome};
+use crate::serve::tracker::ConnGuard;
 use crate::wire::Parsed;
 use crate::wire::proxy::{self, Detect, ProxyInfo};
-
-/// How long to wait for the client to read a rejection before closing.
-const REJECT_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A connection between accept and routing.
 pub struct Conn {
@@ -26,8 +27,8 @@ pub struct Conn {
     pub buf: Vec<u8>,
     /// Handshake deadline: everything before routing must finish by then.
     pub deadline: Instant,
-    /// The access-log record.
-    pub log: AccessLog,
+    /// The connection's record (access log and metrics).
+    pub record: ConnRecord,
     /// Keeps the connection counted.
     pub guard: ConnGuard,
 }
@@ -99,37 +100,68 @@ impl Conn {
     }
 
     /// Writes `bytes` (an alert or an error response), half-closes, and lets the client read
-    /// them before the socket closes (closing with unread input would send a reset).
+    /// them before the socket closes.
     pub async fn reject_with(&mut self, bytes: &[u8]) {
-        let stream = &mut self.stream;
-        // Boxed: this rarely taken path must not enlarge every connection's task.
-        let _ = Box::pin(tokio::time::timeout(REJECT_LINGER, async {
-            stream.write_all(bytes).await?;
-            stream.shutdown().await?;
-            let mut sink = vec![0u8; 1024];
-            while stream.read(&mut sink).await? > 0 {}
-            Ok::<_, std::io::Error>(())
-        }))
+        forward::reject_with(&mut self.stream, bytes).await;
+    }
+
+    /// Rejects the connection before routing: counts `outcome`, logs, closes.
+    pub fn reject(self: Box<Self>, outcome: Outcome, detail: &str) {
+        let Conn { record, .. } = *self;
+        record.reject(outcome, detail);
+    }
+
+    /// Forwards the connection to `route`: dial, reply, replay what was read, relay, record.
+    pub async fn forward(self: Box<Self>, route: &Arc<Route>, reply: Reply, shared: &Shared) {
+        let cfg = &shared.config;
+        let Conn {
+            mut stream,
+            buf,
+            record,
+            guard,
+            ..
+        } = *self;
+        let relaying = Relaying {
+            limits: crate::net::relay::Limits {
+                idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
+                half_close: cfg.timeouts.half_close,
+                max_duration: route.max_connection_duration,
+                progress: cfg.access_log_interval,
+            },
+            stop: &shared.drain.hard_stop,
+        };
+        // The replay buffer is written first and then freed: an idle connection keeps no
+        // ClientHello or request head around.
+        forward::forward(
+            &mut stream,
+            buf,
+            record,
+            route,
+            &shared.dialer,
+            reply,
+            relaying,
+        )
         .await;
+        drop(guard);
     }
 }
 
 /// Runs one accepted connection through the pipeline.
-pub async fn serve(acc: Accepted, config: &ListenerConfig, shared: &Shared, lm: &ListenerMetrics) {
+pub async fn serve(acc: Accepted<TcpStream>, config: &ListenerConfig, shared: &Shared) {
     let Accepted {
         stream,
-        peer,
         guard,
-        accepted_at,
+        record,
     } = acc;
-    let deadline = Instant::from_std(accepted_at) + shared.config.timeouts.handshake;
+    let deadline = Instant::from_std(record.accepted_at()) + shared.config.timeouts.handshake;
+    let peer = record.peer;
     // Boxed: the connection state crosses three async layers as one pointer instead of
     // being copied into each layer's future.
     let mut conn = Box::new(Conn {
         stream,
         buf: Vec::new(),
         deadline,
-        log: AccessLog::new(&config.name, peer, accepted_at),
+        record,
         guard,
     });
 
@@ -141,29 +173,28 @@ pub async fn serve(acc: Accepted, config: &ListenerConfig, shared: &Shared, lm: 
                 shared
                     .metrics
                     .proxy_header(&config.name, header_result(&info));
-                conn.log.set_proxy(&info);
+                conn.record.set_proxy(&info);
             }
             Ok(None) => shared.metrics.proxy_header(&config.name, "absent"),
             Err((outcome, result, detail)) => {
                 if let Some(result) = result {
                     shared.metrics.proxy_header(&config.name, result);
                 }
-                return conn.log.reject(shared, outcome, &detail);
+                return conn.reject(outcome, &detail);
             }
         }
     }
 
     let per_source = shared.config.limits.max_connections_per_source;
-    if !conn.guard.limit_source(conn.log.client.ip(), per_source) {
-        return conn
-            .log
-            .reject(shared, "limited", "per-source connection limit");
+    let client = conn.record.client.ip();
+    if !conn.guard.limit_source(client, per_source) {
+        return conn.reject(Outcome::Limited, "per-source connection limit");
     }
 
     match config.protocol {
-        Protocol::Sni => super::sni::handle(conn, config, shared, lm).await,
-        Protocol::HttpConnect => super::connect::handle(conn, config, shared, lm).await,
-        Protocol::ProxyDestination => super::proxydst::handle(conn, config, shared, lm).await,
+        Protocol::Sni => super::sni::handle(conn, config, shared).await,
+        Protocol::HttpConnect => super::connect::handle(conn, config, shared).await,
+        Protocol::ProxyDestination => super::proxydst::handle(conn, config, shared).await,
     }
 }
 
@@ -177,7 +208,7 @@ pub fn header_result(info: &ProxyInfo) -> &'static str {
 }
 
 /// A rejection: downstream outcome, proxy-header metric result (if any), detail.
-pub type StageReject = (&'static str, Option<&'static str>, String);
+pub type StageReject = (Outcome, Option<&'static str>, String);
 
 /// Reads the load balancer's PROXY header. `Ok(None)`: optional mode and none was sent.
 async fn load_balancer_header(
@@ -216,16 +247,20 @@ async fn load_balancer_header(
 pub fn proxy_stage_error(e: ReadError<proxy::Reject>) -> StageReject {
     match e {
         ReadError::Closed { bytes: 0 } => (
-            "closed_early",
+            Outcome::ClosedEarly,
             None,
             "closed without sending anything".into(),
         ),
         ReadError::Closed { bytes } => (
-            "closed_early",
+            Outcome::ClosedEarly,
             Some("invalid"),
             format!("closed after {bytes} bytes of a PROXY header"),
         ),
-        ReadError::Timeout => ("timeout", Some("timeout"), "no PROXY header in time".into()),
-        ReadError::Reject(r) => ("bad_request", Some(r.kind()), r.to_string()),
+        ReadError::Timeout => (
+            Outcome::Timeout,
+            Some("timeout"),
+            "no PROXY header in time".into(),
+        ),
+        ReadError::Reject(r) => (Outcome::BadRequest, Some(r.kind()), r.to_string()),
     }
 }

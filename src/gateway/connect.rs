@@ -5,61 +5,50 @@
 //! backend connection is up; bytes the client sent after the request head are relayed. Every
 //! error answers a status and closes.
 
+use super::Shared;
 use super::conn::{Conn, ReadError};
-use super::{Reply, Shared};
-use crate::admin::metrics::ListenerMetrics;
 use crate::config::gateway::ListenerConfig;
+use crate::serve::forward::Reply;
+use crate::serve::record::Outcome;
 use crate::wire::http;
 
 /// Handles one `http-connect` connection from its request head to close.
-pub async fn handle(
-    mut conn: Box<Conn>,
-    config: &ListenerConfig,
-    shared: &Shared,
-    lm: &ListenerMetrics,
-) {
+pub async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
     let max = shared.config.limits.max_header_bytes;
     let (head, consumed) =
         match Box::pin(conn.read_until(max, |b| http::parse_request_head(b, max))).await {
             Ok(x) => x,
             Err(ReadError::Closed { bytes }) => {
-                return conn.log.reject(
-                    shared,
-                    "closed_early",
+                return conn.reject(
+                    Outcome::ClosedEarly,
                     &format!("client closed after {bytes} bytes"),
                 );
             }
             Err(ReadError::Timeout) => {
                 conn.reject_with(&http::response(408, "no request head in time"))
                     .await;
-                return conn
-                    .log
-                    .reject(shared, "timeout", "no request head in time");
+                return conn.reject(Outcome::Timeout, "no request head in time");
             }
             Err(ReadError::Reject(r)) => {
                 conn.reject_with(&http::response(r.status(), &r.to_string()))
                     .await;
-                return conn.log.reject(shared, "bad_request", &r.to_string());
+                return conn.reject(Outcome::BadRequest, &r.to_string());
             }
         };
     conn.consume(consumed);
     if head.method != "CONNECT" {
         conn.reject_with(&http::response(405, "only CONNECT is supported"))
             .await;
-        return conn
-            .log
-            .reject(shared, "bad_request", &format!("method {}", head.method));
+        return conn.reject(Outcome::BadRequest, &format!("method {}", head.method));
     }
     let mut values = head.header_values(&config.destination_header);
     let destination = values.next().map(str::to_owned);
     if values.any(|v| Some(v) != destination.as_deref()) {
         conn.reject_with(&http::response(400, "conflicting destination headers"))
             .await;
-        return conn
-            .log
-            .reject(shared, "bad_request", "conflicting destination headers");
+        return conn.reject(Outcome::BadRequest, "conflicting destination headers");
     }
-    conn.log.target = destination.clone();
+    conn.record.target = destination.clone();
 
     let route = super::pick_route(shared, config, |t| {
         destination.as_deref().and_then(|d| t.by_destination(d))
@@ -70,7 +59,7 @@ pub async fn handle(
             None => "missing destination header",
         };
         conn.reject_with(&http::response(403, detail)).await;
-        return conn.log.reject(shared, "no_route", detail);
+        return conn.reject(Outcome::NoRoute, detail);
     };
-    super::forward(conn, &route, Reply::Http, shared, lm).await;
+    conn.forward(&route, Reply::Http, shared).await;
 }

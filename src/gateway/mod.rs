@@ -2,13 +2,11 @@
 //! table current, serves connections, and drains on SIGTERM/SIGINT.
 //!
 //! Startup binds everything before it reports ready, so a configuration that cannot be
-//! served fails before any traffic is accepted. One file per listener protocol; the accept
-//! loop and the shared forwarding path (connect, relay, log) live here.
+//! served fails before any traffic is accepted. One file per listener protocol, wired onto
+//! the shared serving layer ([`crate::serve`]): its accept loop, record, forward and drain.
 
-pub mod access;
 pub mod conn;
 pub mod connect;
-pub mod listener;
 pub mod proxydst;
 pub mod sni;
 pub mod table;
@@ -21,20 +19,16 @@ use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 
-use crate::admin::metrics::ListenerMetrics;
 use crate::admin::{self, AdminState, Metrics};
 use crate::config::ConfigError;
 use crate::config::gateway::{GatewayConfig, ListenerConfig};
-use crate::net::{relay, socket, upstream};
+use crate::config::node::IpFamily;
+use crate::net::dial::Direct;
+use crate::net::socket;
 use crate::route::Route;
-use crate::wire::http;
-use conn::Conn;
-use listener::Tracker;
+use crate::serve::accept::{Admission, accept_loop};
+use crate::serve::drain::Drain;
 use table::Tables;
-use tokio::io::AsyncWriteExt;
-
-/// How long connections cut at the drain deadline get to write their log lines.
-const HARD_STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Why the gateway could not start or run.
 #[derive(Debug, Error)]
@@ -65,10 +59,10 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// The live routing table.
     pub tables: Arc<Tables>,
-    /// Open connections.
-    pub tracker: Arc<Tracker>,
-    /// Cuts every relay when the drain deadline has passed.
-    pub hard_stop: relay::Stop,
+    /// Open connections, the listeners' stop and the relays' hard stop.
+    pub drain: Drain,
+    /// Dials route backends.
+    pub dialer: Direct,
 }
 
 /// Runs the gateway until SIGTERM/SIGINT and a completed drain.
@@ -124,21 +118,33 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let (hup_tx, hup_rx) = mpsc::channel(1);
     let watch_task = tokio::spawn(tables.clone().watch(config.routes_check_interval, hup_rx));
 
-    let (stop_tx, stop_rx) = watch::channel(false);
     let drain_timeout = config.timeouts.drain;
+    let dialer = Direct {
+        zone: config.zone.clone(),
+        connect_timeout: config.timeouts.connect,
+        keepalive: (
+            config.keepalive_upstream.idle,
+            config.keepalive_upstream.interval,
+        ),
+        family: IpFamily::Any,
+    };
     let shared = Arc::new(Shared {
         config,
         metrics: metrics.clone(),
         tables: tables.clone(),
-        tracker: Arc::new(Tracker::default()),
-        hard_stop: relay::Stop::default(),
+        drain: Drain::default(),
+        dialer,
     });
+    let stop_rx = shared.drain.listeners_stop();
     let (exit_tx, exit_rx) = watch::channel(false);
     let mut threads = Vec::new();
     for (i, sockets) in per_worker.into_iter().enumerate() {
         if i == 0 {
             for (l, sock) in &sockets {
-                tracing::info!(listener = %l.name, address = ?sock.local_addr().ok(), protocol = ?l.protocol, workers, "listening");
+                let address = sock
+                    .local_addr()
+                    .map_or_else(|_| l.address.to_string(), |a| a.to_string());
+                tracing::info!(listener = %l.name, address, protocol = l.protocol.as_str(), workers, "listening");
             }
         }
         let (shared, stop_rx, exit_rx) = (shared.clone(), stop_rx.clone(), exit_rx.clone());
@@ -161,20 +167,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
 
     // Drain: fail readiness, close listeners, let connections finish until the deadline.
     admin_state.set_ready(false);
-    let _ = stop_tx.send(true);
-    let active = shared.tracker.active();
-    tracing::info!(active, timeout = ?drain_timeout, "listeners closed; waiting for connections");
-    if tokio::time::timeout(drain_timeout, shared.tracker.wait_idle())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            active = shared.tracker.active(),
-            "drain deadline reached; closing remaining connections"
-        );
-        shared.hard_stop.stop();
-        let _ = tokio::time::timeout(HARD_STOP_GRACE, shared.tracker.wait_idle()).await;
-    }
+    shared.drain.run(drain_timeout).await;
     let _ = exit_tx.send(true);
     let _ = tokio::task::spawn_blocking(move || {
         for t in threads {
@@ -214,12 +207,25 @@ fn worker(
         let mut loops = Vec::new();
         for (l, sock) in sockets {
             match tokio::net::TcpListener::from_std(sock) {
-                Ok(sock) => loops.push(tokio::spawn(listener::accept_loop(
-                    sock,
-                    l,
-                    shared.clone(),
-                    stop.clone(),
-                ))),
+                Ok(sock) => {
+                    let admission = Admission {
+                        metrics: shared.metrics.clone(),
+                        listener: Arc::new(shared.metrics.listener(&l.name)),
+                        tracker: shared.drain.tracker.clone(),
+                        max_connections: shared.config.limits.max_connections,
+                    };
+                    let shared = shared.clone();
+                    let serve = move |accepted| {
+                        let (l, shared) = (l.clone(), shared.clone());
+                        async move { conn::serve(accepted, &l, &shared).await }
+                    };
+                    loops.push(tokio::spawn(accept_loop(
+                        sock,
+                        admission,
+                        stop.clone(),
+                        serve,
+                    )));
+                }
                 Err(e) => {
                     tracing::error!(listener = %l.name, error = %e, "cannot register a listener")
                 }
@@ -265,111 +271,4 @@ pub fn pick_route(
                 .and_then(|r| table.by_name(r))
         })
         .cloned()
-}
-
-/// What the client is told once the backend connect is decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reply {
-    /// Nothing (TLS passthrough, PROXY-destination): failures just close.
-    None,
-    /// An HTTP status: `200` once connected, `502`/`504` when every backend failed.
-    Http,
-}
-
-/// Connects `route`'s backend, replays the bytes buffered in `conn`, relays until the end,
-/// and logs: the path every routed connection takes after its protocol chose a route.
-pub async fn forward(
-    mut conn: Box<Conn>,
-    route: &Arc<Route>,
-    reply: Reply,
-    shared: &Shared,
-    lm: &ListenerMetrics,
-) {
-    let cfg = &shared.config;
-    lm.routed.inc();
-    conn.log.route = Some(route.name().to_owned());
-    let rm = shared.metrics.route(route.name());
-    rm.total.inc();
-    rm.active.inc();
-    // Downstream keepalive and nodelay are inherited from the listening socket.
-
-    let budget = route.timeouts.connect.unwrap_or(cfg.timeouts.connect);
-    let connected = Box::pin(upstream::connect(
-        route,
-        cfg.zone.as_deref(),
-        budget,
-        |reason| shared.metrics.connect_failure(route.name(), reason),
-    ))
-    .await;
-    let (end, stats) = match connected {
-        Err(e) => {
-            tracing::debug!(error = %e, "no backend");
-            if reply == Reply::Http {
-                let status = if matches!(
-                    e,
-                    upstream::ConnectError::Failed {
-                        timed_out: true,
-                        ..
-                    }
-                ) {
-                    504
-                } else {
-                    502
-                };
-                conn.reject_with(&http::response(status, &e.to_string()))
-                    .await;
-            }
-            (format!("error:{}", e.kind()), relay::Stats::default())
-        }
-        Ok(up) => {
-            rm.connect_duration.observe(up.elapsed.as_secs_f64());
-            socket::tune(
-                &up.stream,
-                cfg.keepalive_upstream.idle,
-                cfg.keepalive_upstream.interval,
-            );
-            conn.log.backend = Some(up.backend.clone());
-            let replied = match reply {
-                Reply::Http => conn.stream.write_all(&http::response(200, "")).await,
-                Reply::None => Ok(()),
-            };
-            match replied {
-                Err(e) => (
-                    format!("error:{}", relay::io_kind(&e)),
-                    relay::Stats::default(),
-                ),
-                Ok(()) => {
-                    let limits = relay::Limits {
-                        idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
-                        half_close: cfg.timeouts.half_close,
-                        max_duration: route.max_connection_duration,
-                        progress: cfg.access_log_interval,
-                    };
-                    let counters = relay::Counters {
-                        rx: &rm.rx,
-                        tx: &rm.tx,
-                        half_closed: &shared.metrics.half_closed,
-                    };
-                    let log = &conn.log;
-                    let progress = |s: relay::Stats| log.emit(s, "open", true);
-                    // The replay buffer is written first and then freed: an idle connection
-                    // keeps no ClientHello or request head around.
-                    let initial = std::mem::take(&mut conn.buf);
-                    let (end, stats) = relay::relay(
-                        &conn.stream,
-                        &up.stream,
-                        initial,
-                        limits,
-                        counters,
-                        &progress,
-                        &shared.hard_stop,
-                    )
-                    .await;
-                    (end.reason(), stats)
-                }
-            }
-        }
-    };
-    rm.active.dec();
-    conn.log.emit(stats, &end, false);
 }

@@ -3,20 +3,16 @@
 //! TLS) are relayed unchanged. `LOCAL`/`UNKNOWN` headers and unknown destinations are
 //! rejected and counted.
 
+use super::Shared;
 use super::conn::{Conn, header_result, proxy_stage_error};
-use super::{Reply, Shared};
-use crate::admin::metrics::ListenerMetrics;
 use crate::config::gateway::ListenerConfig;
-use crate::gateway::listener::normalize;
+use crate::net::socket::normalize;
+use crate::serve::forward::Reply;
+use crate::serve::record::Outcome;
 use crate::wire::proxy;
 
 /// Handles one `proxy-destination` connection from its PROXY header to close.
-pub async fn handle(
-    mut conn: Box<Conn>,
-    config: &ListenerConfig,
-    shared: &Shared,
-    lm: &ListenerMetrics,
-) {
+pub async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
     let limit = shared.config.limits.max_header_bytes;
     let (info, consumed) = match Box::pin(conn.read_until(limit, |b| proxy::parse(b, limit))).await
     {
@@ -26,28 +22,25 @@ pub async fn handle(
             if let Some(result) = result {
                 shared.metrics.proxy_header(&config.name, result);
             }
-            return conn.log.reject(shared, outcome, &detail);
+            return conn.reject(outcome, &detail);
         }
     };
     conn.consume(consumed);
     shared
         .metrics
         .proxy_header(&config.name, header_result(&info));
-    conn.log.set_proxy(&info);
+    conn.record.set_proxy(&info);
     let Some(destination) = info.destination().map(normalize) else {
-        return conn.log.reject(
-            shared,
-            "bad_request",
+        return conn.reject(
+            Outcome::BadRequest,
             "PROXY header without addresses (LOCAL/UNKNOWN)",
         );
     };
-    conn.log.target = Some(destination.to_string());
+    conn.record.target = Some(destination.to_string());
 
     let route = super::pick_route(shared, config, |t| t.by_proxy_destination(&destination));
     let Some(route) = route else {
-        return conn
-            .log
-            .reject(shared, "no_route", "unknown PROXY destination");
+        return conn.reject(Outcome::NoRoute, "unknown PROXY destination");
     };
-    super::forward(conn, &route, Reply::None, shared, lm).await;
+    conn.forward(&route, Reply::None, shared).await;
 }

@@ -4,60 +4,54 @@
 //! records), picks the route, connects a backend, replays every byte read, and relays. TLS is
 //! never terminated. Unroutable hellos get a fatal `unrecognized_name` alert.
 
+use super::Shared;
 use super::conn::{Conn, ReadError};
-use super::{Reply, Shared};
-use crate::admin::metrics::ListenerMetrics;
 use crate::config::gateway::ListenerConfig;
+use crate::serve::forward::Reply;
+use crate::serve::record::Outcome;
 use crate::wire::tls::{self, Reject};
 
 /// Handles one `sni` connection from routing to close.
-pub async fn handle(
-    mut conn: Box<Conn>,
-    config: &ListenerConfig,
-    shared: &Shared,
-    lm: &ListenerMetrics,
-) {
+pub async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
     let max = shared.config.limits.max_client_hello_bytes;
     let hello = match Box::pin(conn.read_until(max, |b| tls::parse_client_hello(b, max))).await {
         Ok((hello, consumed)) => {
-            lm.client_hello_bytes.observe(consumed as f64);
+            conn.record
+                .listener_metrics()
+                .client_hello_bytes
+                .observe(consumed as f64);
             hello
         }
         Err(ReadError::Closed { bytes }) => {
-            return conn.log.reject(
-                shared,
-                "closed_early",
+            return conn.reject(
+                Outcome::ClosedEarly,
                 &format!("client closed after {bytes} bytes"),
             );
         }
         Err(ReadError::Reject(r)) => {
             let outcome = if r == Reject::NotTls {
-                "not_tls"
+                Outcome::NotTls
             } else {
-                "bad_request"
+                Outcome::BadRequest
             };
-            return conn.log.reject(shared, outcome, &r.to_string());
+            return conn.reject(outcome, &r.to_string());
         }
         Err(ReadError::Timeout) => {
-            return conn
-                .log
-                .reject(shared, "timeout", "no complete ClientHello in time");
+            return conn.reject(Outcome::Timeout, "no complete ClientHello in time");
         }
     };
     let record_version = hello.record_version;
-    conn.log.target = hello.server_name;
+    conn.record.target = hello.server_name;
 
     // One snapshot of the route for the whole connection.
     let route = super::pick_route(shared, config, |t| {
-        conn.log.target.as_deref().and_then(|n| t.by_sni(n))
+        conn.record.target.as_deref().and_then(|n| t.by_sni(n))
     });
     let Some(route) = route else {
         conn.reject_with(&tls::unrecognized_name_alert(record_version))
             .await;
-        return conn
-            .log
-            .reject(shared, "no_route", "no route for server name");
+        return conn.reject(Outcome::NoRoute, "no route for server name");
     };
     // Every byte read, the ClientHello included, goes to the backend unchanged.
-    super::forward(conn, &route, Reply::None, shared, lm).await;
+    conn.forward(&route, Reply::None, shared).await;
 }

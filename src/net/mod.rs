@@ -1,9 +1,10 @@
-//! Sockets and byte moving: listener sockets, upstream connects with failover, and the
-//! duplex copy loop with half-close, idle and lifetime bounds.
+//! Sockets and byte moving: listener sockets, the dial interface with its direct TCP dialer
+//! and tunnel layer, and the duplex copy loop with half-close, idle and lifetime bounds.
 //!
-//! Nothing here parses protocol bytes or knows about listeners' routing rules; callers hand
-//! in a route (for backend choice) and the bytes already read (to replay upstream).
+//! Nothing here knows about listeners' routing rules or metrics registries; callers hand in
+//! a route (for backend choice), counters, and the bytes already read (to replay). The only
+//! protocol bytes handled here are a tunnel's own handshake, through the `wire` codecs.
 
+pub mod dial;
 pub mod relay;
 pub mod socket;
-pub mod upstream;

@@ -35,23 +35,72 @@ pub fn bind_std_with(
     reuse_port: bool,
     keepalive: Option<(Duration, Duration)>,
 ) -> io::Result<std::net::TcpListener> {
+    bind_listener(
+        addr,
+        &ListenOptions {
+            backlog,
+            reuse_port,
+            freebind: false,
+            keepalive,
+        },
+    )
+}
+
+/// How a listening socket is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct ListenOptions {
+    /// Listen backlog (the kernel caps it at `somaxconn`).
+    pub backlog: i32,
+    /// `SO_REUSEPORT`: several sockets (one per worker thread) share the address and the
+    /// kernel spreads connections across them.
+    pub reuse_port: bool,
+    /// `IP_FREEBIND`: the address may appear on a link only later (the node's advertise
+    /// address).
+    pub freebind: bool,
+    /// `TCP_NODELAY` and keepalive `(idle, interval)`, inherited by accepted sockets.
+    pub keepalive: Option<(Duration, Duration)>,
+}
+
+/// Binds a non-blocking std listener with `SO_REUSEADDR`, urgent data inline, and `options`.
+pub fn bind_listener(
+    addr: SocketAddr,
+    options: &ListenOptions,
+) -> io::Result<std::net::TcpListener> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     socket.set_reuse_address(true)?;
-    if reuse_port {
+    if options.reuse_port {
         socket.set_reuse_port(true)?;
+    }
+    if options.freebind {
+        if addr.is_ipv4() {
+            socket.set_freebind_v4(true)?;
+        } else {
+            socket.set_freebind_v6(true)?;
+        }
     }
     // TCP urgent data is read inline, as the next byte of the stream (inherited by accepted
     // sockets): a proxy forwards it in place instead of dropping it.
     socket.set_out_of_band_inline(true)?;
-    if let Some((idle, interval)) = keepalive {
+    if let Some((idle, interval)) = options.keepalive {
         socket.set_tcp_nodelay(true)?;
         let ka = TcpKeepalive::new().with_time(idle).with_interval(interval);
         socket.set_tcp_keepalive(&ka)?;
     }
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
-    socket.listen(backlog)?;
+    socket.listen(options.backlog)?;
     Ok(socket.into())
+}
+
+/// Maps IPv4-mapped IPv6 addresses to IPv4.
+pub fn normalize(addr: SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(std::net::IpAddr::V4(v4), v6.port()),
+            None => addr,
+        },
+        v4 => v4,
+    }
 }
 
 /// Applies `TCP_NODELAY` and keepalive (`idle` before the first probe, then every
@@ -96,6 +145,14 @@ pub fn raise_nofile_limit() -> io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mapped_v6_is_normalized() {
+        let a: SocketAddr = "[::ffff:10.1.2.3]:5".parse().unwrap();
+        assert_eq!(normalize(a), "10.1.2.3:5".parse::<SocketAddr>().unwrap());
+        let v6: SocketAddr = "[2001:db8::1]:5".parse().unwrap();
+        assert_eq!(normalize(v6), v6);
+    }
 
     #[test]
     fn accepted_sockets_inherit_nodelay_and_keepalive() {

@@ -43,6 +43,27 @@ pub struct Changes {
     pub removed_from: Vec<u32>,
 }
 
+impl std::fmt::Display for Changes {
+    /// `created link, added address, removed from links 3 7` (only what happened).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        if self.created_link {
+            parts.push("created link".to_string());
+        }
+        if self.added {
+            parts.push("added address".to_string());
+        }
+        if !self.removed_from.is_empty() {
+            let links: Vec<String> = self.removed_from.iter().map(u32::to_string).collect();
+            parts.push(format!("removed from links {}", links.join(" ")));
+        }
+        if parts.is_empty() {
+            parts.push("nothing".into());
+        }
+        f.write_str(&parts.join(", "))
+    }
+}
+
 /// Keeps `address` on link `name`.
 pub struct LinkManager {
     handle: Handle,

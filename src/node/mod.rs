@@ -12,29 +12,26 @@ pub mod link;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use socket2::{Domain, Socket, Type};
 use thiserror::Error;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::watch;
 
-use crate::admin::metrics::{ListenerMetrics, RouteMetrics};
 use crate::admin::{self, AdminState, Metrics};
 use crate::config::node::{NodeConfig, UpstreamProtocol};
-use crate::gateway::access::AccessLog;
-use crate::gateway::listener::{Tracker, normalize};
-use crate::net::{relay, socket, upstream};
-use crate::wire::{Parsed, http, proxy};
+use crate::net::dial::{Direct, Hello, Tunneled};
+use crate::net::relay::Limits;
+use crate::net::socket::{self, ListenOptions, normalize};
+use crate::route::{Backend, BackendAddress, BackendRegistry, Route};
+use crate::serve::accept::{Accepted, Admission, accept_loop};
+use crate::serve::drain::Drain;
+use crate::serve::forward::{Relaying, Reply, forward};
 
 /// Listener name in metrics and logs.
 pub const LISTENER: &str = "apiserver-proxy";
 /// Route name in metrics and logs (the node has one upstream).
 pub const ROUTE: &str = "upstream";
-/// Largest CONNECT response head accepted from the gateway.
-const MAX_RESPONSE_HEAD: usize = 8192;
 
 /// Why the node could not start.
 #[derive(Debug, Error)]
@@ -90,21 +87,6 @@ pub async fn cleanup(config: &NodeConfig) -> Result<(), NodeError> {
     Ok(())
 }
 
-/// Binds with `IP_FREEBIND`, so the advertise address may appear on its link later.
-fn bind_freebind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-    s.set_reuse_address(true)?;
-    if addr.is_ipv4() {
-        s.set_freebind_v4(true)?;
-    } else {
-        s.set_freebind_v6(true)?;
-    }
-    s.set_nonblocking(true)?;
-    s.bind(&addr.into())?;
-    s.listen(socket::LISTEN_BACKLOG)?;
-    TcpListener::from_std(s.into())
-}
-
 /// Runs the node daemon until SIGTERM/SIGINT and a completed drain.
 pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     let config = Arc::new(config);
@@ -143,39 +125,53 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
         }
     };
 
+    let keepalive = (
+        config.keepalive_downstream.idle,
+        config.keepalive_downstream.interval,
+    );
+    let options = ListenOptions {
+        backlog: socket::LISTEN_BACKLOG,
+        reuse_port: false,
+        // The advertise address may appear on its link only after the bind.
+        freebind: true,
+        // Inherited by every accepted socket.
+        keepalive: Some(keepalive),
+    };
     let mut listeners = Vec::new();
     for &addr in &config.listen {
-        let l = bind_freebind(addr).map_err(|source| NodeError::Bind {
-            what: "listener",
-            address: addr,
-            source,
-        })?;
+        let l = socket::bind_listener(addr, &options)
+            .and_then(TcpListener::from_std)
+            .map_err(|source| NodeError::Bind {
+                what: "listener",
+                address: addr,
+                source,
+            })?;
         listeners.push(l);
     }
     readiness.bound.store(true, Ordering::SeqCst);
     readiness.publish(&admin_state);
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let hard_stop = Arc::new(relay::Stop::default());
-    let tracker = Arc::new(Tracker::default());
-    let lm = Arc::new(metrics.listener(LISTENER));
-    let rm = metrics.route(ROUTE);
+    let node = Arc::new(Node::new(config.clone()));
+    let listener_metrics = Arc::new(metrics.listener(LISTENER));
     let mut accept_tasks = Vec::new();
     for l in listeners {
-        tracing::info!(address = ?l.local_addr().ok(), "listening");
-        let ctx = Ctx {
-            config: config.clone(),
+        let address = l
+            .local_addr()
+            .map_or_else(|e| e.to_string(), |a| a.to_string());
+        tracing::info!(address, "listening");
+        let admission = Admission {
             metrics: metrics.clone(),
-            lm: lm.clone(),
-            rm: rm.clone(),
-            hard_stop: hard_stop.clone(),
+            listener: listener_metrics.clone(),
+            tracker: node.drain.tracker.clone(),
+            max_connections: config.max_connections,
         };
-        accept_tasks.push(tokio::spawn(accept_loop(
-            l,
-            ctx,
-            tracker.clone(),
-            stop_rx.clone(),
-        )));
+        let stop = node.drain.listeners_stop();
+        let node = node.clone();
+        let handle = move |accepted| {
+            let node = node.clone();
+            async move { node.handle(accepted).await }
+        };
+        accept_tasks.push(tokio::spawn(accept_loop(l, admission, stop, handle)));
     }
     tracing::info!(upstream = %format!("{}:{}", config.upstream_host, config.upstream_port), "node ready");
 
@@ -185,16 +181,9 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     }
     readiness.draining.store(true, Ordering::SeqCst);
     readiness.publish(&admin_state);
-    let _ = stop_tx.send(true);
+    node.drain.run(config.drain_timeout).await;
     for t in accept_tasks {
         let _ = t.await;
-    }
-    if tokio::time::timeout(config.drain_timeout, tracker.wait_idle())
-        .await
-        .is_err()
-    {
-        hard_stop.stop();
-        let _ = tokio::time::timeout(Duration::from_secs(2), tracker.wait_idle()).await;
     }
     if let Some(t) = link_task {
         t.abort();
@@ -239,267 +228,96 @@ async fn manage_link(
     }
 }
 
-#[derive(Clone)]
-struct Ctx {
+/// What every connection of the node shares.
+struct Node {
     config: Arc<NodeConfig>,
-    metrics: Arc<Metrics>,
-    lm: Arc<ListenerMetrics>,
-    rm: Arc<RouteMetrics>,
-    hard_stop: Arc<relay::Stop>,
+    /// The one route: the gateway.
+    route: Route,
+    /// Reaches the gateway and opens the tunnel.
+    dialer: Tunneled<Direct>,
+    drain: Drain,
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    ctx: Ctx,
-    tracker: Arc<Tracker>,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        let accepted = tokio::select! {
-            r = listener.accept() => r,
-            _ = stop.wait_for(|s| *s) => break,
+impl Node {
+    fn new(config: Arc<NodeConfig>) -> Self {
+        let address = match config.upstream_host.parse::<std::net::IpAddr>() {
+            Ok(ip) => BackendAddress::Ip(SocketAddr::new(ip, config.upstream_port)),
+            Err(_) => BackendAddress::Dns {
+                host: config.upstream_host.clone(),
+                port: config.upstream_port,
+            },
         };
-        let (stream, peer) = match accepted {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
+        let registry = BackendRegistry::default();
+        let backend = Backend {
+            state: registry.state(&address),
+            address,
+            zone: None,
         };
-        let Some(guard) = tracker.admit(ctx.config.max_connections) else {
-            AccessLog::new(LISTENER, normalize(peer), Instant::now()).emit(
-                relay::Stats::default(),
-                "limited",
-                false,
-            );
-            ctx.metrics.outcome(LISTENER, "limited");
-            continue;
-        };
-        let ctx = ctx.clone();
-        tokio::spawn(async move {
-            let _guard = guard;
-            ctx.lm.active.inc();
-            handle(stream, normalize(peer), &ctx).await;
-            ctx.lm.active.dec();
-        });
-    }
-}
-
-/// Why the upstream leg could not be set up.
-#[derive(Debug)]
-struct UpstreamFailure {
-    reason: &'static str,
-    detail: String,
-}
-
-/// Connects to the gateway (resolving its name now, with the configured family).
-async fn dial(config: &NodeConfig) -> Result<(TcpStream, SocketAddr), UpstreamFailure> {
-    let deadline = tokio::time::Instant::now() + config.connect_timeout;
-    let host = (config.upstream_host.as_str(), config.upstream_port);
-    let addrs: Vec<SocketAddr> =
-        match tokio::time::timeout_at(deadline, tokio::net::lookup_host(host)).await {
-            Ok(Ok(a)) => a
-                .filter(|a| config.ip_family.allows(a))
-                .take(upstream::MAX_ADDRS_PER_BACKEND)
-                .collect(),
-            Ok(Err(e)) => {
-                return Err(UpstreamFailure {
-                    reason: "resolve",
-                    detail: e.to_string(),
-                });
-            }
-            Err(_) => {
-                return Err(UpstreamFailure {
-                    reason: "timeout",
-                    detail: "resolving the gateway".into(),
-                });
-            }
-        };
-    if addrs.is_empty() {
-        return Err(UpstreamFailure {
-            reason: "resolve",
-            detail: format!(
-                "no {:?} address for {}",
-                config.ip_family, config.upstream_host
-            ),
-        });
-    }
-    let mut last = UpstreamFailure {
-        reason: "timeout",
-        detail: String::new(),
-    };
-    for (i, addr) in addrs.iter().enumerate() {
-        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let share = remaining / (addrs.len() - i) as u32;
-        match tokio::time::timeout(share, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => return Ok((s, *addr)),
-            Ok(Err(e)) => {
-                last = UpstreamFailure {
-                    reason: upstream::failure_reason(&e),
-                    detail: format!("{addr}: {e}"),
-                }
-            }
-            Err(_) => {
-                last = UpstreamFailure {
-                    reason: "timeout",
-                    detail: format!("{addr}: connect timed out"),
-                }
-            }
-        }
-    }
-    Err(last)
-}
-
-/// Sends the CONNECT request and waits for `200`; returns bytes read past the response head.
-async fn connect_tunnel(
-    up: &mut TcpStream,
-    config: &NodeConfig,
-    header: &str,
-    destination: &str,
-) -> Result<Vec<u8>, UpstreamFailure> {
-    let authority = format!("{}:443", config.upstream_host);
-    let request = format!(
-        "CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{header}: {destination}\r\n\r\n"
-    );
-    let exchange = async {
-        up.write_all(request.as_bytes())
-            .await
-            .map_err(|e| UpstreamFailure {
-                reason: "error",
-                detail: e.to_string(),
-            })?;
-        let mut buf = Vec::with_capacity(256);
-        let mut chunk = [0u8; 1024];
-        loop {
-            let n = up.read(&mut chunk).await.map_err(|e| UpstreamFailure {
-                reason: "reset",
-                detail: e.to_string(),
-            })?;
-            if n == 0 {
-                return Err(UpstreamFailure {
-                    reason: "rejected",
-                    detail: "gateway closed before answering".into(),
-                });
-            }
-            buf.extend_from_slice(&chunk[..n]);
-            match http::parse_response_status(&buf, MAX_RESPONSE_HEAD) {
-                Ok(Parsed::Incomplete) => continue,
-                Ok(Parsed::Complete {
-                    value: 200,
-                    consumed,
-                }) => return Ok(buf.split_off(consumed)),
-                Ok(Parsed::Complete { value, .. }) => {
-                    return Err(UpstreamFailure {
-                        reason: "rejected",
-                        detail: format!("gateway answered {value}"),
-                    });
-                }
-                Err(e) => {
-                    return Err(UpstreamFailure {
-                        reason: "rejected",
-                        detail: e.to_string(),
-                    });
-                }
-            }
-        }
-    };
-    match tokio::time::timeout(config.handshake_timeout, exchange).await {
-        Ok(r) => r,
-        Err(_) => Err(UpstreamFailure {
-            reason: "timeout",
-            detail: "no CONNECT answer in time".into(),
-        }),
-    }
-}
-
-async fn handle(mut client: TcpStream, peer: SocketAddr, ctx: &Ctx) {
-    let config = &ctx.config;
-    let start = Instant::now();
-    let mut log = AccessLog::new(LISTENER, peer, start);
-    log.route = Some(ROUTE.into());
-    let local = client.local_addr().map(normalize).unwrap_or(peer);
-    log.target = Some(local.to_string());
-    socket::tune(
-        &client,
-        config.keepalive_downstream.idle,
-        config.keepalive_downstream.interval,
-    );
-
-    let setup = async {
-        let (mut up, addr) = dial(config).await?;
-        let early = match &config.protocol {
+        let route = Route::new::<&str, &str>(ROUTE, &[], &[], Vec::new(), vec![backend])
+            .unwrap_or_else(|_| unreachable!("a route without keys is never too long"));
+        let hello = match &config.protocol {
             UpstreamProtocol::HttpConnect {
                 header,
                 destination,
-            } => connect_tunnel(&mut up, config, header, destination).await?,
-            UpstreamProtocol::ProxyV2 => {
-                let header = proxy::encode_v2(peer, local);
-                up.write_all(&header).await.map_err(|e| UpstreamFailure {
-                    reason: "error",
-                    detail: e.to_string(),
-                })?;
-                Vec::new()
-            }
+            } => Hello::Connect {
+                authority: format!("{}:443", config.upstream_host),
+                header: header.clone(),
+                destination: destination.clone(),
+            },
+            UpstreamProtocol::ProxyV2 => Hello::ProxyV2,
         };
-        Ok::<_, UpstreamFailure>((up, addr, early))
-    };
-    let (up, addr, early) = match setup.await {
-        Ok(x) => x,
-        Err(f) => {
-            ctx.metrics.connect_failure(ROUTE, f.reason);
-            tracing::debug!(reason = f.reason, detail = %f.detail, "gateway not reachable; closing the client");
-            return log.emit(
-                relay::Stats::default(),
-                &format!("error:upstream_{}", f.reason),
-                false,
-            );
+        let dialer = Tunneled {
+            inner: Direct {
+                zone: None,
+                connect_timeout: config.connect_timeout,
+                keepalive: (
+                    config.keepalive_upstream.idle,
+                    config.keepalive_upstream.interval,
+                ),
+                family: config.ip_family,
+            },
+            hello,
+            handshake_timeout: config.handshake_timeout,
+        };
+        Node {
+            config,
+            route,
+            dialer,
+            drain: Drain::default(),
         }
-    };
-    ctx.lm.routed.inc();
-    ctx.rm.total.inc();
-    ctx.rm.active.inc();
-    ctx.rm
-        .connect_duration
-        .observe(start.elapsed().as_secs_f64());
-    log.backend = Some(addr.to_string());
-    socket::tune(
-        &up,
-        config.keepalive_upstream.idle,
-        config.keepalive_upstream.interval,
-    );
-    if !early.is_empty() {
-        ctx.rm.tx.inc_by(early.len() as u64);
     }
-    let (end, mut stats) = if !early.is_empty() && client.write_all(&early).await.is_err() {
-        (relay::End::Error("write"), relay::Stats::default())
-    } else {
-        let limits = relay::Limits {
-            idle: config.idle_timeout,
-            half_close: config.half_close_timeout,
-            max_duration: None,
-            progress: None,
+
+    /// Forwards one client connection to the gateway.
+    async fn handle(&self, accepted: Accepted<TcpStream>) {
+        let Accepted {
+            mut stream,
+            guard,
+            mut record,
+        } = accepted;
+        // The address the client dialled: the advertise address, which a PROXY v2 header
+        // carries as its destination.
+        let local = stream.local_addr().map_or(record.peer, normalize);
+        record.target = Some(local.to_string());
+        record.local = Some(local);
+        let relaying = Relaying {
+            limits: Limits {
+                idle: self.config.idle_timeout,
+                half_close: self.config.half_close_timeout,
+                max_duration: None,
+                progress: None,
+            },
+            stop: &self.drain.hard_stop,
         };
-        let counters = relay::Counters {
-            rx: &ctx.rm.rx,
-            tx: &ctx.rm.tx,
-            half_closed: &ctx.metrics.half_closed,
-        };
-        relay::relay(
-            &client,
-            &up,
+        forward(
+            &mut stream,
             Vec::new(),
-            limits,
-            counters,
-            &|_| {},
-            &ctx.hard_stop,
+            record,
+            &self.route,
+            &self.dialer,
+            Reply::None,
+            relaying,
         )
-        .await
-    };
-    stats.tx += early.len() as u64;
-    ctx.rm.active.dec();
-    ctx.lm
-        .connection_duration
-        .observe(start.elapsed().as_secs_f64());
-    log.emit(stats, &end.reason(), false);
+        .await;
+        drop(guard);
+    }
 }

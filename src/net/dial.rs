@@ -1,0 +1,569 @@
+//! Dialing a route's backend: the [`Dialer`] interface every role forwards through, the
+//! direct TCP dialer, and a [`Tunneled`] layer that opens a CONNECT or PROXY v2 tunnel over
+//! another dialer's stream (the node daemon towards the seed gateway).
+//!
+//! [`Direct`] tries backends in the order [`Route::backend_order`] gives. Each attempt gets
+//! an equal share of what is left of the connect budget, so a backend that swallows SYNs
+//! cannot use up the time the next one needs. A failed backend is put into passive
+//! back-off. Nothing here knows about listeners or metrics: failures are reported through
+//! the target's callback.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use socket2::{Domain, Socket, Type};
+use thiserror::Error;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::relay::Leg;
+use super::socket;
+use crate::config::node::IpFamily;
+use crate::route::{BackendAddress, BackendGuard, Route};
+use crate::wire::{Parsed, http, proxy};
+
+/// Shortest time given to one connect attempt, even when the budget is nearly used up.
+pub const MIN_ATTEMPT: Duration = Duration::from_millis(100);
+/// Most resolved addresses tried per DNS backend.
+pub const MAX_ADDRS_PER_BACKEND: usize = 4;
+/// Largest CONNECT response head accepted from an upstream proxy.
+const MAX_RESPONSE_HEAD: usize = 8192;
+
+/// Why one attempt to reach a backend failed (metric label `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConnectFailure {
+    /// The backend refused the connection.
+    Refused,
+    /// No answer within the attempt's share of the budget (or the kernel's own timeout).
+    Timeout,
+    /// No route to the backend's network or host.
+    Unreachable,
+    /// The connection was reset.
+    Reset,
+    /// The backend's name did not resolve (to an address of the allowed family).
+    Resolve,
+    /// An upstream proxy refused the tunnel (non-`200` answer, malformed answer, or closed
+    /// before answering).
+    Rejected,
+    /// Any other error.
+    Error,
+}
+
+impl ConnectFailure {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConnectFailure::Refused => "refused",
+            ConnectFailure::Timeout => "timeout",
+            ConnectFailure::Unreachable => "unreachable",
+            ConnectFailure::Reset => "reset",
+            ConnectFailure::Resolve => "resolve",
+            ConnectFailure::Rejected => "rejected",
+            ConnectFailure::Error => "error",
+        }
+    }
+
+    /// The failure a connect error stands for.
+    pub fn of(e: &io::Error) -> Self {
+        match e.kind() {
+            io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
+            io::ErrorKind::TimedOut => ConnectFailure::Timeout,
+            io::ErrorKind::HostUnreachable | io::ErrorKind::NetworkUnreachable => {
+                ConnectFailure::Unreachable
+            }
+            io::ErrorKind::ConnectionReset => ConnectFailure::Reset,
+            _ => ConnectFailure::Error,
+        }
+    }
+}
+
+/// Why no backend stream could be had.
+#[derive(Debug, Error)]
+pub enum DialError {
+    /// The route has no backends.
+    #[error("route {route:?} has no backends")]
+    NoBackends {
+        /// Route name.
+        route: String,
+    },
+    /// Every attempt failed; the last failure is kept.
+    #[error("all backends of route {route:?} failed, last {backend}: {}", reason.as_str())]
+    Failed {
+        /// Route name.
+        route: String,
+        /// The backend tried last.
+        backend: String,
+        /// Reason of the last failure.
+        reason: ConnectFailure,
+        /// Whether the budget ran out (the last failure was a timeout).
+        timed_out: bool,
+    },
+    /// An upstream proxy could not be reached or refused the tunnel.
+    #[error("upstream {}: {detail}", reason.as_str())]
+    Upstream {
+        /// What went wrong.
+        reason: ConnectFailure,
+        /// Details for the debug log.
+        detail: String,
+    },
+}
+
+impl DialError {
+    /// The access log's `error:<kind>`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DialError::NoBackends { .. } => "no_backends",
+            DialError::Failed {
+                timed_out: true, ..
+            } => "connect_timeout",
+            DialError::Failed { .. } => "connect_failed",
+            DialError::Upstream { reason, .. } => match reason {
+                ConnectFailure::Refused => "upstream_refused",
+                ConnectFailure::Timeout => "upstream_timeout",
+                ConnectFailure::Unreachable => "upstream_unreachable",
+                ConnectFailure::Reset => "upstream_reset",
+                ConnectFailure::Resolve => "upstream_resolve",
+                ConnectFailure::Rejected => "upstream_rejected",
+                ConnectFailure::Error => "upstream_error",
+            },
+        }
+    }
+
+    /// Whether the connect budget ran out (a CONNECT client answers `504`, else `502`).
+    pub fn timed_out(&self) -> bool {
+        match self {
+            DialError::Failed { timed_out, .. } => *timed_out,
+            DialError::Upstream { reason, .. } => *reason == ConnectFailure::Timeout,
+            DialError::NoBackends { .. } => false,
+        }
+    }
+}
+
+/// What a dial is for.
+#[derive(Clone, Copy)]
+pub struct Target<'a> {
+    /// The route whose backends to reach.
+    pub route: &'a Route,
+    /// The client (the PROXY source when one was received).
+    pub client: SocketAddr,
+    /// The address the client connected to, when the caller looked it up.
+    pub local: Option<SocketAddr>,
+    /// Called for every failed attempt (for metrics).
+    pub on_failure: &'a (dyn Fn(ConnectFailure) + Sync),
+}
+
+/// A backend stream, ready for the relay.
+#[derive(Debug)]
+pub struct Dialed<S> {
+    /// The stream.
+    pub stream: S,
+    /// The backend for logs: as written in the table, or the address reached.
+    pub backend: String,
+    /// The address actually connected to.
+    pub addr: SocketAddr,
+    /// Keeps the backend's active count while the connection lives.
+    pub guard: Option<BackendGuard>,
+    /// Time spent dialing, failover and tunnel set-up included.
+    pub elapsed: Duration,
+    /// Bytes the backend sent past a tunnel's handshake, for the client.
+    pub early: Vec<u8>,
+}
+
+/// Yields a stream to one of a route's backends.
+pub trait Dialer: Send + Sync {
+    /// The stream it yields.
+    type Stream: Leg + Send;
+
+    /// Dials one of `target.route`'s backends.
+    fn dial<'a>(
+        &'a self,
+        target: Target<'a>,
+    ) -> impl Future<Output = Result<Dialed<Self::Stream>, DialError>> + Send + 'a;
+}
+
+/// Dials backends directly over kernel TCP, with failover, back-off and zone preference.
+#[derive(Debug, Clone)]
+pub struct Direct {
+    /// The caller's zone: backends there are preferred.
+    pub zone: Option<String>,
+    /// Connect budget, failover included, unless the route sets its own.
+    pub connect_timeout: Duration,
+    /// TCP keepalive `(idle, interval)` set on every backend socket.
+    pub keepalive: (Duration, Duration),
+    /// Which resolved addresses to use.
+    pub family: IpFamily,
+}
+
+impl Dialer for Direct {
+    type Stream = TcpStream;
+
+    async fn dial(&self, target: Target<'_>) -> Result<Dialed<TcpStream>, DialError> {
+        {
+            let route = target.route;
+            let budget = route.timeouts.connect.unwrap_or(self.connect_timeout);
+            let start = Instant::now();
+            let deadline = start + budget;
+            let order = route.backend_order(self.zone.as_deref());
+            if order.is_empty() {
+                return Err(DialError::NoBackends {
+                    route: route.name().to_owned(),
+                });
+            }
+            let mut last = (None, String::new());
+            for (i, backend) in order.iter().enumerate() {
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                if remaining.is_zero() {
+                    break;
+                }
+                let share = (remaining / (order.len() - i) as u32)
+                    .max(MIN_ATTEMPT)
+                    .min(remaining);
+                let name = backend.address.to_string();
+                match attempt(&backend.address, self.family, Instant::now() + share).await {
+                    Ok((stream, addr)) => {
+                        backend.state.record_success();
+                        let (idle, interval) = self.keepalive;
+                        socket::tune(&stream, idle, interval);
+                        return Ok(Dialed {
+                            stream,
+                            backend: name,
+                            addr,
+                            guard: Some(backend.state.track()),
+                            elapsed: start.elapsed(),
+                            early: Vec::new(),
+                        });
+                    }
+                    Err(reason) => {
+                        tracing::debug!(route = %route.name(), backend = %name, reason = reason.as_str(), "backend connect failed");
+                        backend.state.record_failure();
+                        (target.on_failure)(reason);
+                        last = (Some(reason), name);
+                    }
+                }
+            }
+            let reason = last.0.unwrap_or(ConnectFailure::Timeout);
+            Err(DialError::Failed {
+                route: route.name().to_owned(),
+                timed_out: reason == ConnectFailure::Timeout || Instant::now() >= deadline,
+                reason,
+                backend: last.1,
+            })
+        }
+    }
+}
+
+async fn attempt(
+    address: &BackendAddress,
+    family: IpFamily,
+    deadline: Instant,
+) -> Result<(TcpStream, SocketAddr), ConnectFailure> {
+    let addrs: Vec<SocketAddr> = match address {
+        BackendAddress::Ip(a) => vec![*a],
+        BackendAddress::Dns { host, port } => {
+            match tokio::time::timeout_at(deadline, tokio::net::lookup_host((host.as_str(), *port)))
+                .await
+            {
+                Ok(Ok(addrs)) => addrs
+                    .filter(|a| family.allows(a))
+                    .take(MAX_ADDRS_PER_BACKEND)
+                    .collect(),
+                Ok(Err(_)) => return Err(ConnectFailure::Resolve),
+                Err(_) => return Err(ConnectFailure::Timeout),
+            }
+        }
+    };
+    let mut reason = ConnectFailure::Resolve;
+    for addr in addrs {
+        match connect_addr(addr, deadline).await {
+            Ok(stream) => return Ok((stream, addr)),
+            // The budget is spent: no time for the next address.
+            Err(Failure::Deadline) => return Err(ConnectFailure::Timeout),
+            // Refused, unreachable, or the kernel gave up (its own `ETIMEDOUT`): try the next.
+            Err(Failure::Io(e)) => reason = ConnectFailure::of(&e),
+        }
+    }
+    Err(reason)
+}
+
+/// What a [`Tunneled`] dialer sends first on the stream its inner dialer yields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hello {
+    /// `CONNECT authority HTTP/1.1` with a destination header; the tunnel is up on `200`.
+    Connect {
+        /// The request target and `Host` (`host:port`).
+        authority: String,
+        /// Destination header name.
+        header: String,
+        /// Destination header value.
+        destination: String,
+    },
+    /// A PROXY v2 header with the client as source and the address it dialled as
+    /// destination (GEP-08).
+    ProxyV2,
+}
+
+/// Opens a tunnel through an upstream proxy over the streams another dialer yields. Every
+/// failure, the inner dialer's included, is a [`DialError::Upstream`].
+#[derive(Debug, Clone)]
+pub struct Tunneled<D> {
+    /// Reaches the upstream proxy.
+    pub inner: D,
+    /// What to send first.
+    pub hello: Hello,
+    /// Deadline for the proxy's answer.
+    pub handshake_timeout: Duration,
+}
+
+impl<D: Dialer> Dialer for Tunneled<D>
+where
+    D::Stream: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    type Stream = D::Stream;
+
+    async fn dial(&self, target: Target<'_>) -> Result<Dialed<D::Stream>, DialError> {
+        {
+            let start = Instant::now();
+            let mut up = self.inner.dial(target).await.map_err(|e| match e {
+                DialError::Failed { reason, .. } => DialError::Upstream {
+                    reason,
+                    detail: e.to_string(),
+                },
+                DialError::NoBackends { .. } => DialError::Upstream {
+                    reason: ConnectFailure::Resolve,
+                    detail: e.to_string(),
+                },
+                e @ DialError::Upstream { .. } => e,
+            })?;
+            let handshake = async {
+                match &self.hello {
+                    Hello::Connect {
+                        authority,
+                        header,
+                        destination,
+                    } => connect_tunnel(&mut up.stream, authority, header, destination).await,
+                    Hello::ProxyV2 => {
+                        let local = target.local.ok_or((
+                            ConnectFailure::Error,
+                            "the client's destination is unknown".to_string(),
+                        ))?;
+                        let header = proxy::encode_v2(target.client, local);
+                        up.stream.write_all(&header).await.map_err(|e| {
+                            (
+                                ConnectFailure::Error,
+                                format!("sending the PROXY header: {e}"),
+                            )
+                        })?;
+                        Ok(Vec::new())
+                    }
+                }
+            };
+            let early = match tokio::time::timeout(self.handshake_timeout, handshake).await {
+                Ok(Ok(early)) => early,
+                Ok(Err((reason, detail))) => {
+                    (target.on_failure)(reason);
+                    return Err(DialError::Upstream { reason, detail });
+                }
+                Err(_) => {
+                    (target.on_failure)(ConnectFailure::Timeout);
+                    return Err(DialError::Upstream {
+                        reason: ConnectFailure::Timeout,
+                        detail: "no CONNECT answer in time".into(),
+                    });
+                }
+            };
+            Ok(Dialed {
+                backend: up.addr.to_string(),
+                early,
+                elapsed: start.elapsed(),
+                ..up
+            })
+        }
+    }
+}
+
+/// Sends a CONNECT request and waits for `200`; returns the bytes read past the response
+/// head (the tunnel's first bytes).
+async fn connect_tunnel<S: AsyncRead + AsyncWrite + Unpin>(
+    up: &mut S,
+    authority: &str,
+    header: &str,
+    destination: &str,
+) -> Result<Vec<u8>, (ConnectFailure, String)> {
+    let request = format!(
+        "CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{header}: {destination}\r\n\r\n"
+    );
+    up.write_all(request.as_bytes())
+        .await
+        .map_err(|e| (ConnectFailure::Error, e.to_string()))?;
+    let mut buf = Vec::with_capacity(256);
+    let mut chunk = [0u8; 1024];
+    loop {
+        let n = up
+            .read(&mut chunk)
+            .await
+            .map_err(|e| (ConnectFailure::Reset, e.to_string()))?;
+        if n == 0 {
+            return Err((ConnectFailure::Rejected, "closed before answering".into()));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        match http::parse_response_status(&buf, MAX_RESPONSE_HEAD) {
+            Ok(Parsed::Incomplete) => continue,
+            Ok(Parsed::Complete {
+                value: 200,
+                consumed,
+            }) => return Ok(buf.split_off(consumed)),
+            Ok(Parsed::Complete { value, .. }) => {
+                return Err((ConnectFailure::Rejected, format!("answered {value}")));
+            }
+            Err(e) => return Err((ConnectFailure::Rejected, e.to_string())),
+        }
+    }
+}
+
+/// Why one connect attempt failed.
+#[derive(Debug)]
+enum Failure {
+    /// The deadline passed first.
+    Deadline,
+    /// The kernel's answer.
+    Io(io::Error),
+}
+
+impl From<io::Error> for Failure {
+    fn from(e: io::Error) -> Self {
+        Failure::Io(e)
+    }
+}
+
+/// Connects to `addr` by `deadline`. A backend on the same host or node has accepted by the
+/// time `connect(2)` returns: that is seen at once (`getpeername` succeeds), without a
+/// round through the event loop or a timer; only a connect still in progress waits for the
+/// socket to become writable.
+async fn connect_addr(
+    addr: SocketAddr,
+    deadline: tokio::time::Instant,
+) -> Result<TcpStream, Failure> {
+    let socket = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.nonblocking().cloexec(),
+        None,
+    )?;
+    // The backend's TCP urgent data is read inline, as the next byte of the stream, and so
+    // forwarded in place (listeners set the same for clients); without it the kernel keeps
+    // the byte out of band and the client's stream would silently lose it.
+    socket.set_out_of_band_inline(true)?;
+    match socket.connect(&addr.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let stream = TcpStream::from_std(socket.into())?;
+    if stream.peer_addr().is_ok() {
+        return Ok(stream);
+    }
+    match tokio::time::timeout_at(deadline, stream.writable()).await {
+        Err(_) => Err(Failure::Deadline),
+        Ok(ready) => {
+            ready?;
+            match stream.take_error()? {
+                Some(e) => Err(e.into()),
+                None => Ok(stream),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A loopback listener with room for one unaccepted connection (`listen(0)`): once it
+    /// is queued, Linux drops further SYNs and their connects stay in progress.
+    fn one_slot_listener() -> (Socket, SocketAddr) {
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        socket
+            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        socket.listen(0).unwrap();
+        let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        (socket, addr)
+    }
+
+    fn soon(ms: u64) -> tokio::time::Instant {
+        tokio::time::Instant::now() + Duration::from_millis(ms)
+    }
+
+    #[tokio::test]
+    async fn a_local_backend_is_connected_without_waiting() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut stream = connect_addr(addr, soon(2000)).await.unwrap();
+        assert_eq!(stream.peer_addr().unwrap(), addr);
+        let (mut accepted, _) = listener.accept().await.unwrap();
+        stream.write_all(b"hello").await.unwrap();
+        let mut got = [0u8; 5];
+        accepted.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hello");
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_is_refused() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        match connect_addr(port, soon(2000)).await {
+            Err(Failure::Io(e)) => {
+                assert_eq!(ConnectFailure::of(&e), ConnectFailure::Refused, "{e}")
+            }
+            other => panic!("expected refused, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_backend_that_drops_syns_times_out_at_the_deadline() {
+        // A full accept queue makes Linux drop further SYNs: the connect stays in progress.
+        let (_listener, addr) = one_slot_listener();
+        let mut queued = Vec::new();
+        let started = Instant::now();
+        let e = loop {
+            match connect_addr(addr, soon(300)).await {
+                Ok(s) => queued.push(s),
+                Err(e) => break e,
+            }
+            assert!(queued.len() < 16, "the accept queue never filled");
+        };
+        assert!(matches!(e, Failure::Deadline), "{e:?}");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+    }
+
+    #[tokio::test]
+    async fn a_connect_in_progress_completes_once_the_backend_accepts() {
+        let (socket, addr) = one_slot_listener();
+        let first = connect_addr(addr, soon(2000)).await.unwrap();
+        // The queue is full, so this SYN is dropped; make room, and its retransmission
+        // (about a second later) is accepted.
+        let listener = std::net::TcpListener::from(socket);
+        let room = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let queued = listener.accept().unwrap();
+            let second = listener.accept().unwrap();
+            (listener, queued, second)
+        });
+        let started = Instant::now();
+        let mut stream = connect_addr(addr, soon(5000)).await.unwrap();
+        // It waited for the retransmission: the connect really was in progress.
+        assert!(started.elapsed() >= Duration::from_millis(500));
+        let (_listener, _queued, (mut second, _)) = room.join().unwrap();
+        assert_eq!(stream.peer_addr().unwrap(), addr);
+        stream.write_all(b"late").await.unwrap();
+        let mut got = [0u8; 4];
+        std::io::Read::read_exact(&mut second, &mut got).unwrap();
+        assert_eq!(&got, b"late");
+        drop(first);
+    }
+}

@@ -1,0 +1,94 @@
+//! Zero-copy relaying of bulk flows with `splice(2)` through a pipe, for two kernel TCP
+//! sockets. It never sees the bytes it moves.
+
+use std::io;
+use std::os::fd::OwnedFd;
+
+use rustix::pipe::{PipeFlags, SpliceFlags, pipe_with, splice};
+use tokio::net::TcpStream;
+
+use super::SPLICE_CHUNK;
+
+/// Smallest pipe worth splicing through (the default pipe size).
+const MIN_PIPE: usize = 64 * 1024;
+
+/// A pipe used as the in-kernel buffer of one direction.
+pub(crate) struct Pipe {
+    read: OwnedFd,
+    write: OwnedFd,
+}
+
+impl Pipe {
+    pub(crate) fn new() -> io::Result<Pipe> {
+        let (read, write) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
+        // Past the per-user pipe quota the kernel hands out tiny pipes, and splicing
+        // through one is slower than copying: then the copy path is used instead.
+        let size = rustix::pipe::fcntl_setpipe_size(&write, SPLICE_CHUNK)?;
+        if size < MIN_PIPE {
+            return Err(io::Error::other("pipe too small"));
+        }
+        Ok(Pipe { read, write })
+    }
+}
+
+fn flags() -> SpliceFlags {
+    SpliceFlags::NONBLOCK | SpliceFlags::MOVE
+}
+
+/// `SIOCATMARK` from `<linux/sockios.h>` (not in the libc crate).
+const SIOCATMARK: libc::Ioctl = 0x8905;
+
+/// The socket's next byte is TCP urgent data.
+fn at_urgent_mark(src: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut at: libc::c_int = 0;
+    // SAFETY: SIOCATMARK writes one int through the pointer, which points to `at`; the
+    // descriptor is the open socket `src` borrows.
+    let r = unsafe { libc::ioctl(src.as_raw_fd(), SIOCATMARK, &mut at) };
+    r == 0 && at != 0
+}
+
+/// `fill` found TCP urgent data, which `splice` cannot move.
+#[derive(Debug)]
+pub(crate) struct AtUrgentMark;
+
+impl std::fmt::Display for AtUrgentMark {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("at TCP urgent data")
+    }
+}
+
+impl std::error::Error for AtUrgentMark {}
+
+/// Whether `e` is [`AtUrgentMark`].
+pub(crate) fn is_urgent_mark(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|e| e.is::<AtUrgentMark>())
+}
+
+impl Pipe {
+    /// Moves what `src` has (at most a chunk) into the pipe; `Ok(0)` at end of stream.
+    /// Called only when the pipe is empty, so a failure never strands counted bytes.
+    ///
+    /// `splice` stops at TCP urgent data and never moves past it: it returns nothing, as
+    /// if at end of stream or as if no data had come. That is told apart by asking
+    /// whether the socket is at the urgent mark, and reported as [`AtUrgentMark`]: the
+    /// caller copies from then on (`recv` does move past the mark). Not a `WouldBlock`,
+    /// so the socket's readiness stays set for that read.
+    pub(crate) fn fill(&self, src: &TcpStream) -> io::Result<usize> {
+        match splice(src, None, &self.write, None, SPLICE_CHUNK, flags()) {
+            Ok(n) if n > 0 => Ok(n),
+            Err(e) if e != rustix::io::Errno::AGAIN => Err(e.into()),
+            nothing => {
+                if at_urgent_mark(src) {
+                    return Err(io::Error::other(AtUrgentMark));
+                }
+                Ok(nothing?)
+            }
+        }
+    }
+
+    /// Moves up to `len` bytes from the pipe into `dst`.
+    pub(crate) fn drain(&self, dst: &TcpStream, len: usize) -> io::Result<usize> {
+        Ok(splice(&self.read, None, dst, None, len, flags())?)
+    }
+}

@@ -1,0 +1,688 @@
+//! The relay over real loopback sockets (the TCP path, splice included) and over in-memory
+//! streams (the generic path), the latter with tokio's paused clock.
+
+use super::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// A connected pair of sockets: (outside end, relay end).
+async fn pair() -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let outside = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let (inside, _) = l.accept().await.unwrap();
+    (outside, inside)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+}
+
+/// The metrics a relay updates.
+#[derive(Default)]
+struct Meters {
+    rx: Counter,
+    tx: Counter,
+    half: Gauge,
+}
+
+impl Meters {
+    fn counters(&self) -> Counters<'_> {
+        Counters {
+            rx: &self.rx,
+            tx: &self.tx,
+            half_closed: &self.half,
+        }
+    }
+}
+
+fn no_progress(_: Stats) {}
+
+/// A relay with nothing to replay and no progress callback.
+fn plain<'a>(
+    client: &'a mut TcpStream,
+    backend: &'a mut TcpStream,
+    idle: Duration,
+    meters: &'a Meters,
+    stop: &'a Stop,
+) -> Relay<'a, TcpStream, TcpStream> {
+    relay(
+        client,
+        backend,
+        Vec::new(),
+        Vec::new(),
+        limits(idle),
+        meters.counters(),
+        &no_progress,
+        stop,
+    )
+}
+
+fn limits(idle: Duration) -> Limits {
+    Limits {
+        idle,
+        half_close: Duration::from_secs(10),
+        max_duration: None,
+        progress: None,
+    }
+}
+
+/// Bulk both ways at once (past the splice threshold), the replayed prefix first, and
+/// the client's half-close forwarded while the backend is still sending.
+#[tokio::test]
+async fn bulk_both_ways_with_replay_and_half_close() {
+    let (mut client, mut client_in) = pair().await;
+    let (mut backend, mut backend_in) = pair().await;
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let up = pattern(9 << 20, 0x11);
+    let down = pattern(7 << 20, 0x22);
+    let replay = b"replayed-first".to_vec();
+
+    let relay = {
+        let (stop, replay, meters) = (&stop, replay.clone(), &meters);
+        async move {
+            let result = relay(
+                &mut client_in,
+                &mut backend_in,
+                replay,
+                Vec::new(),
+                limits(Duration::from_secs(30)),
+                meters.counters(),
+                &no_progress,
+                stop,
+            )
+            .await;
+            // As the gateway does: the sockets close right after, which sends the
+            // last FIN (the relay skips the half-close when both directions ended).
+            drop((client_in, backend_in));
+            result
+        }
+    };
+    let send_up = {
+        let up = up.clone();
+        async move {
+            client.write_all(&up).await.unwrap();
+            client.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            client.read_to_end(&mut got).await.unwrap();
+            got
+        }
+    };
+    let serve = {
+        let down = down.clone();
+        async move {
+            let (mut r, mut w) = backend.split();
+            let read = async {
+                let mut got = Vec::new();
+                r.read_to_end(&mut got).await.unwrap();
+                got
+            };
+            let write = async {
+                w.write_all(&down).await.unwrap();
+                w.shutdown().await.unwrap();
+            };
+            let (got, ()) = tokio::join!(read, write);
+            got
+        }
+    };
+    let ((end, stats), got_down, got_up) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(relay, send_up, serve)
+    })
+    .await
+    .expect("relay finishes");
+    let mut want_up = replay.clone();
+    want_up.extend(&up);
+    assert!(got_up == want_up, "upstream bytes differ");
+    assert!(got_down == down, "downstream bytes differ");
+    assert!(matches!(end, End::ClientClosed | End::BackendClosed));
+    assert_eq!(stats.rx, want_up.len() as u64);
+    assert_eq!(stats.tx, down.len() as u64);
+    assert_eq!(meters.rx.get(), stats.rx);
+    assert_eq!(meters.tx.get(), stats.tx);
+    assert_eq!(meters.half.get(), 0, "the half-closed gauge is released");
+}
+
+/// A long-lived interactive flow (small messages, as on a watch or exec stream) copies
+/// even past the splice threshold, and a bulk flow that turns interactive copies again:
+/// one read and one write per message instead of two splices, an empty splice and the
+/// urgent-mark check.
+#[tokio::test]
+async fn interactive_flows_copy_past_the_splice_threshold() {
+    const MSG: usize = 1024;
+    const BEFORE: usize = 1536; // 1.5 MiB of messages each way, past SPLICE_AFTER
+    const AFTER: usize = 256;
+    const BULK: usize = 3 << 20;
+    let (mut client, mut client_in) = pair().await;
+    let (mut backend, mut backend_in) = pair().await;
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let mut relay = plain(
+        &mut client_in,
+        &mut backend_in,
+        Duration::from_secs(30),
+        &meters,
+        &stop,
+    );
+    async fn ping_pong(client: &mut TcpStream, backend: &mut TcpStream, n: usize) {
+        let msg = pattern(MSG, 0x33);
+        let mut back = vec![0u8; MSG];
+        for _ in 0..n {
+            client.write_all(&msg).await.unwrap();
+            backend.read_exact(&mut back).await.unwrap();
+            assert!(back == msg);
+            backend.write_all(&msg).await.unwrap();
+            client.read_exact(&mut back).await.unwrap();
+            assert!(back == msg);
+        }
+    }
+    let peers = async {
+        ping_pong(&mut client, &mut backend, BEFORE).await;
+        let bulk = pattern(BULK, 0x44);
+        let mut got = vec![0u8; BULK];
+        let (w, r) = tokio::join!(client.write_all(&bulk), backend.read_exact(&mut got));
+        w.unwrap();
+        r.unwrap();
+        assert!(got == bulk, "bulk bytes differ");
+        ping_pong(&mut client, &mut backend, AFTER).await;
+        client.shutdown().await.unwrap();
+        backend.shutdown().await.unwrap();
+    };
+    let ((end, stats), ()) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(&mut relay, peers)
+    })
+    .await
+    .expect("relay finishes");
+    assert!(matches!(end, End::ClientClosed | End::BackendClosed));
+    assert_eq!(stats.rx, ((BEFORE + AFTER) * MSG + BULK) as u64);
+    assert_eq!(relay.down.spliced, 0, "small messages only: never spliced");
+    assert!(relay.up.spliced >= 2 << 20, "the bulk upload was spliced");
+    // All the messages were copied but at most one (the first after the bulk upload).
+    let copied = relay.up.carried - relay.up.spliced;
+    assert!(
+        copied >= ((BEFORE + AFTER - 1) * MSG) as u64,
+        "copied {copied} of {} message bytes",
+        (BEFORE + AFTER) * MSG
+    );
+}
+
+/// `Stop` ends idle relays at once, and a relay started after it ends immediately.
+#[tokio::test]
+async fn stop_cuts_idle_relays() {
+    let (_client, mut client_in) = pair().await;
+    let (_backend, mut backend_in) = pair().await;
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let first = plain(
+        &mut client_in,
+        &mut backend_in,
+        Duration::from_secs(3600),
+        &meters,
+        &stop,
+    );
+    let stopper = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.stop();
+    };
+    let ((end, _), ()) = tokio::time::timeout(Duration::from_secs(5), async {
+        tokio::join!(first, stopper)
+    })
+    .await
+    .expect("stop wakes the relay");
+    assert_eq!(end, End::Drain);
+    let later = plain(
+        &mut client_in,
+        &mut backend_in,
+        Duration::from_secs(3600),
+        &meters,
+        &stop,
+    );
+    assert_eq!(later.await.0, End::Drain);
+}
+
+/// A relay first polled by one waker and then awaited by another task is still cut by
+/// `Stop` (the registration follows the waker).
+#[tokio::test]
+async fn stop_follows_a_changed_waker() {
+    let (_client, mut client_in) = pair().await;
+    let (_backend, mut backend_in) = pair().await;
+    let stop = std::sync::Arc::new(Stop::default());
+    // Its own task: nothing but the stop may wake it.
+    let task = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let meters = Meters::default();
+            let mut r = plain(
+                &mut client_in,
+                &mut backend_in,
+                Duration::from_secs(3600),
+                &meters,
+                &stop,
+            );
+            {
+                let mut noop = Context::from_waker(Waker::noop());
+                assert!(Pin::new(&mut r).poll(&mut noop).is_pending());
+            }
+            r.await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.stop();
+    let (end, _) = tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .expect("stop wakes the task that awaits the relay now")
+        .unwrap();
+    assert_eq!(end, End::Drain);
+}
+
+/// Many small request/response exchanges with the relay on a multi-thread runtime (as
+/// the node daemon runs it), where the I/O driver may record new data on another thread
+/// while the relay reads: a lost readiness event would hang an exchange.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_pong_on_a_multi_thread_runtime() {
+    let (mut client, mut client_in) = pair().await;
+    let (mut backend, mut backend_in) = pair().await;
+    let relay_task = tokio::spawn(async move {
+        let meters = Meters::default();
+        let stop = Stop::default();
+        plain(
+            &mut client_in,
+            &mut backend_in,
+            Duration::from_secs(30),
+            &meters,
+            &stop,
+        )
+        .await
+    });
+    let echo = tokio::spawn(async move {
+        let mut buf = [0u8; 64];
+        loop {
+            match backend.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => backend.write_all(&buf[..n]).await.unwrap(),
+            }
+        }
+    });
+    let exchanges = async {
+        for i in 0..3000u32 {
+            // Two writes per exchange, so data often arrives while the relay is reading.
+            let msg = i.to_be_bytes();
+            client.write_all(&msg[..2]).await.unwrap();
+            client.write_all(&msg[2..]).await.unwrap();
+            let mut back = [0u8; 4];
+            client.read_exact(&mut back).await.unwrap();
+            assert_eq!(back, msg);
+        }
+        client.shutdown().await.unwrap();
+    };
+    tokio::time::timeout(Duration::from_secs(60), exchanges)
+        .await
+        .expect("no exchange hangs");
+    let (end, stats) = relay_task.await.unwrap();
+    assert_eq!(end, End::ClientClosed);
+    assert_eq!((stats.rx, stats.tx), (12_000, 12_000));
+    echo.await.unwrap();
+}
+
+/// The backend answers and closes; the client's late bytes are reset by the backend's
+/// kernel. The relay ends as `backend_closed`, not as an error.
+#[tokio::test]
+async fn reset_after_the_backend_closed_is_its_close() {
+    let (mut client, mut client_in) = pair().await;
+    let (mut backend, mut backend_in) = pair().await;
+    let stop = Stop::default();
+    let meters = Meters::default();
+    let r = plain(
+        &mut client_in,
+        &mut backend_in,
+        Duration::from_secs(30),
+        &meters,
+        &stop,
+    );
+    let peers = async move {
+        backend.write_all(b"bye").await.unwrap();
+        drop(backend);
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"bye");
+        // Late bytes (a TLS close_notify, say) until the relay gives up on them.
+        for _ in 0..50 {
+            if client.write_all(b"late").await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let ((end, stats), ()) =
+        tokio::time::timeout(Duration::from_secs(10), async { tokio::join!(r, peers) })
+            .await
+            .expect("the relay ends");
+    assert_eq!(end, End::BackendClosed);
+    assert_eq!(stats.tx, 3);
+}
+
+/// No bytes for `idle`: the relay ends with `IdleTimeout`.
+#[tokio::test]
+async fn idle_timeout() {
+    let (_client, mut client_in) = pair().await;
+    let (_backend, mut backend_in) = pair().await;
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let r = plain(
+        &mut client_in,
+        &mut backend_in,
+        Duration::from_millis(200),
+        &meters,
+        &stop,
+    );
+    let (end, _) = tokio::time::timeout(Duration::from_secs(5), r)
+        .await
+        .expect("idle bound");
+    assert_eq!(end, End::IdleTimeout);
+}
+
+// The generic path, over in-memory streams, with tokio's paused clock: every bound is
+// checked at the exact instant it is due, without sleeping.
+
+use tokio::io::{DuplexStream, duplex};
+
+/// A relay over in-memory streams: (client outside end, backend outside end, relay legs).
+fn memory_legs() -> (DuplexStream, DuplexStream, DuplexStream, DuplexStream) {
+    let (client, client_in) = duplex(64 * 1024);
+    let (backend, backend_in) = duplex(64 * 1024);
+    (client, backend, client_in, backend_in)
+}
+
+fn bounds(idle: u64, half_close: u64, max: Option<u64>, progress: Option<u64>) -> Limits {
+    Limits {
+        idle: Duration::from_secs(idle),
+        half_close: Duration::from_secs(half_close),
+        max_duration: max.map(Duration::from_secs),
+        progress: progress.map(Duration::from_secs),
+    }
+}
+
+/// Runs a relay over the legs with `limits` to its end; returns the end, the stats and
+/// how long it ran on the (paused) clock.
+async fn run_memory(
+    mut client_in: DuplexStream,
+    mut backend_in: DuplexStream,
+    to_backend: &[u8],
+    to_client: &[u8],
+    limits: Limits,
+    meters: &Meters,
+    stop: &Stop,
+) -> (End, Stats, Duration) {
+    let start = tokio::time::Instant::now();
+    let (end, stats) = relay(
+        &mut client_in,
+        &mut backend_in,
+        to_backend.to_vec(),
+        to_client.to_vec(),
+        limits,
+        meters.counters(),
+        &no_progress,
+        stop,
+    )
+    .await;
+    (end, stats, start.elapsed())
+}
+
+/// The client half-closes first: the backend sees end of stream, keeps answering, and
+/// the relay ends as `client_closed` once the backend closes too; every byte is counted,
+/// the replayed prefixes included.
+#[tokio::test(start_paused = true)]
+async fn generic_half_close_from_the_client() {
+    let (mut client, mut backend, client_in, backend_in) = memory_legs();
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let peers = async {
+        client.write_all(b"request").await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        backend.read_to_end(&mut got).await.unwrap();
+        assert_eq!(
+            got, b"head:request",
+            "replay first, then the client's bytes, then EOF"
+        );
+        // Half-closed: the other direction still flows.
+        backend.write_all(b"response").await.unwrap();
+        backend.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"early:response");
+    };
+    let limits = bounds(3600, 60, None, None);
+    let run = run_memory(
+        client_in, backend_in, b"head:", b"early:", limits, &meters, &stop,
+    );
+    let ((end, stats, _), ()) = tokio::join!(run, peers);
+    assert_eq!(end, End::ClientClosed);
+    assert_eq!(stats, Stats { rx: 12, tx: 14 });
+    assert_eq!((meters.rx.get(), meters.tx.get()), (12, 14));
+    assert_eq!(meters.half.get(), 0, "released at the end");
+}
+
+/// The backend closes first: the relay ends as `backend_closed`.
+#[tokio::test(start_paused = true)]
+async fn generic_half_close_from_the_backend() {
+    let (mut client, mut backend, client_in, backend_in) = memory_legs();
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let peers = async {
+        backend.write_all(b"bye").await.unwrap();
+        backend.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"bye");
+        client.write_all(b"ok").await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        backend.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"ok");
+    };
+    let limits = bounds(3600, 60, None, None);
+    let run = run_memory(client_in, backend_in, b"", b"", limits, &meters, &stop);
+    let ((end, stats, _), ()) = tokio::join!(run, peers);
+    assert_eq!(end, End::BackendClosed);
+    assert_eq!(stats, Stats { rx: 2, tx: 3 });
+}
+
+/// One direction ended and the other never does: the relay ends exactly `half_close`
+/// after the first end, although bytes keep moving (so the idle bound, far larger, is not
+/// what ends it), and the half-closed gauge counts it meanwhile.
+#[tokio::test(start_paused = true)]
+async fn generic_half_close_bound_ends_the_relay() {
+    let (mut client, mut backend, client_in, backend_in) = memory_legs();
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let half_close = Duration::from_secs(30);
+    let limits = Limits {
+        idle: Duration::from_secs(20),
+        half_close,
+        max_duration: None,
+        progress: None,
+    };
+    let closed_at = std::sync::Mutex::new(None);
+    let peers = async {
+        client.shutdown().await.unwrap();
+        let mut eof = [0u8; 1];
+        assert_eq!(backend.read(&mut eof).await.unwrap(), 0);
+        *closed_at.lock().unwrap() = Some(tokio::time::Instant::now());
+        // Activity at 5, 15, 25, 35 s: below the idle bound, and longer than the window.
+        let mut sink = [0u8; 16];
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            if backend.write_all(b"tick").await.is_err() {
+                break;
+            }
+            if client.read(&mut sink).await.unwrap_or(0) == 0 {
+                break;
+            }
+            assert!(meters.half.get() == 1, "counted as half-closed");
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+    };
+    let start = tokio::time::Instant::now();
+    let run = run_memory(client_in, backend_in, b"", b"", limits, &meters, &stop);
+    let ((end, stats, took), ()) = tokio::join!(run, peers);
+    let closed_at = closed_at
+        .lock()
+        .unwrap()
+        .expect("the client's end was seen");
+    assert_eq!(end, End::ClientClosed, "the first end, not idle_timeout");
+    assert_eq!(
+        start + took - closed_at,
+        half_close,
+        "ends exactly when the window closes"
+    );
+    assert_eq!(stats.tx, 3 * 4, "ticks at 5, 15 and 25 s");
+    assert_eq!(meters.half.get(), 0);
+}
+
+/// No bytes for `idle`: `idle_timeout`, exactly then; activity pushes it out.
+#[tokio::test(start_paused = true)]
+async fn generic_idle_bound() {
+    let (mut client, mut backend, client_in, backend_in) = memory_legs();
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let peers = async {
+        tokio::time::sleep(Duration::from_secs(50)).await;
+        client.write_all(b"x").await.unwrap();
+        let mut b = [0u8; 1];
+        backend.read_exact(&mut b).await.unwrap();
+        // Keep both outside ends open past the end of the relay.
+        tokio::time::sleep(Duration::from_secs(1000)).await;
+    };
+    let limits = bounds(60, 5, None, None);
+    let run = run_memory(client_in, backend_in, b"", b"", limits, &meters, &stop);
+    let (end, stats, took) = tokio::select! {
+        r = run => r,
+        () = peers => panic!("the relay outlived its idle bound"),
+    };
+    assert_eq!(end, End::IdleTimeout);
+    assert_eq!(
+        took,
+        Duration::from_secs(110),
+        "60 s after the last byte at 50 s"
+    );
+    assert_eq!(stats.rx, 1);
+}
+
+/// `max_duration` ends a busy relay, and progress is reported on its period meanwhile.
+#[tokio::test(start_paused = true)]
+async fn generic_lifetime_bound_and_progress() {
+    let (mut client, mut backend, mut client_in, mut backend_in) = memory_legs();
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let calls = std::sync::Mutex::new(Vec::new());
+    let progress = |s: Stats| {
+        calls
+            .lock()
+            .unwrap()
+            .push((tokio::time::Instant::now(), s.rx))
+    };
+    let start = tokio::time::Instant::now();
+    let run = relay(
+        &mut client_in,
+        &mut backend_in,
+        Vec::new(),
+        Vec::new(),
+        bounds(10, 5, Some(95), Some(30)),
+        meters.counters(),
+        &progress,
+        &stop,
+    );
+    let peers = async {
+        let mut b = [0u8; 1];
+        // A byte at 2, 7, ... 92 s: never at the instant of a bound.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        loop {
+            client.write_all(b"y").await.unwrap();
+            backend.read_exact(&mut b).await.unwrap();
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+    };
+    let (end, stats) = tokio::select! {
+        r = run => r,
+        () = peers => unreachable!(),
+    };
+    assert_eq!(end, End::MaxDuration);
+    assert_eq!(start.elapsed(), Duration::from_secs(95));
+    assert_eq!(stats.rx, 19, "a byte every 5 s from 2 to 92 s");
+    let calls = calls.lock().unwrap();
+    let at: Vec<u64> = calls.iter().map(|(t, _)| (*t - start).as_secs()).collect();
+    assert_eq!(at, [30, 60, 90]);
+    assert_eq!(calls[0].1, 6, "bytes carried by then");
+}
+
+/// A stop ends an idle in-memory relay at once with `drain`.
+#[tokio::test(start_paused = true)]
+async fn generic_stop() {
+    let (_client, _backend, client_in, backend_in) = memory_legs();
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let stopper = async {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        stop.stop();
+    };
+    let run = run_memory(
+        client_in,
+        backend_in,
+        b"",
+        b"",
+        bounds(3600, 5, None, None),
+        &meters,
+        &stop,
+    );
+    let ((end, _, took), ()) = tokio::join!(run, stopper);
+    assert_eq!(end, End::Drain);
+    assert_eq!(took, Duration::from_secs(3));
+}
+
+/// A kernel TCP client and an in-memory backend: the generic path carries bulk both ways
+/// (no splice, since one leg is not a socket) and forwards the half-close.
+#[tokio::test]
+async fn generic_path_between_a_socket_and_a_stream() {
+    let (mut client, mut client_in) = pair().await;
+    let (mut backend, mut backend_in) = duplex(64 * 1024);
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let up = pattern(3 << 20, 0x55);
+    let down = pattern(2 << 20, 0x66);
+    let mut relay = relay(
+        &mut client_in,
+        &mut backend_in,
+        Vec::new(),
+        Vec::new(),
+        limits(Duration::from_secs(30)),
+        meters.counters(),
+        &no_progress,
+        &stop,
+    );
+    let peers = async {
+        let send = async {
+            client.write_all(&up).await.unwrap();
+            client.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            client.read_to_end(&mut got).await.unwrap();
+            got
+        };
+        let serve = async {
+            let mut got = Vec::new();
+            backend.read_to_end(&mut got).await.unwrap();
+            backend.write_all(&down).await.unwrap();
+            backend.shutdown().await.unwrap();
+            got
+        };
+        tokio::join!(send, serve)
+    };
+    let ((end, stats), (got_down, got_up)) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(&mut relay, peers)
+    })
+    .await
+    .expect("relay finishes");
+    assert!(got_up == up && got_down == down, "bytes differ");
+    assert_eq!(end, End::ClientClosed);
+    assert_eq!((stats.rx, stats.tx), (up.len() as u64, down.len() as u64));
+    assert_eq!(relay.up.spliced + relay.down.spliced, 0);
+}

@@ -1,0 +1,239 @@
+//! The accept loop every role runs on its stream listeners: admission against the
+//! connection limit, a back-off when the process runs out of descriptors or memory, and one
+//! task per connection. Protocol detection and handshakes never run here; they run in the
+//! connection's own task under a deadline.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use super::record::ConnRecord;
+use super::tracker::{ConnGuard, Tracker};
+use crate::admin::Metrics;
+use crate::admin::metrics::ListenerMetrics;
+use crate::net::socket::normalize;
+
+/// A source of accepted streams: a kernel TCP listener today; a user-space stack's listener
+/// can implement it too.
+pub trait Listener {
+    /// The accepted stream.
+    type Stream;
+
+    /// Waits for the next connection and its peer address.
+    fn accept(&self) -> impl Future<Output = io::Result<(Self::Stream, SocketAddr)>>;
+}
+
+impl Listener for TcpListener {
+    type Stream = TcpStream;
+
+    fn accept(&self) -> impl Future<Output = io::Result<(TcpStream, SocketAddr)>> {
+        TcpListener::accept(self)
+    }
+}
+
+/// Pauses after accept errors that mean "out of resources" (`EMFILE`, `ENFILE`,
+/// `ENOBUFS`, `ENOMEM`): retrying at once would spin on the same error. Doubles per failure
+/// in a row, from [`Backoff::FIRST`] to [`Backoff::MAX`], and starts over after a success.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    next: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff { next: Self::FIRST }
+    }
+}
+
+impl Backoff {
+    /// The first pause.
+    pub const FIRST: Duration = Duration::from_millis(5);
+    /// The longest pause.
+    pub const MAX: Duration = Duration::from_secs(1);
+
+    /// The pause after another failure in a row.
+    pub fn failed(&mut self) -> Duration {
+        let pause = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        pause
+    }
+
+    /// An accept succeeded: the next failure pauses [`Backoff::FIRST`] again.
+    pub fn succeeded(&mut self) {
+        self.next = Self::FIRST;
+    }
+}
+
+/// Whether an accept error means the process or system is out of resources.
+pub fn is_resource_error(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
+            || code == rustix::io::Errno::NFILE.raw_os_error()
+            || code == rustix::io::Errno::NOBUFS.raw_os_error()
+            || code == rustix::io::Errno::NOMEM.raw_os_error()
+    )
+}
+
+/// What a connection task gets.
+pub struct Accepted<S> {
+    /// The client stream.
+    pub stream: S,
+    /// Keeps the connection counted in the tracker.
+    pub guard: ConnGuard,
+    /// The connection's record (its peer, when it was accepted).
+    pub record: ConnRecord,
+}
+
+/// Where accepted connections are counted and admitted.
+#[derive(Clone)]
+pub struct Admission {
+    /// Process metrics.
+    pub metrics: Arc<Metrics>,
+    /// The listener's handles (its name labels every line and metric).
+    pub listener: Arc<ListenerMetrics>,
+    /// Open connections of the role.
+    pub tracker: Arc<Tracker>,
+    /// Most connections open at once.
+    pub max_connections: usize,
+}
+
+/// Accepts on `listener` until `stop` turns true, then drops (closes) it. Every admitted
+/// connection runs `handle` in a task of its own.
+pub async fn accept_loop<L, F, Fut>(
+    listener: L,
+    admission: Admission,
+    mut stop: watch::Receiver<bool>,
+    handle: F,
+) where
+    L: Listener,
+    F: Fn(Accepted<L::Stream>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let name = admission.listener.listener.clone();
+    let mut backoff = Backoff::default();
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(x) => {
+                backoff.succeeded();
+                x
+            }
+            Err(e) if is_resource_error(&e) => {
+                let pause = backoff.failed();
+                tracing::warn!(listener = %name, error = %e, pause_ms = pause.as_millis() as u64, "accept failed; backing off");
+                tokio::time::sleep(pause).await;
+                continue;
+            }
+            Err(e) => {
+                // Aborted handshakes and the like: the next connection is unaffected.
+                tracing::debug!(listener = %name, error = %e, "accept failed");
+                continue;
+            }
+        };
+        let accepted_at = std::time::Instant::now();
+        let peer = normalize(peer);
+        let Some(guard) = admission.tracker.admit(admission.max_connections) else {
+            ConnRecord::refuse_at_accept(
+                admission.metrics.clone(),
+                admission.listener.clone(),
+                peer,
+            );
+            drop(stream);
+            continue;
+        };
+        let record = ConnRecord::new(
+            admission.metrics.clone(),
+            admission.listener.clone(),
+            peer,
+            accepted_at,
+        );
+        tokio::spawn(handle(Accepted {
+            stream,
+            guard,
+            record,
+        }));
+    }
+    tracing::info!(listener = %name, "listener closed");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_its_cap_and_starts_over_after_a_success() {
+        let mut b = Backoff::default();
+        let pauses: Vec<u64> = (0..10).map(|_| b.failed().as_millis() as u64).collect();
+        assert_eq!(pauses, [5, 10, 20, 40, 80, 160, 320, 640, 1000, 1000]);
+        b.succeeded();
+        assert_eq!(b.failed(), Backoff::FIRST);
+    }
+
+    #[test]
+    fn only_resource_errors_back_off() {
+        for errno in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+            assert!(is_resource_error(&io::Error::from_raw_os_error(errno)));
+        }
+        for errno in [libc::ECONNABORTED, libc::EPERM, libc::EINTR] {
+            assert!(!is_resource_error(&io::Error::from_raw_os_error(errno)));
+        }
+    }
+
+    /// Out of descriptors, the loop pauses instead of spinning, and accepts again once a
+    /// descriptor is free.
+    #[tokio::test(start_paused = true)]
+    async fn emfile_pauses_the_loop() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        /// Fails with EMFILE `fail` times, then stays pending.
+        struct Exhausted {
+            calls: Arc<AtomicUsize>,
+            fail: usize,
+        }
+        impl Listener for Exhausted {
+            type Stream = ();
+            fn accept(&self) -> impl Future<Output = io::Result<((), SocketAddr)>> {
+                let n = self.calls.fetch_add(1, Ordering::SeqCst);
+                let fail = self.fail;
+                async move {
+                    if n < fail {
+                        Err(io::Error::from_raw_os_error(libc::EMFILE))
+                    } else {
+                        std::future::pending().await
+                    }
+                }
+            }
+        }
+        let calls = Arc::new(AtomicUsize::new(0));
+        let metrics = Arc::new(Metrics::new());
+        let admission = Admission {
+            listener: Arc::new(metrics.listener("l")),
+            metrics,
+            tracker: Arc::new(Tracker::default()),
+            max_connections: 10,
+        };
+        let (stop_tx, stop) = watch::channel(false);
+        let listener = Exhausted {
+            calls: calls.clone(),
+            fail: 4,
+        };
+        let started = tokio::time::Instant::now();
+        let task = tokio::spawn(accept_loop(listener, admission, stop, |_| async {}));
+        // 5 + 10 + 20 + 40 ms of pauses before the fifth call.
+        tokio::time::sleep(Duration::from_millis(74)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 4, "paused, not spinning");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 5);
+        assert!(started.elapsed() >= Duration::from_millis(75));
+        stop_tx.send(true).unwrap();
+        task.await.unwrap();
+    }
+}

@@ -1,0 +1,13 @@
+//! What every role shares to serve connections: the accept loop with its admission and
+//! back-off ([`accept`]), connection tracking and limits ([`tracker`]), the per-connection
+//! record that feeds the access log and the metrics exactly once ([`record`]), the path of
+//! a routed connection — dial, relay, record ([`forward`]) — and the drain ([`drain`]).
+//!
+//! Roles (gateway, node) are wiring on top of this; nothing here knows a listener protocol
+//! or a configuration file format.
+
+pub mod accept;
+pub mod drain;
+pub mod forward;
+pub mod record;
+pub mod tracker;

@@ -1,0 +1,261 @@
+//! The per-connection record: what is known about a connection (client, target, route,
+//! backend, PROXY header), turned into exactly one access-log line and one set of metric
+//! updates when the connection ends — or when the record is dropped without being finished
+//! (a task cut at shutdown), so no connection goes unrecorded and none is recorded twice.
+//! Long-lived connections may also log periodic lines.
+//!
+//! The lines are `tracing` events on target `trellis::access`, so `--log-format json` turns
+//! each into one JSON object.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::admin::Metrics;
+use crate::admin::metrics::{ListenerMetrics, RouteMetrics};
+use crate::net::dial::DialError;
+use crate::net::relay::{End, Stats};
+use crate::wire::proxy::ProxyInfo;
+
+/// How a downstream connection was classified (metric label `outcome`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A route was chosen and a backend dialed.
+    Routed,
+    /// No route for the name, destination or PROXY destination.
+    NoRoute,
+    /// An `sni` listener got something that is not TLS.
+    NotTls,
+    /// Malformed, oversized or not allowed (a PROXY header, a request head, a ClientHello).
+    BadRequest,
+    /// Nothing complete within the handshake deadline.
+    Timeout,
+    /// A connection limit (global or per source).
+    Limited,
+    /// The client is outside the route's allowed source ranges.
+    Denied,
+    /// The client closed before routing.
+    ClosedEarly,
+}
+
+impl Outcome {
+    /// The metric label and access-log reason.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Routed => "routed",
+            Outcome::NoRoute => "no_route",
+            Outcome::NotTls => "not_tls",
+            Outcome::BadRequest => "bad_request",
+            Outcome::Timeout => "timeout",
+            Outcome::Limited => "limited",
+            Outcome::Denied => "denied",
+            Outcome::ClosedEarly => "closed_early",
+        }
+    }
+}
+
+/// Why a connection ended (access log `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// Rejected before routing.
+    Rejected(Outcome),
+    /// Routed, but no backend stream could be had (`error:<kind>`).
+    Dial(&'static str),
+    /// Relayed until this end.
+    Relay(End),
+    /// The record was dropped unfinished: the task was cut (runtime shutdown).
+    Aborted,
+}
+
+impl From<&DialError> for Reason {
+    fn from(e: &DialError) -> Self {
+        Reason::Dial(e.kind())
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reason::Rejected(o) => f.write_str(o.as_str()),
+            Reason::Dial(kind) => write!(f, "error:{kind}"),
+            Reason::Relay(end) => end.fmt(f),
+            Reason::Aborted => f.write_str("error:aborted"),
+        }
+    }
+}
+
+/// One connection's record.
+#[derive(Debug)]
+pub struct ConnRecord {
+    metrics: Arc<Metrics>,
+    listener: Arc<ListenerMetrics>,
+    /// Client address (the PROXY source when present).
+    pub client: SocketAddr,
+    /// TCP peer address.
+    pub peer: SocketAddr,
+    /// The address the client connected to, where a dialer needs it (PROXY v2 towards the
+    /// gateway); not looked up otherwise.
+    pub local: Option<SocketAddr>,
+    /// SNI, CONNECT destination or PROXY destination.
+    pub target: Option<String>,
+    /// Backend as written in the table (or the address reached).
+    pub backend: Option<String>,
+    /// PROXY header version and TLVs, when one was received.
+    pub proxy: Option<String>,
+    accepted_at: Instant,
+    /// The route's handles, once routed (its active gauge is held until the end).
+    route: Option<Arc<RouteMetrics>>,
+    /// Counts in the listener's active gauge and duration histogram.
+    tracked: bool,
+    finished: bool,
+}
+
+impl ConnRecord {
+    /// Starts the record of a connection from `peer` accepted at `accepted_at`; it counts
+    /// in the listener's active gauge until finished.
+    pub fn new(
+        metrics: Arc<Metrics>,
+        listener: Arc<ListenerMetrics>,
+        peer: SocketAddr,
+        accepted_at: Instant,
+    ) -> Self {
+        listener.active.inc();
+        ConnRecord {
+            metrics,
+            listener,
+            client: peer,
+            peer,
+            local: None,
+            target: None,
+            backend: None,
+            proxy: None,
+            accepted_at,
+            route: None,
+            tracked: true,
+            finished: false,
+        }
+    }
+
+    /// Counts and logs a connection refused at accept (over the connection limit): it never
+    /// counted as active, so only its outcome and its line are recorded.
+    pub fn refuse_at_accept(
+        metrics: Arc<Metrics>,
+        listener: Arc<ListenerMetrics>,
+        peer: SocketAddr,
+    ) {
+        let mut record = ConnRecord::new(metrics, listener, peer, Instant::now());
+        record.listener.active.dec();
+        record.tracked = false;
+        record.reject(Outcome::Limited, "connection limit reached");
+    }
+
+    /// When the connection was accepted.
+    pub fn accepted_at(&self) -> Instant {
+        self.accepted_at
+    }
+
+    /// The listener's name.
+    pub fn listener(&self) -> &str {
+        &self.listener.listener
+    }
+
+    /// The listener's handles.
+    pub fn listener_metrics(&self) -> &ListenerMetrics {
+        &self.listener
+    }
+
+    /// The process's metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Records a PROXY header: its source becomes the client address.
+    pub fn set_proxy(&mut self, info: &ProxyInfo) {
+        if let Some(source) = info.source() {
+            self.client = crate::net::socket::normalize(source);
+        }
+        let mut s = format!("v{}", info.version);
+        for tlv in &info.tlvs {
+            s.push(' ');
+            s.push_str(tlv);
+        }
+        self.proxy = Some(s);
+    }
+
+    /// Marks the connection routed to `route`: counts it (outcome `routed`, the route's
+    /// total and active) and returns the route's handles.
+    pub fn routed(&mut self, route: &str) -> Arc<RouteMetrics> {
+        self.listener.routed.inc();
+        let rm = self.metrics.route(route);
+        rm.total.inc();
+        rm.active.inc();
+        self.route = Some(rm.clone());
+        rm
+    }
+
+    /// The route's name, once routed.
+    pub fn route(&self) -> Option<&str> {
+        self.route.as_deref().map(|r| r.route.as_str())
+    }
+
+    /// Rejects the connection before routing: counts `outcome` and finishes the record.
+    pub fn reject(mut self, outcome: Outcome, detail: &str) {
+        self.metrics.outcome(self.listener(), outcome.as_str());
+        tracing::debug!(listener = %self.listener(), client = %self.client, outcome = outcome.as_str(), detail, "connection rejected");
+        self.record(Reason::Rejected(outcome), Stats::default());
+    }
+
+    /// Finishes the record: the access-log line and the end-of-connection metrics.
+    pub fn finish(mut self, reason: Reason, stats: Stats) {
+        self.record(reason, stats);
+    }
+
+    /// A periodic line for a connection still open.
+    pub fn progress(&self, stats: Stats) {
+        self.line(stats, Reason::Relay(End::ClientClosed), true);
+    }
+
+    fn line(&self, stats: Stats, reason: Reason, periodic: bool) {
+        // A periodic line says `open`: the connection has not ended.
+        let reason: &dyn fmt::Display = if periodic { &"open" } else { &reason };
+        tracing::info!(
+            target: "trellis::access",
+            listener = self.listener(),
+            route = self.route().unwrap_or("-"),
+            client = %self.client,
+            peer = %self.peer,
+            target_name = self.target.as_deref().unwrap_or("-"),
+            backend = self.backend.as_deref().unwrap_or("-"),
+            proxy = self.proxy.as_deref().unwrap_or("-"),
+            rx_bytes = stats.rx,
+            tx_bytes = stats.tx,
+            duration_ms = self.accepted_at.elapsed().as_millis() as u64,
+            reason = %reason,
+            periodic,
+            "access"
+        );
+    }
+
+    fn record(&mut self, reason: Reason, stats: Stats) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
+        if let Some(rm) = &self.route {
+            rm.active.dec();
+        }
+        if self.tracked {
+            self.listener
+                .connection_duration
+                .observe(self.accepted_at.elapsed().as_secs_f64());
+            self.listener.active.dec();
+        }
+        self.line(stats, reason, false);
+    }
+}
+
+impl Drop for ConnRecord {
+    fn drop(&mut self) {
+        self.record(Reason::Aborted, Stats::default());
+    }
+}

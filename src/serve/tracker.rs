@@ -1,0 +1,125 @@
+//! Open connections, globally and per source: admission against the limits, and the wait
+//! for none to be left that a drain needs. It never touches a socket.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
+
+/// Counts open connections, globally and per source, and wakes the drain when none is left.
+#[derive(Debug, Default)]
+pub struct Tracker {
+    active: AtomicUsize,
+    per_source: Mutex<HashMap<IpAddr, usize>>,
+    idle: Notify,
+}
+
+/// One open connection in the [`Tracker`]; released on drop.
+#[derive(Debug)]
+pub struct ConnGuard {
+    tracker: Arc<Tracker>,
+    source: Option<IpAddr>,
+}
+
+impl Tracker {
+    /// Connections open now.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::SeqCst)
+    }
+
+    /// Admits a connection unless `max` are open.
+    pub fn admit(self: &Arc<Self>, max: usize) -> Option<ConnGuard> {
+        if self.active.fetch_add(1, Ordering::SeqCst) >= max {
+            self.release(None);
+            return None;
+        }
+        Some(ConnGuard {
+            tracker: self.clone(),
+            source: None,
+        })
+    }
+
+    fn release(&self, source: Option<IpAddr>) {
+        if let Some(ip) = source {
+            let mut map = self.per_source.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = map.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&ip);
+                }
+            }
+        }
+        if self.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.idle.notify_waiters();
+        }
+    }
+
+    /// Waits until no connection is open.
+    pub async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.active() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+impl ConnGuard {
+    /// Counts the connection against `source` (the PROXY source when present); false if
+    /// `source` already has `per_source` connections (0 = unlimited).
+    pub fn limit_source(&mut self, source: IpAddr, per_source: usize) -> bool {
+        if per_source == 0 || self.source.is_some() {
+            return true;
+        }
+        // Poisoning cannot leave the map inconsistent: every update is one statement.
+        let mut map = self
+            .tracker
+            .per_source
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let n = map.entry(source).or_insert(0);
+        if *n >= per_source {
+            return false;
+        }
+        *n += 1;
+        self.source = Some(source);
+        true
+    }
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        self.tracker.release(self.source);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_global_and_per_source() {
+        let t = Arc::new(Tracker::default());
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let mut g1 = t.admit(3).unwrap();
+        assert!(g1.limit_source(a, 1));
+        let mut g2 = t.admit(3).unwrap();
+        assert!(!g2.limit_source(a, 1));
+        assert!(g2.limit_source(b, 1));
+        assert_eq!(t.active(), 2);
+        drop(g1);
+        let mut g3 = t.admit(2).unwrap();
+        assert!(g3.limit_source(a, 1));
+        assert!(t.admit(2).is_none());
+        drop(g2);
+        assert_eq!(t.active(), 1);
+        assert!(t.admit(0).is_none());
+    }
+}
