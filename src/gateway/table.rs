@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use serde::Serialize;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::admin::Metrics;
 use crate::config::ConfigError;
@@ -57,9 +57,16 @@ impl Reload {
     }
 }
 
+/// The wall clock, injected so the stamp's racy-window rule is tested without sleeping.
+pub type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
+
 /// Holds the active table and reloads it.
 pub struct Tables {
+    /// What connections read (one atomic load per connection).
     current: ArcSwap<Snapshot>,
+    /// The same snapshots for subscribers ([`Tables::subscribe`]).
+    changes: watch::Sender<Arc<Snapshot>>,
+    clock: Clock,
     file: PathBuf,
     registry: BackendRegistry,
     metrics: Arc<Metrics>,
@@ -99,10 +106,10 @@ struct Stamp {
 const RACY_STAMP: Duration = Duration::from_secs(1);
 
 impl Stamp {
-    /// The file's stamp, or `None` if it cannot be had or trusted (then it is read).
-    fn of(file: &Path) -> Option<Stamp> {
+    /// The file's stamp at `now`, or `None` if it cannot be had or trusted (then it is
+    /// read).
+    fn of(file: &Path, now: SystemTime) -> Option<Stamp> {
         use std::os::unix::fs::MetadataExt;
-        let now = SystemTime::now();
         let m = std::fs::metadata(file).ok()?;
         let changed = SystemTime::UNIX_EPOCH
             + Duration::new(u64::try_from(m.ctime()).ok()?, m.ctime_nsec() as u32);
@@ -122,8 +129,17 @@ impl Stamp {
 impl Tables {
     /// Loads the initial table; an invalid table is an error (nothing to fall back to).
     pub fn load(file: &Path, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
+        Self::load_with_clock(file, metrics, Arc::new(SystemTime::now))
+    }
+
+    /// [`Tables::load`] with a wall clock of the caller's.
+    pub fn load_with_clock(
+        file: &Path,
+        metrics: Arc<Metrics>,
+        clock: Clock,
+    ) -> Result<Self, ConfigError> {
         let registry = BackendRegistry::default();
-        let stamp = Stamp::of(file);
+        let stamp = Stamp::of(file, clock());
         let loaded = routes::load(file, &registry)?;
         let snapshot = Snapshot {
             generation: 1,
@@ -135,8 +151,11 @@ impl Tables {
             .table_routes
             .set(snapshot.table().routes().len() as i64);
         metrics.reload(Reload::Applied.label());
+        let snapshot = Arc::new(snapshot);
         Ok(Tables {
-            current: ArcSwap::from_pointee(snapshot),
+            current: ArcSwap::new(snapshot.clone()),
+            changes: watch::Sender::new(snapshot),
+            clock,
             file: file.to_owned(),
             registry,
             metrics,
@@ -151,6 +170,13 @@ impl Tables {
     /// The table new connections use now.
     pub fn snapshot(&self) -> Arc<Snapshot> {
         self.current.load_full()
+    }
+
+    /// Every table applied from now on, starting with the current one: for parts that
+    /// reconcile state with the table (tunnel peers) rather than read it per connection.
+    /// A slow subscriber sees the latest table, not every one in between.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<Snapshot>> {
+        self.changes.subscribe()
     }
 
     /// Re-reads the file (as on SIGHUP) and applies it if it changed and is valid.
@@ -187,7 +213,7 @@ impl Tables {
     fn try_reload(&self, state: &mut ReadState, force: bool) -> Reload {
         let started = std::time::Instant::now();
         // Taken before the read: a write after it changes the stamp, so it is read next time.
-        let stamp = Stamp::of(&self.file);
+        let stamp = Stamp::of(&self.file, (self.clock)());
         if !force && stamp.is_some() && stamp == state.read {
             return Reload::Unchanged;
         }
@@ -216,11 +242,13 @@ impl Tables {
                 let generation = current.generation + 1;
                 let count = loaded.table.routes().len();
                 let hash = loaded.hash.clone();
-                self.current.store(Arc::new(Snapshot {
+                let snapshot = Arc::new(Snapshot {
                     generation,
                     loaded,
                     applied_at: SystemTime::now(),
-                }));
+                });
+                self.current.store(snapshot.clone());
+                self.changes.send_replace(snapshot);
                 self.metrics.table_generation.set(generation as i64);
                 self.metrics.table_routes.set(count as i64);
                 // Read, hash, parse, validate, index and swap: what a reload costs before new
@@ -424,7 +452,15 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("routes.yaml");
         std::fs::write(&file, table(7001)).unwrap();
-        let t = Tables::load(&file, Arc::new(Metrics::new())).unwrap();
+        // The wall clock plus an offset the test moves instead of sleeping.
+        let offset = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let clock: Clock = {
+            let offset = offset.clone();
+            Arc::new(move || {
+                SystemTime::now() + Duration::from_millis(offset.load(Ordering::Relaxed))
+            })
+        };
+        let t = Tables::load_with_clock(&file, Arc::new(Metrics::new()), clock).unwrap();
         let reads = || t.reads.load(Ordering::Relaxed);
         let port = |t: &Tables| {
             t.snapshot().table().routes()[0].backends[0]
@@ -440,7 +476,10 @@ mod tests {
         // The next version, ConfigMap style: written now, swapped in by a symlink later.
         std::fs::write(dir.join("v3.yaml"), table(7003)).unwrap();
 
-        let quiet = || std::thread::sleep(RACY_STAMP + Duration::from_millis(100));
+        let quiet = || {
+            let step = (RACY_STAMP + Duration::from_millis(100)).as_millis() as u64;
+            offset.fetch_add(step, Ordering::Relaxed);
+        };
         quiet();
         // Now trusted: at most one more read takes the stamp, then checks read nothing.
         assert_eq!(t.reload_if_changed(), Reload::Unchanged);
@@ -465,6 +504,53 @@ mod tests {
         quiet();
         assert_eq!(t.reload_if_changed(), Reload::Applied);
         assert_eq!(port(&t), "127.0.0.1:7004");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A file changed within the racy window is read on every check: its stamp may not move
+    /// with a second write in the same clock tick.
+    #[test]
+    fn a_fresh_stamp_is_not_trusted() {
+        let dir = std::env::temp_dir().join(format!("trellis-racy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("routes.yaml");
+        std::fs::write(&file, table(7001)).unwrap();
+        let now = SystemTime::now();
+        assert_eq!(Stamp::of(&file, now), None, "changed just now");
+        let later = now + RACY_STAMP + Duration::from_millis(10);
+        let stamp = Stamp::of(&file, later).expect("trusted once the window has passed");
+        assert_eq!(stamp.len, table(7001).len() as u64);
+        assert_eq!(Stamp::of(&dir.join("missing"), later), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Subscribers see every applied table, and nothing for unchanged or rejected ones.
+    #[test]
+    fn subscribers_see_applied_tables_only() {
+        let dir = std::env::temp_dir().join(format!("trellis-sub-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("routes.yaml");
+        std::fs::write(&file, table(7001)).unwrap();
+        let t = Tables::load(&file, Arc::new(Metrics::new())).unwrap();
+        let mut rx = t.subscribe();
+        assert_eq!(rx.borrow_and_update().generation, 1);
+        assert_eq!(t.reload(), Reload::Unchanged);
+        assert!(!rx.has_changed().unwrap());
+        std::fs::write(&file, "routes: [").unwrap();
+        assert_eq!(t.reload(), Reload::Rejected);
+        assert!(
+            !rx.has_changed().unwrap(),
+            "a rejected table is never published"
+        );
+        std::fs::write(&file, table(7002)).unwrap();
+        assert_eq!(t.reload(), Reload::Applied);
+        assert!(rx.has_changed().unwrap());
+        let snapshot = rx.borrow_and_update().clone();
+        assert_eq!(snapshot.generation, 2);
+        assert!(
+            Arc::ptr_eq(&snapshot, &t.snapshot()),
+            "the table connections use"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -206,7 +206,7 @@ impl Dialer for Direct {
             let budget = route.timeouts.connect.unwrap_or(self.connect_timeout);
             let start = Instant::now();
             let deadline = start + budget;
-            let order = route.backend_order(self.zone.as_deref());
+            let order = route.backend_order(self.zone.as_deref(), std::time::Instant::now());
             if order.is_empty() {
                 return Err(DialError::NoBackends {
                     route: route.name().to_owned(),
@@ -238,7 +238,7 @@ impl Dialer for Direct {
                     }
                     Err(reason) => {
                         tracing::debug!(route = %route.name(), backend = %name, reason = reason.as_str(), "backend connect failed");
-                        backend.state.record_failure();
+                        backend.state.record_failure(std::time::Instant::now());
                         (target.on_failure)(reason);
                         last = (Some(reason), name);
                     }

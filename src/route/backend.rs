@@ -78,8 +78,9 @@ fn epoch() -> Instant {
     *EPOCH.get_or_init(Instant::now)
 }
 
-fn now_ms() -> u64 {
-    epoch().elapsed().as_millis() as u64
+/// Milliseconds from [`epoch`] to `now` (0 for an instant before it).
+fn ms_since_epoch(now: Instant) -> u64 {
+    now.saturating_duration_since(epoch()).as_millis() as u64
 }
 
 /// Load and passive health of one backend address, shared by every route and table
@@ -98,20 +99,23 @@ impl BackendState {
         self.active.load(Ordering::Relaxed)
     }
 
-    /// Whether the backend is in back-off now.
-    pub fn in_backoff(&self) -> bool {
-        self.skip_until_ms.load(Ordering::Relaxed) > now_ms()
+    /// Whether the backend is in back-off at `now`.
+    pub fn in_backoff(&self, now: Instant) -> bool {
+        self.skip_until_ms.load(Ordering::Relaxed) > ms_since_epoch(now)
     }
 
-    /// Records a failed connect: back off for a time that doubles per consecutive failure.
-    pub fn record_failure(&self) {
+    /// Records a connect that failed at `now`: back off for a time that doubles per
+    /// consecutive failure, from [`BACKOFF_BASE`] to [`BACKOFF_MAX`].
+    pub fn record_failure(&self, now: Instant) {
         let n = self
             .consecutive_failures
             .fetch_add(1, Ordering::Relaxed)
             .min(16);
         let backoff = BACKOFF_BASE.saturating_mul(1 << n.min(5)).min(BACKOFF_MAX);
-        self.skip_until_ms
-            .store(now_ms() + backoff.as_millis() as u64, Ordering::Relaxed);
+        self.skip_until_ms.store(
+            ms_since_epoch(now) + backoff.as_millis() as u64,
+            Ordering::Relaxed,
+        );
     }
 
     /// Records a successful connect: clears the back-off.
@@ -193,19 +197,19 @@ fn random_u64() -> u64 {
 }
 
 impl Route {
-    /// Backends in the order to try them, for a gateway in `zone`.
-    pub fn backend_order(&self, zone: Option<&str>) -> Vec<&Backend> {
+    /// Backends in the order to try them at `now`, for a gateway in `zone`.
+    pub fn backend_order(&self, zone: Option<&str>, now: Instant) -> Vec<&Backend> {
         // Rank: 0 = healthy in our zone, 1 = other healthy, 2 = in back-off.
         let any_local_healthy = zone.is_some()
             && self
                 .backends
                 .iter()
-                .any(|b| b.zone.as_deref() == zone && !b.state.in_backoff());
+                .any(|b| b.zone.as_deref() == zone && !b.state.in_backoff(now));
         let mut ranked: Vec<(u8, usize, u64, &Backend)> = self
             .backends
             .iter()
             .map(|b| {
-                let rank = if b.state.in_backoff() {
+                let rank = if b.state.in_backoff(now) {
                     2
                 } else if any_local_healthy && b.zone.as_deref() != zone {
                     1
@@ -238,7 +242,7 @@ mod tests {
     }
 
     fn order(r: &Route, zone: Option<&str>) -> Vec<String> {
-        r.backend_order(zone)
+        r.backend_order(zone, Instant::now())
             .iter()
             .map(|b| b.address.to_string())
             .collect()
@@ -279,10 +283,38 @@ mod tests {
         let _g = r.backends[1].state.track();
         assert_eq!(order(&r, Some("b"))[0], "10.0.0.3:1");
         // Failed local backend: others first, the failed one last.
-        r.backends[0].state.record_failure();
+        r.backends[0].state.record_failure(Instant::now());
         assert_eq!(order(&r, Some("a"))[2], "10.0.0.1:1");
         r.backends[0].state.record_success();
         assert_eq!(order(&r, Some("a"))[0], "10.0.0.1:1");
+    }
+
+    #[test]
+    fn backoff_doubles_per_failure_in_a_row_up_to_its_cap() {
+        let state = BackendState::default();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut at = t0;
+        let mut lengths = Vec::new();
+        for _ in 0..8 {
+            state.record_failure(at);
+            assert!(state.in_backoff(at));
+            // The back-off ends at the first millisecond it no longer covers.
+            let mut len = 0;
+            while state.in_backoff(at + ms(len)) {
+                len += 250;
+            }
+            lengths.push(len / 1000);
+            at += ms(len);
+        }
+        assert_eq!(lengths, [1, 2, 4, 8, 16, 30, 30, 30]);
+        state.record_success();
+        assert!(!state.in_backoff(at));
+        state.record_failure(at);
+        assert!(
+            !state.in_backoff(at + BACKOFF_BASE),
+            "a success starts over"
+        );
     }
 
     #[test]
