@@ -206,7 +206,7 @@ async fn manage_link(
         match manager.reconcile().await {
             Ok(changes) => {
                 if changes != link::Changes::default() {
-                    tracing::info!(?changes, link = manager.link(), "address reconciled");
+                    tracing::info!(changes = %changes, link = manager.link(), "address reconciled");
                 }
                 readiness.address.store(true, Ordering::SeqCst);
             }
