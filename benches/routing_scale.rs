@@ -9,6 +9,8 @@
 //!   generation in `/metrics` (that adds the 50 ms watch debounce and this runner's polling).
 //!
 //! Lookups and in-process parsing are criterion benches: `cargo bench --bench routing`.
+// A test or bench fails loudly on what it did not expect; its helpers are its own.
+#![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod common;
 

@@ -6,11 +6,11 @@
 //! the relay), `route` (immutable routing table), `config` (validated files), `wire` (sans-IO
 //! codecs) and `admin` (metrics, health). `main.rs` only parses the command line.
 
-pub mod admin;
+pub(crate) mod admin;
 pub mod config;
 pub mod gateway;
 pub mod net;
 pub mod node;
 pub mod route;
-pub mod serve;
+pub(crate) mod serve;
 pub mod wire;

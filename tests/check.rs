@@ -1,5 +1,7 @@
 //! `trellis check` and startup validation: every shipped config is valid; invalid files are
 //! reported with file, field path and problem, exit non-zero, and bind nothing.
+// A test or bench fails loudly on what it did not expect; its helpers are its own.
+#![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod common;
 
@@ -178,6 +180,7 @@ fn gateway_that_cannot_bind_exits_non_zero() {
     }
 }
 
+#[allow(unsafe_code)] // pre_exec: setting a limit in the child before exec
 #[test]
 fn gateway_warns_when_open_files_cannot_cover_max_connections() {
     use std::os::unix::process::CommandExt;

@@ -1,5 +1,7 @@
 //! `http-connect` and `proxy-destination` listeners and PROXY protocol input, with real
 //! peers: curl (CONNECT tunnels, `--haproxy-protocol`), HAProxy (`send-proxy-v2`), rustls.
+// A test or bench fails loudly on what it did not expect; its helpers are its own.
+#![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod common;
 

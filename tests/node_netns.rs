@@ -2,6 +2,8 @@
 //! (the node daemon and a TLS client) and a "seed" namespace (the gateway and a TLS backend)
 //! joined by a veth pair; and link management on a veth pair in its own namespace. Needs
 //! root and `ip`; skipped with a printed reason otherwise.
+// A test or bench fails loudly on what it did not expect; its helpers are its own.
+#![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod common;
 

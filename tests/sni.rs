@@ -1,5 +1,7 @@
 //! `sni` listener end to end: real TLS clients (rustls with post-quantum key exchange,
 //! openssl s_client, curl) reach real TLS backends through the gateway binary.
+// A test or bench fails loudly on what it did not expect; its helpers are its own.
+#![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod common;
 

@@ -4,8 +4,6 @@
 //! client addresses. Hot paths resolve per-route handles once per connection
 //! ([`Metrics::route`]) and then only touch atomics.
 
-use std::time::Duration;
-
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -15,14 +13,14 @@ use prometheus_client::registry::Registry;
 
 /// `listener` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ListenerLabel {
+pub(crate) struct ListenerLabel {
     /// Listener name.
     pub listener: String,
 }
 
 /// `listener`, `outcome` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabels {
+pub(crate) struct OutcomeLabels {
     /// Listener name.
     pub listener: String,
     /// `routed`, `no_route`, `not_tls`, `bad_request`, `timeout`, `limited`, `closed_early`.
@@ -31,7 +29,7 @@ pub struct OutcomeLabels {
 
 /// `listener`, `result` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ListenerResultLabels {
+pub(crate) struct ListenerResultLabels {
     /// Listener name.
     pub listener: String,
     /// Result of parsing.
@@ -40,14 +38,14 @@ pub struct ListenerResultLabels {
 
 /// `route` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RouteLabel {
+pub(crate) struct RouteLabel {
     /// Route name.
     pub route: String,
 }
 
 /// `route`, `direction` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RouteDirectionLabels {
+pub(crate) struct RouteDirectionLabels {
     /// Route name.
     pub route: String,
     /// `rx` (from client) or `tx` (to client).
@@ -56,7 +54,7 @@ pub struct RouteDirectionLabels {
 
 /// `route`, `reason` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RouteReasonLabels {
+pub(crate) struct RouteReasonLabels {
     /// Route name.
     pub route: String,
     /// Failure reason.
@@ -65,7 +63,7 @@ pub struct RouteReasonLabels {
 
 /// `result` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResultLabel {
+pub(crate) struct ResultLabel {
     /// `applied`, `rejected` or `unchanged`.
     pub result: &'static str,
 }
@@ -89,7 +87,7 @@ fn connect_histogram() -> Histogram {
 
 /// All metrics of the process.
 #[derive(Debug)]
-pub struct Metrics {
+pub(crate) struct Metrics {
     /// The registry that `/metrics` encodes.
     pub registry: Registry,
     /// `trellis_downstream_connections_total`.
@@ -129,7 +127,7 @@ pub struct Metrics {
 
 /// Per-route handles, resolved once per connection.
 #[derive(Debug, Clone)]
-pub struct RouteMetrics {
+pub(crate) struct RouteMetrics {
     /// Route name.
     pub route: String,
     /// Connections routed here.
@@ -146,7 +144,7 @@ pub struct RouteMetrics {
 
 /// Per-listener handles, resolved once per listener.
 #[derive(Debug, Clone)]
-pub struct ListenerMetrics {
+pub(crate) struct ListenerMetrics {
     /// Listener name.
     pub listener: String,
     /// Connections open now on this listener.
@@ -167,7 +165,7 @@ impl Default for Metrics {
 
 impl Metrics {
     /// Creates and registers every metric under the `trellis_` prefix.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let mut registry = Registry::with_prefix("trellis");
         let m = Metrics {
             downstream_total: Family::default(),
@@ -263,7 +261,7 @@ impl Metrics {
     }
 
     /// Counts a finished or rejected downstream connection.
-    pub fn outcome(&self, listener: &str, outcome: &'static str) {
+    pub(crate) fn outcome(&self, listener: &str, outcome: &'static str) {
         self.downstream_total
             .get_or_create(&OutcomeLabels {
                 listener: listener.to_owned(),
@@ -273,7 +271,7 @@ impl Metrics {
     }
 
     /// Counts a PROXY protocol header by result.
-    pub fn proxy_header(&self, listener: &str, result: &'static str) {
+    pub(crate) fn proxy_header(&self, listener: &str, result: &'static str) {
         self.proxy_headers
             .get_or_create(&ListenerResultLabels {
                 listener: listener.to_owned(),
@@ -283,7 +281,7 @@ impl Metrics {
     }
 
     /// Counts a failed backend connect.
-    pub fn connect_failure(&self, route: &str, reason: &'static str) {
+    pub(crate) fn connect_failure(&self, route: &str, reason: &'static str) {
         self.failure_labels
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -297,7 +295,7 @@ impl Metrics {
     }
 
     /// Counts a routing table reload.
-    pub fn reload(&self, result: &'static str) {
+    pub(crate) fn reload(&self, result: &'static str) {
         self.table_reloads
             .get_or_create(&ResultLabel { result })
             .inc();
@@ -307,7 +305,7 @@ impl Metrics {
     /// connections, so the families do not keep every route ever seen (shoots come and go).
     /// A route that comes back starts its counters from zero, which Prometheus reads as a
     /// reset. Returns how many routes were dropped.
-    pub fn forget_routes(&self, exists: impl Fn(&str) -> bool) -> usize {
+    pub(crate) fn forget_routes(&self, exists: impl Fn(&str) -> bool) -> usize {
         let idle_and_gone = |name: &str, m: &RouteMetrics| !exists(name) && m.active.get() == 0;
         // Looked for under the read lock: connections resolving their handles are not held
         // up while a 10,000-route cache is scanned on every periodic check.
@@ -363,7 +361,7 @@ impl Metrics {
     }
 
     /// Handles for one route (cached: one map lookup per connection).
-    pub fn route(&self, route: &str) -> std::sync::Arc<RouteMetrics> {
+    pub(crate) fn route(&self, route: &str) -> std::sync::Arc<RouteMetrics> {
         // A poisoned cache is still a valid cache.
         if let Some(m) = self
             .route_cache
@@ -397,7 +395,7 @@ impl Metrics {
     }
 
     /// Handles for one listener.
-    pub fn listener(&self, listener: &str) -> ListenerMetrics {
+    pub(crate) fn listener(&self, listener: &str) -> ListenerMetrics {
         let label = ListenerLabel {
             listener: listener.to_owned(),
         };
@@ -414,15 +412,10 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition of every metric.
-    pub fn encode(&self) -> String {
+    pub(crate) fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
-}
-
-/// Seconds as f64 for histograms.
-pub fn secs(d: Duration) -> f64 {
-    d.as_secs_f64()
 }

@@ -6,7 +6,7 @@
 //! [`MAX_CONNECTIONS`] in all are held, and only the costly `/metrics` and `/routes` take one
 //! of [`MAX_EXPENSIVE`] permits. It never touches proxied traffic.
 
-pub mod metrics;
+pub(crate) mod metrics;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,26 +16,26 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-pub use metrics::Metrics;
+pub(crate) use metrics::Metrics;
 
 /// Largest admin request head.
-pub const MAX_REQUEST_BYTES: usize = 8192;
+pub(crate) const MAX_REQUEST_BYTES: usize = 8192;
 /// Deadline for reading an admin request head.
-pub const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
 /// Deadline for writing an answer.
-pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most admin connections held at once; more are closed at accept.
-pub const MAX_CONNECTIONS: usize = 4096;
+pub(crate) const MAX_CONNECTIONS: usize = 4096;
 /// Most admin connections held for one peer address.
-pub const MAX_PER_PEER: usize = 16;
+pub(crate) const MAX_PER_PEER: usize = 16;
 /// Most `/metrics` and `/routes` answers rendered at once.
-pub const MAX_EXPENSIVE: usize = 8;
+pub(crate) const MAX_EXPENSIVE: usize = 8;
 
 /// Produces the JSON body of `/routes`.
-pub type RoutesJson = Box<dyn Fn() -> String + Send + Sync>;
+pub(crate) type RoutesJson = Box<dyn Fn() -> String + Send + Sync>;
 
 /// What the admin endpoint serves.
-pub struct AdminState {
+pub(crate) struct AdminState {
     /// 200 on `/ready` when true, 503 otherwise.
     pub ready: AtomicBool,
     /// The process' metrics.
@@ -46,7 +46,7 @@ pub struct AdminState {
 
 impl AdminState {
     /// A state that is not ready yet.
-    pub fn new(metrics: Arc<Metrics>, routes: Option<RoutesJson>) -> Self {
+    pub(crate) fn new(metrics: Arc<Metrics>, routes: Option<RoutesJson>) -> Self {
         AdminState {
             ready: AtomicBool::new(false),
             metrics,
@@ -55,13 +55,13 @@ impl AdminState {
     }
 
     /// Sets readiness.
-    pub fn set_ready(&self, ready: bool) {
+    pub(crate) fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::SeqCst);
     }
 }
 
 /// Serves admin requests on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, state: Arc<AdminState>) {
+pub(crate) async fn serve(listener: TcpListener, state: Arc<AdminState>) {
     let expensive = Arc::new(tokio::sync::Semaphore::new(MAX_EXPENSIVE));
     let peers: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>> =
         Arc::default();
@@ -202,6 +202,6 @@ async fn respond(
 }
 
 /// Binds the admin address (errors name the address).
-pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+pub(crate) async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     crate::net::socket::bind_tcp(addr, 128)
 }

@@ -20,7 +20,7 @@ use crate::wire::Parsed;
 use crate::wire::proxy::{self, Detect, ProxyInfo};
 
 /// A connection between accept and routing.
-pub struct Conn {
+pub(super) struct Conn {
     /// The client socket.
     pub stream: TcpStream,
     /// Bytes read and not yet consumed by an earlier stage.
@@ -34,7 +34,7 @@ pub struct Conn {
 }
 
 /// Why a stage could not read what it needs.
-pub enum ReadError<E> {
+pub(super) enum ReadError<E> {
     /// The client closed (or reset) first, after sending `bytes`.
     Closed {
         /// Bytes received in this stage.
@@ -49,7 +49,7 @@ pub enum ReadError<E> {
 impl Conn {
     /// Reads until `parse` completes on the buffered bytes, reading at most `max` bytes in
     /// all. Returns the value and how many buffered bytes it consumed.
-    pub async fn read_until<T, E>(
+    pub(super) async fn read_until<T, E>(
         &mut self,
         max: usize,
         parse: impl Fn(&[u8]) -> Result<Parsed<T>, E>,
@@ -95,24 +95,29 @@ impl Conn {
     }
 
     /// Drops the first `n` buffered bytes (consumed by a stage).
-    pub fn consume(&mut self, n: usize) {
+    pub(super) fn consume(&mut self, n: usize) {
         self.buf.drain(..n);
     }
 
     /// Writes `bytes` (an alert or an error response), half-closes, and lets the client read
     /// them before the socket closes.
-    pub async fn reject_with(&mut self, bytes: &[u8]) {
+    pub(super) async fn reject_with(&mut self, bytes: &[u8]) {
         forward::reject_with(&mut self.stream, bytes).await;
     }
 
     /// Rejects the connection before routing: counts `outcome`, logs, closes.
-    pub fn reject(self: Box<Self>, outcome: Outcome, detail: &str) {
+    pub(super) fn reject(self: Box<Self>, outcome: Outcome, detail: &str) {
         let Conn { record, .. } = *self;
         record.reject(outcome, detail);
     }
 
     /// Forwards the connection to `route`: dial, reply, replay what was read, relay, record.
-    pub async fn forward(self: Box<Self>, route: &Arc<Route>, reply: Reply, shared: &Shared) {
+    pub(super) async fn forward(
+        self: Box<Self>,
+        route: &Arc<Route>,
+        reply: Reply,
+        shared: &Shared,
+    ) {
         let cfg = &shared.config;
         let Conn {
             mut stream,
@@ -147,7 +152,7 @@ impl Conn {
 }
 
 /// Runs one accepted connection through the pipeline.
-pub async fn serve(acc: Accepted<TcpStream>, config: &ListenerConfig, shared: &Shared) {
+pub(super) async fn serve(acc: Accepted<TcpStream>, config: &ListenerConfig, shared: &Shared) {
     let Accepted {
         stream,
         guard,
@@ -199,7 +204,7 @@ pub async fn serve(acc: Accepted<TcpStream>, config: &ListenerConfig, shared: &S
 }
 
 /// The metric result for a parsed header.
-pub fn header_result(info: &ProxyInfo) -> &'static str {
+pub(super) fn header_result(info: &ProxyInfo) -> &'static str {
     match (info.addresses, info.version) {
         (None, _) => "local",
         (Some(_), 1) => "v1",
@@ -208,7 +213,7 @@ pub fn header_result(info: &ProxyInfo) -> &'static str {
 }
 
 /// A rejection: downstream outcome, proxy-header metric result (if any), detail.
-pub type StageReject = (Outcome, Option<&'static str>, String);
+pub(super) type StageReject = (Outcome, Option<&'static str>, String);
 
 /// Reads the load balancer's PROXY header. `Ok(None)`: optional mode and none was sent.
 async fn load_balancer_header(
@@ -244,7 +249,7 @@ async fn load_balancer_header(
 }
 
 /// Maps a failed PROXY header read to a rejection (shared with `proxy-destination`).
-pub fn proxy_stage_error(e: ReadError<proxy::Reject>) -> StageReject {
+pub(super) fn proxy_stage_error(e: ReadError<proxy::Reject>) -> StageReject {
     match e {
         ReadError::Closed { bytes: 0 } => (
             Outcome::ClosedEarly,

@@ -13,7 +13,7 @@ use crate::serve::record::Outcome;
 use crate::wire::http;
 
 /// Handles one `http-connect` connection from its request head to close.
-pub async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
+pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
     let max = shared.config.limits.max_header_bytes;
     let (head, consumed) =
         match Box::pin(conn.read_until(max, |b| http::parse_request_head(b, max))).await {

@@ -5,11 +5,11 @@
 //! served fails before any traffic is accepted. One file per listener protocol, wired onto
 //! the shared serving layer ([`crate::serve`]): its accept loop, record, forward and drain.
 
-pub mod conn;
-pub mod connect;
-pub mod proxydst;
-pub mod sni;
-pub mod table;
+mod conn;
+mod connect;
+mod proxydst;
+mod sni;
+pub(crate) mod table;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -52,7 +52,7 @@ pub enum GatewayError {
 }
 
 /// What every connection task shares.
-pub struct Shared {
+pub(crate) struct Shared {
     /// The validated configuration.
     pub config: GatewayConfig,
     /// Metrics.
@@ -256,7 +256,7 @@ const PACE: Duration = Duration::from_secs(1);
 
 /// The route a connection takes: `lookup` in the current table snapshot, else the listener's
 /// `defaultRoute`. The returned `Arc` is the connection's snapshot of the route.
-pub fn pick_route(
+pub(crate) fn pick_route(
     shared: &Shared,
     listener: &ListenerConfig,
     lookup: impl FnOnce(&crate::route::RoutingTable) -> Option<&Arc<Route>>,

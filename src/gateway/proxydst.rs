@@ -12,7 +12,7 @@ use crate::serve::record::Outcome;
 use crate::wire::proxy;
 
 /// Handles one `proxy-destination` connection from its PROXY header to close.
-pub async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
+pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
     let limit = shared.config.limits.max_header_bytes;
     let (info, consumed) = match Box::pin(conn.read_until(limit, |b| proxy::parse(b, limit))).await
     {

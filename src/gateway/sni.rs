@@ -12,7 +12,7 @@ use crate::serve::record::Outcome;
 use crate::wire::tls::{self, Reject};
 
 /// Handles one `sni` connection from routing to close.
-pub async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
+pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
     let max = shared.config.limits.max_client_hello_bytes;
     let hello = match Box::pin(conn.read_until(max, |b| tls::parse_client_hello(b, max))).await {
         Ok((hello, consumed)) => {

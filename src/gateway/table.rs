@@ -19,7 +19,7 @@ use crate::route::{RouteKeyList, RouteTimeouts};
 
 /// One published table.
 #[derive(Debug)]
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     /// Increments with every applied change, starting at 1.
     pub generation: u64,
     /// The table and what it was built from.
@@ -30,14 +30,14 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// The indexed table.
-    pub fn table(&self) -> &RoutingTable {
+    pub(crate) fn table(&self) -> &RoutingTable {
         &self.loaded.table
     }
 }
 
 /// Result of one reload attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reload {
+pub(crate) enum Reload {
     /// A new table is active.
     Applied,
     /// The file is byte-for-byte what is active.
@@ -48,7 +48,7 @@ pub enum Reload {
 
 impl Reload {
     /// Metric label.
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Reload::Applied => "applied",
             Reload::Unchanged => "unchanged",
@@ -58,10 +58,10 @@ impl Reload {
 }
 
 /// The wall clock, injected so the stamp's racy-window rule is tested without sleeping.
-pub type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
+pub(crate) type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
 
 /// Holds the active table and reloads it.
-pub struct Tables {
+pub(crate) struct Tables {
     /// What connections read (one atomic load per connection).
     current: ArcSwap<Snapshot>,
     /// The same snapshots for subscribers ([`Tables::subscribe`]).
@@ -128,12 +128,12 @@ impl Stamp {
 
 impl Tables {
     /// Loads the initial table; an invalid table is an error (nothing to fall back to).
-    pub fn load(file: &Path, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
+    pub(crate) fn load(file: &Path, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
         Self::load_with_clock(file, metrics, Arc::new(SystemTime::now))
     }
 
     /// [`Tables::load`] with a wall clock of the caller's.
-    pub fn load_with_clock(
+    pub(crate) fn load_with_clock(
         file: &Path,
         metrics: Arc<Metrics>,
         clock: Clock,
@@ -168,26 +168,32 @@ impl Tables {
     }
 
     /// The table new connections use now.
-    pub fn snapshot(&self) -> Arc<Snapshot> {
+    pub(crate) fn snapshot(&self) -> Arc<Snapshot> {
         self.current.load_full()
     }
 
+    #[allow(
+        dead_code,
+        reason = "the tunnel's peer reconciliation subscribes; tests do now"
+    )]
     /// Every table applied from now on, starting with the current one: for parts that
     /// reconcile state with the table (tunnel peers) rather than read it per connection.
     /// A slow subscriber sees the latest table, not every one in between.
-    pub fn subscribe(&self) -> watch::Receiver<Arc<Snapshot>> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Arc<Snapshot>> {
         self.changes.subscribe()
     }
 
     /// Re-reads the file (as on SIGHUP) and applies it if it changed and is valid.
-    pub fn reload(&self) -> Reload {
+    #[cfg(test)]
+    pub(crate) fn reload(&self) -> Reload {
         self.reload_with(true)
     }
 
     /// Like [`Tables::reload`], but the file is not even read when its [`Stamp`] shows it
     /// unchanged since the last read: for directory events, which a file written next to the
     /// table raises too.
-    pub fn reload_if_changed(&self) -> Reload {
+    #[cfg(test)]
+    pub(crate) fn reload_if_changed(&self) -> Reload {
         self.reload_with(false)
     }
 
@@ -273,7 +279,7 @@ impl Tables {
 
     /// The active table as JSON, for `/routes`: rendered from the indexed table (names
     /// normalised, durations canonical), so no copy of the file stays in memory.
-    pub fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         #[derive(Serialize)]
         #[serde(rename_all = "camelCase")]
         struct View<'a> {
@@ -357,7 +363,7 @@ impl Tables {
 
     /// Reloads whenever the file's directory changes (ConfigMap volumes swap a symlink in
     /// it), every `interval`, and whenever `hup` fires. Runs until the task is dropped.
-    pub async fn watch(self: Arc<Self>, interval: Duration, mut hup: mpsc::Receiver<()>) {
+    pub(crate) async fn watch(self: Arc<Self>, interval: Duration, mut hup: mpsc::Receiver<()>) {
         let (tx, mut events) = mpsc::channel::<()>(1);
         let _watcher = match self.start_watcher(tx) {
             Ok(w) => Some(w),
@@ -418,7 +424,8 @@ impl Tables {
 /// Keeps large allocations (a table's route list and indexes, a file's bytes) out of the
 /// heap: glibc otherwise raises its mmap threshold after the first such block is freed, and
 /// from then on every reload's large blocks fragment the heap so it never shrinks back.
-pub fn fix_mmap_threshold() {
+#[allow(unsafe_code)] // glibc's allocator settings have no safe wrapper.
+pub(crate) fn fix_mmap_threshold() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets a glibc allocator parameter; it has no preconditions.
     unsafe {
@@ -427,7 +434,8 @@ pub fn fix_mmap_threshold() {
 }
 
 /// Returns heap memory freed by the previous table (and by parsing) to the operating system.
-pub fn release_free_memory() {
+#[allow(unsafe_code)] // glibc's malloc_trim has no safe wrapper.
+pub(crate) fn release_free_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only walks and shrinks glibc's own heaps; it has no preconditions.
     unsafe {

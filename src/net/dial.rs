@@ -26,15 +26,15 @@ use crate::route::{BackendAddress, BackendGuard, Route};
 use crate::wire::{Parsed, http, proxy};
 
 /// Shortest time given to one connect attempt, even when the budget is nearly used up.
-pub const MIN_ATTEMPT: Duration = Duration::from_millis(100);
+pub(crate) const MIN_ATTEMPT: Duration = Duration::from_millis(100);
 /// Most resolved addresses tried per DNS backend.
-pub const MAX_ADDRS_PER_BACKEND: usize = 4;
+pub(crate) const MAX_ADDRS_PER_BACKEND: usize = 4;
 /// Largest CONNECT response head accepted from an upstream proxy.
 const MAX_RESPONSE_HEAD: usize = 8192;
 
 /// Why one attempt to reach a backend failed (metric label `reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ConnectFailure {
+pub(crate) enum ConnectFailure {
     /// The backend refused the connection.
     Refused,
     /// No answer within the attempt's share of the budget (or the kernel's own timeout).
@@ -54,7 +54,7 @@ pub enum ConnectFailure {
 
 impl ConnectFailure {
     /// The metric label.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             ConnectFailure::Refused => "refused",
             ConnectFailure::Timeout => "timeout",
@@ -67,7 +67,7 @@ impl ConnectFailure {
     }
 
     /// The failure a connect error stands for.
-    pub fn of(e: &io::Error) -> Self {
+    pub(crate) fn of(e: &io::Error) -> Self {
         match e.kind() {
             io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
             io::ErrorKind::TimedOut => ConnectFailure::Timeout,
@@ -82,7 +82,7 @@ impl ConnectFailure {
 
 /// Why no backend stream could be had.
 #[derive(Debug, Error)]
-pub enum DialError {
+pub(crate) enum DialError {
     /// The route has no backends.
     #[error("route {route:?} has no backends")]
     NoBackends {
@@ -113,7 +113,7 @@ pub enum DialError {
 
 impl DialError {
     /// The access log's `error:<kind>`.
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             DialError::NoBackends { .. } => "no_backends",
             DialError::Failed {
@@ -133,7 +133,7 @@ impl DialError {
     }
 
     /// Whether the connect budget ran out (a CONNECT client answers `504`, else `502`).
-    pub fn timed_out(&self) -> bool {
+    pub(crate) fn timed_out(&self) -> bool {
         match self {
             DialError::Failed { timed_out, .. } => *timed_out,
             DialError::Upstream { reason, .. } => *reason == ConnectFailure::Timeout,
@@ -144,7 +144,7 @@ impl DialError {
 
 /// What a dial is for.
 #[derive(Clone, Copy)]
-pub struct Target<'a> {
+pub(crate) struct Target<'a> {
     /// The route whose backends to reach.
     pub route: &'a Route,
     /// The client (the PROXY source when one was received).
@@ -157,14 +157,15 @@ pub struct Target<'a> {
 
 /// A backend stream, ready for the relay.
 #[derive(Debug)]
-pub struct Dialed<S> {
+pub(crate) struct Dialed<S> {
     /// The stream.
     pub stream: S,
     /// The backend for logs: as written in the table, or the address reached.
     pub backend: String,
     /// The address actually connected to.
     pub addr: SocketAddr,
-    /// Keeps the backend's active count while the connection lives.
+    /// Keeps the backend's active count while the connection lives (held for its drop).
+    #[allow(dead_code, reason = "held, never read")]
     pub guard: Option<BackendGuard>,
     /// Time spent dialing, failover and tunnel set-up included.
     pub elapsed: Duration,
@@ -173,7 +174,7 @@ pub struct Dialed<S> {
 }
 
 /// Yields a stream to one of a route's backends.
-pub trait Dialer: Send + Sync {
+pub(crate) trait Dialer: Send + Sync {
     /// The stream it yields.
     type Stream: Leg + Send;
 
@@ -186,7 +187,7 @@ pub trait Dialer: Send + Sync {
 
 /// Dials backends directly over kernel TCP, with failover, back-off and zone preference.
 #[derive(Debug, Clone)]
-pub struct Direct {
+pub(crate) struct Direct {
     /// The caller's zone: backends there are preferred.
     pub zone: Option<String>,
     /// Connect budget, failover included, unless the route sets its own.
@@ -290,7 +291,7 @@ async fn attempt(
 
 /// What a [`Tunneled`] dialer sends first on the stream its inner dialer yields.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Hello {
+pub(crate) enum Hello {
     /// `CONNECT authority HTTP/1.1` with a destination header; the tunnel is up on `200`.
     Connect {
         /// The request target and `Host` (`host:port`).
@@ -308,7 +309,7 @@ pub enum Hello {
 /// Opens a tunnel through an upstream proxy over the streams another dialer yields. Every
 /// failure, the inner dialer's included, is a [`DialError::Upstream`].
 #[derive(Debug, Clone)]
-pub struct Tunneled<D> {
+pub(crate) struct Tunneled<D> {
     /// Reaches the upstream proxy.
     pub inner: D,
     /// What to send first.

@@ -5,6 +5,6 @@
 //! a route (for backend choice), counters, and the bytes already read (to replay). The only
 //! protocol bytes handled here are a tunnel's own handshake, through the `wire` codecs.
 
-pub mod dial;
-pub mod relay;
+pub(crate) mod dial;
+pub(crate) mod relay;
 pub mod socket;

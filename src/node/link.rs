@@ -14,12 +14,12 @@ use rtnetlink::{Handle, LinkDummy, LinkUnspec};
 use thiserror::Error;
 
 /// Link used when the kernel cannot create dummy links.
-pub const FALLBACK_LINK: &str = "lo";
+pub(crate) const FALLBACK_LINK: &str = "lo";
 
 /// A failed netlink operation.
 #[derive(Debug, Error)]
 #[error("{op}: {source}")]
-pub struct LinkError {
+pub(crate) struct LinkError {
     /// What was being done.
     pub op: String,
     /// The netlink error.
@@ -34,7 +34,7 @@ fn err(op: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> LinkError {
 
 /// What a reconcile changed, for logs.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct Changes {
+pub(crate) struct Changes {
     /// The link was created.
     pub created_link: bool,
     /// The address was added.
@@ -65,7 +65,7 @@ impl std::fmt::Display for Changes {
 }
 
 /// Keeps `address` on link `name`.
-pub struct LinkManager {
+pub(crate) struct LinkManager {
     handle: Handle,
     name: String,
     address: IpAddr,
@@ -75,7 +75,7 @@ pub struct LinkManager {
 
 impl LinkManager {
     /// A manager using `handle` (an rtnetlink connection whose task is already running).
-    pub fn new(handle: Handle, name: &str, address: IpAddr) -> Self {
+    pub(crate) fn new(handle: Handle, name: &str, address: IpAddr) -> Self {
         LinkManager {
             handle,
             name: name.to_owned(),
@@ -85,7 +85,7 @@ impl LinkManager {
     }
 
     /// The link the address lives on.
-    pub fn link(&self) -> &str {
+    pub(crate) fn link(&self) -> &str {
         &self.effective
     }
 
@@ -177,7 +177,7 @@ impl LinkManager {
     }
 
     /// Makes the state right; returns what changed.
-    pub async fn reconcile(&mut self) -> Result<Changes, LinkError> {
+    pub(crate) async fn reconcile(&mut self) -> Result<Changes, LinkError> {
         let mut changes = Changes::default();
         let index = self.ensure_link(&mut changes).await?;
         self.handle
@@ -213,7 +213,7 @@ impl LinkManager {
     }
 
     /// Whether the address is on the link now, as wanted.
-    pub async fn is_in_place(&self) -> Result<bool, LinkError> {
+    pub(crate) async fn is_in_place(&self) -> Result<bool, LinkError> {
         let Some(index) = self.link_index(&self.effective).await? else {
             return Ok(false);
         };
@@ -244,7 +244,7 @@ impl LinkManager {
     }
 
     /// Removes the address from every link that has it (`--cleanup`).
-    pub async fn remove(&self) -> Result<usize, LinkError> {
+    pub(crate) async fn remove(&self) -> Result<usize, LinkError> {
         let mut n = 0;
         for msg in self.our_addresses().await? {
             self.delete(msg).await?;
@@ -259,7 +259,7 @@ fn libc_enodev() -> i32 {
 }
 
 /// Opens an rtnetlink connection for requests.
-pub fn connect() -> std::io::Result<Handle> {
+pub(crate) fn connect() -> std::io::Result<Handle> {
     let (conn, handle, _) = rtnetlink::new_connection()?;
     tokio::spawn(conn);
     Ok(handle)
@@ -267,7 +267,7 @@ pub fn connect() -> std::io::Result<Handle> {
 
 /// Opens a netlink socket subscribed to link and address changes; every message on the
 /// returned channel means "something changed, reconcile".
-pub fn subscribe() -> std::io::Result<tokio::sync::mpsc::Receiver<()>> {
+pub(crate) fn subscribe() -> std::io::Result<tokio::sync::mpsc::Receiver<()>> {
     use futures_util::StreamExt;
     use netlink_sys::{AsyncSocket, SocketAddr};
     use rtnetlink::constants::{RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR, RTMGRP_LINK};

@@ -7,7 +7,7 @@
 //! keeps the advertise address on its link ([`link`]). Readiness reflects local state only:
 //! listeners bound and address in place, never the gateway's health.
 
-pub mod link;
+pub(crate) mod link;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

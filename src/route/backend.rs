@@ -16,9 +16,9 @@ use serde::{Serialize, Serializer};
 use super::{Backend, Route};
 
 /// First back-off after a failed connect; doubles per consecutive failure.
-pub const BACKOFF_BASE: Duration = Duration::from_secs(1);
+pub(crate) const BACKOFF_BASE: Duration = Duration::from_secs(1);
 /// Longest back-off.
-pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
+pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// A backend address: a literal socket address or a DNS name resolved at connect time.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

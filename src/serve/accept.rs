@@ -20,7 +20,7 @@ use crate::net::socket::normalize;
 
 /// A source of accepted streams: a kernel TCP listener today; a user-space stack's listener
 /// can implement it too.
-pub trait Listener {
+pub(crate) trait Listener {
     /// The accepted stream.
     type Stream;
 
@@ -40,7 +40,7 @@ impl Listener for TcpListener {
 /// `ENOBUFS`, `ENOMEM`): retrying at once would spin on the same error. Doubles per failure
 /// in a row, from [`Backoff::FIRST`] to [`Backoff::MAX`], and starts over after a success.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     next: Duration,
 }
 
@@ -52,25 +52,25 @@ impl Default for Backoff {
 
 impl Backoff {
     /// The first pause.
-    pub const FIRST: Duration = Duration::from_millis(5);
+    pub(crate) const FIRST: Duration = Duration::from_millis(5);
     /// The longest pause.
-    pub const MAX: Duration = Duration::from_secs(1);
+    pub(crate) const MAX: Duration = Duration::from_secs(1);
 
     /// The pause after another failure in a row.
-    pub fn failed(&mut self) -> Duration {
+    pub(crate) fn failed(&mut self) -> Duration {
         let pause = self.next;
         self.next = (self.next * 2).min(Self::MAX);
         pause
     }
 
     /// An accept succeeded: the next failure pauses [`Backoff::FIRST`] again.
-    pub fn succeeded(&mut self) {
+    pub(crate) fn succeeded(&mut self) {
         self.next = Self::FIRST;
     }
 }
 
 /// Whether an accept error means the process or system is out of resources.
-pub fn is_resource_error(e: &io::Error) -> bool {
+pub(crate) fn is_resource_error(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
         Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
@@ -81,7 +81,7 @@ pub fn is_resource_error(e: &io::Error) -> bool {
 }
 
 /// What a connection task gets.
-pub struct Accepted<S> {
+pub(crate) struct Accepted<S> {
     /// The client stream.
     pub stream: S,
     /// Keeps the connection counted in the tracker.
@@ -92,7 +92,7 @@ pub struct Accepted<S> {
 
 /// Where accepted connections are counted and admitted.
 #[derive(Clone)]
-pub struct Admission {
+pub(crate) struct Admission {
     /// Process metrics.
     pub metrics: Arc<Metrics>,
     /// The listener's handles (its name labels every line and metric).
@@ -105,7 +105,7 @@ pub struct Admission {
 
 /// Accepts on `listener` until `stop` turns true, then drops (closes) it. Every admitted
 /// connection runs `handle` in a task of its own.
-pub async fn accept_loop<L, F, Fut>(
+pub(crate) async fn accept_loop<L, F, Fut>(
     listener: L,
     admission: Admission,
     mut stop: watch::Receiver<bool>,

@@ -16,7 +16,7 @@ const HARD_STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// The drain of one process.
 #[derive(Debug)]
-pub struct Drain {
+pub(crate) struct Drain {
     listeners: watch::Sender<bool>,
     /// Open connections.
     pub tracker: Arc<Tracker>,
@@ -36,13 +36,13 @@ impl Default for Drain {
 
 impl Drain {
     /// Turns true when the accept loops must close their listeners.
-    pub fn listeners_stop(&self) -> watch::Receiver<bool> {
+    pub(crate) fn listeners_stop(&self) -> watch::Receiver<bool> {
         self.listeners.subscribe()
     }
 
     /// Closes the listeners and waits up to `timeout` for the open connections; then cuts
     /// the rest. Returns how many were cut.
-    pub async fn run(&self, timeout: Duration) -> usize {
+    pub(crate) async fn run(&self, timeout: Duration) -> usize {
         self.listeners.send_replace(true);
         tracing::info!(
             active = self.tracker.active(),

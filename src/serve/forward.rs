@@ -17,7 +17,7 @@ const REJECT_LINGER: Duration = Duration::from_secs(1);
 
 /// What the client is told once the backend is decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reply {
+pub(crate) enum Reply {
     /// Nothing (TLS passthrough, PROXY-destination, the node): a failure just closes.
     None,
     /// An HTTP status: `200` once connected, `502`/`504` when every backend failed.
@@ -26,7 +26,7 @@ pub enum Reply {
 
 /// How a forwarded connection is relayed.
 #[derive(Debug, Clone, Copy)]
-pub struct Relaying<'a> {
+pub(crate) struct Relaying<'a> {
     /// Idle, half-close, lifetime and progress bounds (the route's overrides applied by
     /// the caller).
     pub limits: relay::Limits,
@@ -36,7 +36,7 @@ pub struct Relaying<'a> {
 
 /// Dials `route` with `dialer`, answers per `reply`, writes `to_backend` (bytes read from the
 /// client so far) first, relays, and finishes `record`.
-pub async fn forward<C: Leg, D: Dialer>(
+pub(crate) async fn forward<C: Leg, D: Dialer>(
     client: &mut C,
     to_backend: Vec<u8>,
     mut record: ConnRecord,
@@ -102,7 +102,7 @@ pub async fn forward<C: Leg, D: Dialer>(
 
 /// Writes `bytes` (an alert or an error response), half-closes, and lets the client read
 /// them before the stream closes (closing with unread input would send a reset).
-pub async fn reject_with<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, bytes: &[u8]) {
+pub(crate) async fn reject_with<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, bytes: &[u8]) {
     // Boxed: this rarely taken path must not enlarge every connection's task.
     let _ = Box::pin(tokio::time::timeout(REJECT_LINGER, async {
         stream.write_all(bytes).await?;

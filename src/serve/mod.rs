@@ -6,8 +6,8 @@
 //! Roles (gateway, node) are wiring on top of this; nothing here knows a listener protocol
 //! or a configuration file format.
 
-pub mod accept;
-pub mod drain;
-pub mod forward;
-pub mod record;
-pub mod tracker;
+pub(crate) mod accept;
+pub(crate) mod drain;
+pub(crate) mod forward;
+pub(crate) mod record;
+pub(crate) mod tracker;

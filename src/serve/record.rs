@@ -18,11 +18,10 @@ use crate::net::dial::DialError;
 use crate::net::relay::{End, Stats};
 use crate::wire::proxy::ProxyInfo;
 
-/// How a downstream connection was classified (metric label `outcome`).
+/// Why a downstream connection was rejected (metric label `outcome`; the `routed` outcome
+/// is counted through [`ListenerMetrics::routed`], resolved once per listener).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// A route was chosen and a backend dialed.
-    Routed,
+pub(crate) enum Outcome {
     /// No route for the name, destination or PROXY destination.
     NoRoute,
     /// An `sni` listener got something that is not TLS.
@@ -33,23 +32,19 @@ pub enum Outcome {
     Timeout,
     /// A connection limit (global or per source).
     Limited,
-    /// The client is outside the route's allowed source ranges.
-    Denied,
     /// The client closed before routing.
     ClosedEarly,
 }
 
 impl Outcome {
     /// The metric label and access-log reason.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
-            Outcome::Routed => "routed",
             Outcome::NoRoute => "no_route",
             Outcome::NotTls => "not_tls",
             Outcome::BadRequest => "bad_request",
             Outcome::Timeout => "timeout",
             Outcome::Limited => "limited",
-            Outcome::Denied => "denied",
             Outcome::ClosedEarly => "closed_early",
         }
     }
@@ -57,7 +52,7 @@ impl Outcome {
 
 /// Why a connection ended (access log `reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
+pub(crate) enum Reason {
     /// Rejected before routing.
     Rejected(Outcome),
     /// Routed, but no backend stream could be had (`error:<kind>`).
@@ -87,7 +82,7 @@ impl fmt::Display for Reason {
 
 /// One connection's record.
 #[derive(Debug)]
-pub struct ConnRecord {
+pub(crate) struct ConnRecord {
     metrics: Arc<Metrics>,
     listener: Arc<ListenerMetrics>,
     /// Client address (the PROXY source when present).
@@ -114,7 +109,7 @@ pub struct ConnRecord {
 impl ConnRecord {
     /// Starts the record of a connection from `peer` accepted at `accepted_at`; it counts
     /// in the listener's active gauge until finished.
-    pub fn new(
+    pub(crate) fn new(
         metrics: Arc<Metrics>,
         listener: Arc<ListenerMetrics>,
         peer: SocketAddr,
@@ -139,7 +134,7 @@ impl ConnRecord {
 
     /// Counts and logs a connection refused at accept (over the connection limit): it never
     /// counted as active, so only its outcome and its line are recorded.
-    pub fn refuse_at_accept(
+    pub(crate) fn refuse_at_accept(
         metrics: Arc<Metrics>,
         listener: Arc<ListenerMetrics>,
         peer: SocketAddr,
@@ -151,27 +146,27 @@ impl ConnRecord {
     }
 
     /// When the connection was accepted.
-    pub fn accepted_at(&self) -> Instant {
+    pub(crate) fn accepted_at(&self) -> Instant {
         self.accepted_at
     }
 
     /// The listener's name.
-    pub fn listener(&self) -> &str {
+    pub(crate) fn listener(&self) -> &str {
         &self.listener.listener
     }
 
     /// The listener's handles.
-    pub fn listener_metrics(&self) -> &ListenerMetrics {
+    pub(crate) fn listener_metrics(&self) -> &ListenerMetrics {
         &self.listener
     }
 
     /// The process's metrics.
-    pub fn metrics(&self) -> &Metrics {
+    pub(crate) fn metrics(&self) -> &Metrics {
         &self.metrics
     }
 
     /// Records a PROXY header: its source becomes the client address.
-    pub fn set_proxy(&mut self, info: &ProxyInfo) {
+    pub(crate) fn set_proxy(&mut self, info: &ProxyInfo) {
         if let Some(source) = info.source() {
             self.client = crate::net::socket::normalize(source);
         }
@@ -185,7 +180,7 @@ impl ConnRecord {
 
     /// Marks the connection routed to `route`: counts it (outcome `routed`, the route's
     /// total and active) and returns the route's handles.
-    pub fn routed(&mut self, route: &str) -> Arc<RouteMetrics> {
+    pub(crate) fn routed(&mut self, route: &str) -> Arc<RouteMetrics> {
         self.listener.routed.inc();
         let rm = self.metrics.route(route);
         rm.total.inc();
@@ -195,24 +190,24 @@ impl ConnRecord {
     }
 
     /// The route's name, once routed.
-    pub fn route(&self) -> Option<&str> {
+    pub(crate) fn route(&self) -> Option<&str> {
         self.route.as_deref().map(|r| r.route.as_str())
     }
 
     /// Rejects the connection before routing: counts `outcome` and finishes the record.
-    pub fn reject(mut self, outcome: Outcome, detail: &str) {
+    pub(crate) fn reject(mut self, outcome: Outcome, detail: &str) {
         self.metrics.outcome(self.listener(), outcome.as_str());
         tracing::debug!(listener = %self.listener(), client = %self.client, outcome = outcome.as_str(), detail, "connection rejected");
         self.record(Reason::Rejected(outcome), Stats::default());
     }
 
     /// Finishes the record: the access-log line and the end-of-connection metrics.
-    pub fn finish(mut self, reason: Reason, stats: Stats) {
+    pub(crate) fn finish(mut self, reason: Reason, stats: Stats) {
         self.record(reason, stats);
     }
 
     /// A periodic line for a connection still open.
-    pub fn progress(&self, stats: Stats) {
+    pub(crate) fn progress(&self, stats: Stats) {
         self.line(stats, Reason::Relay(End::ClientClosed), true);
     }
 

@@ -10,7 +10,7 @@ use tokio::sync::Notify;
 
 /// Counts open connections, globally and per source, and wakes the drain when none is left.
 #[derive(Debug, Default)]
-pub struct Tracker {
+pub(crate) struct Tracker {
     active: AtomicUsize,
     per_source: Mutex<HashMap<IpAddr, usize>>,
     idle: Notify,
@@ -18,19 +18,19 @@ pub struct Tracker {
 
 /// One open connection in the [`Tracker`]; released on drop.
 #[derive(Debug)]
-pub struct ConnGuard {
+pub(crate) struct ConnGuard {
     tracker: Arc<Tracker>,
     source: Option<IpAddr>,
 }
 
 impl Tracker {
     /// Connections open now.
-    pub fn active(&self) -> usize {
+    pub(crate) fn active(&self) -> usize {
         self.active.load(Ordering::SeqCst)
     }
 
     /// Admits a connection unless `max` are open.
-    pub fn admit(self: &Arc<Self>, max: usize) -> Option<ConnGuard> {
+    pub(crate) fn admit(self: &Arc<Self>, max: usize) -> Option<ConnGuard> {
         if self.active.fetch_add(1, Ordering::SeqCst) >= max {
             self.release(None);
             return None;
@@ -57,7 +57,7 @@ impl Tracker {
     }
 
     /// Waits until no connection is open.
-    pub async fn wait_idle(&self) {
+    pub(crate) async fn wait_idle(&self) {
         loop {
             let notified = self.idle.notified();
             tokio::pin!(notified);
@@ -73,7 +73,7 @@ impl Tracker {
 impl ConnGuard {
     /// Counts the connection against `source` (the PROXY source when present); false if
     /// `source` already has `per_source` connections (0 = unlimited).
-    pub fn limit_source(&mut self, source: IpAddr, per_source: usize) -> bool {
+    pub(crate) fn limit_source(&mut self, source: IpAddr, per_source: usize) -> bool {
         if per_source == 0 || self.source.is_some() {
             return true;
         }

@@ -2,7 +2,7 @@
 //! real peers (rustls clients and servers, plain TCP backends, openssl, curl).
 #![allow(dead_code)]
 
-pub mod netns;
+pub(crate) mod netns;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream as StdTcpStream};
@@ -16,13 +16,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_trellis");
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_trellis");
 
 /// A directory removed when dropped.
-pub struct TestDir(pub PathBuf);
+pub(crate) struct TestDir(pub PathBuf);
 
 impl TestDir {
-    pub fn new(name: &str) -> TestDir {
+    pub(crate) fn new(name: &str) -> TestDir {
         static N: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "trellis-test-{name}-{}-{}",
@@ -33,7 +33,7 @@ impl TestDir {
         std::fs::create_dir_all(&dir).unwrap();
         TestDir(dir)
     }
-    pub fn path(&self, name: &str) -> PathBuf {
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.0.join(name)
     }
 }
@@ -45,13 +45,13 @@ impl Drop for TestDir {
 }
 
 /// A port that was free a moment ago.
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     free_ports(1)[0]
 }
 
 /// `n` distinct free ports: the probes stay bound until all are picked, so the kernel cannot
 /// hand out one port twice (which once gave a gateway's admin and a listener the same port).
-pub fn free_ports(n: usize) -> Vec<u16> {
+pub(crate) fn free_ports(n: usize) -> Vec<u16> {
     let probes: Vec<std::net::TcpListener> = (0..n)
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
@@ -62,7 +62,7 @@ pub fn free_ports(n: usize) -> Vec<u16> {
 }
 
 /// Polls `f` until it returns `Some` or `limit` passes.
-pub fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+pub(crate) fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let start = Instant::now();
     loop {
         if let Some(v) = f() {
@@ -76,7 +76,7 @@ pub fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<
 }
 
 /// `GET path` on `addr`; returns (status, body).
-pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+pub(crate) fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     let mut s = StdTcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
     write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
@@ -91,14 +91,14 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
 }
 
 /// One route for [`routes_yaml`].
-pub struct R<'a> {
+pub(crate) struct R<'a> {
     pub name: &'a str,
     pub sni: &'a [&'a str],
     pub backends: &'a [SocketAddr],
 }
 
 /// Renders a routing table.
-pub fn routes_yaml(routes: &[R]) -> String {
+pub(crate) fn routes_yaml(routes: &[R]) -> String {
     let mut out =
         String::from("apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes:\n");
     for r in routes {
@@ -119,7 +119,7 @@ pub fn routes_yaml(routes: &[R]) -> String {
 }
 
 /// A running gateway process.
-pub struct Gateway {
+pub(crate) struct Gateway {
     pub child: Child,
     pub tls: SocketAddr,
     pub admin: SocketAddr,
@@ -130,16 +130,16 @@ pub struct Gateway {
 impl Gateway {
     /// Starts `trellis gateway` with one `sni` listener named `tls`; `extra` is appended to
     /// the configuration (timeouts, limits, ...), `listener_extra` to the listener.
-    pub fn start(routes: &str, extra: &str) -> Gateway {
+    pub(crate) fn start(routes: &str, extra: &str) -> Gateway {
         Self::start_with(routes, extra, "")
     }
 
-    pub fn start_with(routes: &str, extra: &str, listener_extra: &str) -> Gateway {
+    pub(crate) fn start_with(routes: &str, extra: &str, listener_extra: &str) -> Gateway {
         Self::start_opts(routes, extra, listener_extra, "routes: {file: routes.yaml}")
     }
 
     /// Full control: `routes_source` is the `routes:` line of the configuration.
-    pub fn start_opts(
+    pub(crate) fn start_opts(
         routes: &str,
         extra: &str,
         listener_extra: &str,
@@ -155,7 +155,11 @@ impl Gateway {
 
     /// Starts with the given listeners: (name, protocol, extra listener fields as YAML lines
     /// indented by two spaces). `tls` is the first listener's address.
-    pub fn start_listeners(routes: &str, listeners: &[(&str, &str, &str)], extra: &str) -> Gateway {
+    pub(crate) fn start_listeners(
+        routes: &str,
+        listeners: &[(&str, &str, &str)],
+        extra: &str,
+    ) -> Gateway {
         Self::start_full(routes, listeners, extra, "routes: {file: routes.yaml}")
     }
 
@@ -219,7 +223,7 @@ admin: {{address: \"{admin}\"}}
     }
 
     /// The address of listener `name`.
-    pub fn addr(&self, name: &str) -> SocketAddr {
+    pub(crate) fn addr(&self, name: &str) -> SocketAddr {
         self.listeners
             .iter()
             .find(|(n, _)| n == name)
@@ -228,7 +232,7 @@ admin: {{address: \"{admin}\"}}
     }
 
     /// Access-log lines (JSON objects) written so far.
-    pub fn access_logs(&self) -> Vec<serde_json::Value> {
+    pub(crate) fn access_logs(&self) -> Vec<serde_json::Value> {
         self.logs()
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -237,41 +241,44 @@ admin: {{address: \"{admin}\"}}
     }
 
     /// Waits for an access-log line for which `pred` holds.
-    pub fn wait_access_log(&self, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    pub(crate) fn wait_access_log(
+        &self,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
         wait_for(Duration::from_secs(10), || {
             self.access_logs().into_iter().find(|v| pred(v))
         })
         .unwrap_or_else(|| panic!("no matching access log line in:\n{}", self.logs()))
     }
 
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
-    pub fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         std::fs::read_to_string(self.dir.path("gateway.log")).unwrap_or_default()
     }
 
     /// Replaces the routing table atomically (write, rename), as the controller does.
-    pub fn write_routes(&self, yaml: &str) {
+    pub(crate) fn write_routes(&self, yaml: &str) {
         let tmp = self.dir.path(".routes.yaml.tmp");
         std::fs::write(&tmp, yaml).unwrap();
         std::fs::rename(&tmp, self.dir.path("routes.yaml")).unwrap();
     }
 
-    pub fn metrics(&self) -> String {
+    pub(crate) fn metrics(&self) -> String {
         http_get(self.admin, "/metrics")
             .map(|(_, b)| b)
             .unwrap_or_default()
     }
 
     /// The value of the sample whose name and labels start with `prefix` (0 if absent).
-    pub fn metric(&self, prefix: &str) -> f64 {
+    pub(crate) fn metric(&self, prefix: &str) -> f64 {
         metric_in(&self.metrics(), prefix)
     }
 
     /// Waits until the metric satisfies `pred`; returns its value.
-    pub fn wait_metric(&self, prefix: &str, pred: impl Fn(f64) -> bool) -> f64 {
+    pub(crate) fn wait_metric(&self, prefix: &str, pred: impl Fn(f64) -> bool) -> f64 {
         let v = wait_for(Duration::from_secs(10), || {
             let v = self.metric(prefix);
             pred(v).then_some(v)
@@ -285,7 +292,7 @@ admin: {{address: \"{admin}\"}}
         })
     }
 
-    pub fn signal(&self, sig: &str) {
+    pub(crate) fn signal(&self, sig: &str) {
         let status = Command::new("kill")
             .args([&format!("-{sig}"), &self.pid().to_string()])
             .status()
@@ -294,7 +301,7 @@ admin: {{address: \"{admin}\"}}
     }
 
     /// Open file descriptors of the gateway process.
-    pub fn fd_count(&self) -> usize {
+    pub(crate) fn fd_count(&self) -> usize {
         std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
             .map(|d| d.count())
             .unwrap_or(0)
@@ -308,7 +315,7 @@ impl Drop for Gateway {
     }
 }
 
-pub fn metric_in(text: &str, prefix: &str) -> f64 {
+pub(crate) fn metric_in(text: &str, prefix: &str) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(prefix))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -317,7 +324,7 @@ pub fn metric_in(text: &str, prefix: &str) -> f64 {
 
 /// A TLS server (rustls) with its own self-signed certificate; answers any request with an
 /// HTTP response whose body is its name.
-pub struct TlsBackend {
+pub(crate) struct TlsBackend {
     pub addr: SocketAddr,
     pub name: String,
     pub cert_der: Vec<u8>,
@@ -326,7 +333,7 @@ pub struct TlsBackend {
 }
 
 impl TlsBackend {
-    pub async fn start(name: &str, sans: &[&str]) -> TlsBackend {
+    pub(crate) async fn start(name: &str, sans: &[&str]) -> TlsBackend {
         let ck = rcgen::generate_simple_self_signed(
             sans.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
         )
@@ -382,7 +389,7 @@ impl TlsBackend {
         }
     }
 
-    pub fn write_pem(&self, dir: &TestDir) -> PathBuf {
+    pub(crate) fn write_pem(&self, dir: &TestDir) -> PathBuf {
         let p = dir.path(&format!("{}.pem", self.name));
         std::fs::write(&p, &self.cert_pem).unwrap();
         p
@@ -390,7 +397,7 @@ impl TlsBackend {
 }
 
 /// What a rustls client saw.
-pub struct TlsResult {
+pub(crate) struct TlsResult {
     pub body: String,
     pub peer_cert: Vec<u8>,
     pub group: Option<rustls::NamedGroup>,
@@ -398,7 +405,7 @@ pub struct TlsResult {
 
 /// Connects through `addr` with SNI `sni`, trusting only `trust`'s certificate, and sends a
 /// GET. `mss` forces small TCP segments so the ClientHello spans several of them.
-pub async fn tls_get(
+pub(crate) async fn tls_get(
     addr: SocketAddr,
     sni: &str,
     trust: &TlsBackend,
@@ -433,7 +440,7 @@ pub async fn tls_get(
 }
 
 /// A rustls connector that trusts only `backend`'s certificate.
-pub fn trusting(backend: &TlsBackend) -> tokio_rustls::TlsConnector {
+pub(crate) fn trusting(backend: &TlsBackend) -> tokio_rustls::TlsConnector {
     let mut roots = rustls::RootCertStore::empty();
     roots
         .add(rustls::pki_types::CertificateDer::from(
@@ -446,7 +453,10 @@ pub fn trusting(backend: &TlsBackend) -> tokio_rustls::TlsConnector {
     tokio_rustls::TlsConnector::from(Arc::new(config))
 }
 
-pub async fn connect_with_mss(addr: SocketAddr, mss: Option<u32>) -> std::io::Result<TcpStream> {
+pub(crate) async fn connect_with_mss(
+    addr: SocketAddr,
+    mss: Option<u32>,
+) -> std::io::Result<TcpStream> {
     let sock = tokio::net::TcpSocket::new_v4()?;
     if let Some(mss) = mss {
         socket2::SockRef::from(&sock).set_tcp_mss(mss)?;
@@ -456,7 +466,7 @@ pub async fn connect_with_mss(addr: SocketAddr, mss: Option<u32>) -> std::io::Re
 }
 
 /// A real ClientHello, as rustls (with its default post-quantum key share) writes it.
-pub fn rustls_client_hello(sni: &str) -> Vec<u8> {
+pub(crate) fn rustls_client_hello(sni: &str) -> Vec<u8> {
     let config = rustls::ClientConfig::builder()
         .with_root_certificates(rustls::RootCertStore::empty())
         .with_no_client_auth();
@@ -471,13 +481,13 @@ pub fn rustls_client_hello(sni: &str) -> Vec<u8> {
 
 /// A plain TCP backend: reads each connection to EOF (or `limit` bytes), reports what it
 /// read, answers `reply` and closes.
-pub struct RawBackend {
+pub(crate) struct RawBackend {
     pub addr: SocketAddr,
     pub received: mpsc::UnboundedReceiver<Vec<u8>>,
 }
 
 impl RawBackend {
-    pub async fn start(reply: &'static [u8], limit: usize) -> RawBackend {
+    pub(crate) async fn start(reply: &'static [u8], limit: usize) -> RawBackend {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, received) = mpsc::unbounded_channel();
@@ -505,7 +515,7 @@ impl RawBackend {
         RawBackend { addr, received }
     }
 
-    pub async fn next(&mut self) -> Vec<u8> {
+    pub(crate) async fn next(&mut self) -> Vec<u8> {
         tokio::time::timeout(Duration::from_secs(10), self.received.recv())
             .await
             .expect("backend got no connection")
@@ -514,7 +524,7 @@ impl RawBackend {
 }
 
 /// An echo backend: writes back everything, half-closes after the client does.
-pub async fn echo_backend() -> SocketAddr {
+pub(crate) async fn echo_backend() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -533,14 +543,14 @@ pub async fn echo_backend() -> SocketAddr {
 }
 
 /// Reads until EOF with a time limit.
-pub async fn read_all(s: &mut TcpStream, limit: Duration) -> std::io::Result<Vec<u8>> {
+pub(crate) async fn read_all(s: &mut TcpStream, limit: Duration) -> std::io::Result<Vec<u8>> {
     let mut out = Vec::new();
     tokio::time::timeout(limit, s.read_to_end(&mut out)).await??;
     Ok(out)
 }
 
 /// Runs a command with a time limit; returns (status success, stdout + stderr).
-pub fn run(cmd: &mut Command, stdin: &[u8], limit: Duration) -> (bool, String) {
+pub(crate) fn run(cmd: &mut Command, stdin: &[u8], limit: Duration) -> (bool, String) {
     let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -576,6 +586,6 @@ pub fn run(cmd: &mut Command, stdin: &[u8], limit: Duration) -> (bool, String) {
     }
 }
 
-pub fn exists(path: &Path) -> bool {
+pub(crate) fn exists(path: &Path) -> bool {
     path.exists()
 }

@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use super::TestDir;
 
 /// Namespaces, processes and files of one test; all removed on drop.
-pub struct Lab {
+pub(crate) struct Lab {
     pub namespaces: Vec<String>,
     pub children: Vec<Child>,
     pub dir: TestDir,
@@ -27,7 +27,7 @@ impl Drop for Lab {
 }
 
 /// Why namespace tests cannot run here, if they cannot.
-pub fn skip_reason(tools: &[&str]) -> Option<String> {
+pub(crate) fn skip_reason(tools: &[&str]) -> Option<String> {
     if !rustix::process::geteuid().is_root() {
         return Some("not root".into());
     }
@@ -54,7 +54,7 @@ fn ok(c: &mut Command) -> bool {
 
 impl Lab {
     /// Creates namespaces named `trellis-<name>-<pid>` with `lo` up.
-    pub fn new(names: &[&str]) -> Lab {
+    pub(crate) fn new(names: &[&str]) -> Lab {
         let id = std::process::id() % 100_000;
         let lab = Lab {
             namespaces: names.iter().map(|n| format!("trellis-{n}-{id}")).collect(),
@@ -73,12 +73,12 @@ impl Lab {
     }
 
     /// The full name of namespace `i`.
-    pub fn ns(&self, i: usize) -> String {
+    pub(crate) fn ns(&self, i: usize) -> String {
         self.namespaces[i].clone()
     }
 
     /// Joins namespaces `a` and `b` with a veth pair; `addr_a`/`addr_b` are CIDRs.
-    pub fn veth(&self, a: usize, addr_a: &str, b: usize, addr_b: &str) {
+    pub(crate) fn veth(&self, a: usize, addr_a: &str, b: usize, addr_b: &str) {
         let id = std::process::id() % 100_000;
         let (va, vb) = (format!("tv{a}{id}"), format!("tv{b}{id}x"));
         assert!(ok(Command::new("ip").args([
@@ -105,30 +105,30 @@ impl Lab {
     }
 
     /// Makes `name` resolve to `ip` inside namespace `ns` (`ip netns exec` bind-mounts it).
-    pub fn hosts(&self, ns: &str, entries: &str) {
+    pub(crate) fn hosts(&self, ns: &str, entries: &str) {
         std::fs::create_dir_all(format!("/etc/netns/{ns}")).unwrap();
         std::fs::write(format!("/etc/netns/{ns}/hosts"), entries).unwrap();
     }
 
-    pub fn exec(&self, ns: &str, args: &[&str]) -> Command {
+    pub(crate) fn exec(&self, ns: &str, args: &[&str]) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", ns]).args(args);
         c
     }
 
     /// Runs a command in `ns`; true if it succeeded.
-    pub fn sh(&self, ns: &str, args: &[&str]) -> bool {
+    pub(crate) fn sh(&self, ns: &str, args: &[&str]) -> bool {
         ok(&mut self.exec(ns, args))
     }
 
     /// Runs a command in `ns` and returns its stdout.
-    pub fn output(&self, ns: &str, args: &[&str]) -> String {
+    pub(crate) fn output(&self, ns: &str, args: &[&str]) -> String {
         let out = self.exec(ns, args).output().unwrap();
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     /// Starts a long-running process in `ns`, logging to `log`; returns its index.
-    pub fn spawn(&mut self, ns: &str, args: &[&str], log: &Path) -> usize {
+    pub(crate) fn spawn(&mut self, ns: &str, args: &[&str], log: &Path) -> usize {
         let log = std::fs::File::create(log).unwrap();
         let child = self
             .exec(ns, args)
@@ -141,14 +141,20 @@ impl Lab {
     }
 
     /// Starts `trellis <role> --config <config>` (JSON logs) in `ns`, logging to `log`.
-    pub fn spawn_trellis(&mut self, ns: &str, role: &str, config: &Path, log: &Path) -> usize {
+    pub(crate) fn spawn_trellis(
+        &mut self,
+        ns: &str,
+        role: &str,
+        config: &Path,
+        log: &Path,
+    ) -> usize {
         let config = config.to_str().unwrap();
         let args = [super::BIN, "--log-format", "json", role, "--config", config];
         self.spawn(ns, &args, log)
     }
 
     /// GET `http://addr/path` from inside `ns`.
-    pub fn http_get(&self, ns: &str, addr: &str, path: &str) -> (u16, String) {
+    pub(crate) fn http_get(&self, ns: &str, addr: &str, path: &str) -> (u16, String) {
         let out = self.output(
             ns,
             &[

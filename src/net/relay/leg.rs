@@ -9,7 +9,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 /// One side of a relayed connection.
-pub trait Leg: AsyncRead + AsyncWrite + Unpin {
+pub(crate) trait Leg: AsyncRead + AsyncWrite + Unpin {
     /// The kernel TCP socket this leg is, if it is one. When both legs are, the relay moves
     /// bytes with readiness-driven reads and writes and with `splice(2)`; otherwise it uses
     /// `poll_read`/`poll_write`/`poll_shutdown`.

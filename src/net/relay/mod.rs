@@ -31,15 +31,15 @@ use tokio::time::{Instant, Sleep, sleep_until};
 
 use copy::{Dir, Meter, Op};
 use deadline::{Deadlines, Due};
-pub use leg::Leg;
-pub use stop::Stop;
+pub(crate) use leg::Leg;
+pub(crate) use stop::Stop;
 
 /// Most bytes moved by one splice call (also the pipe size asked for).
 const SPLICE_CHUNK: usize = 1024 * 1024;
 
 /// Bounds of one relayed connection.
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// Close after this long without bytes in either direction.
     pub idle: Duration,
     /// Close this long after the first direction ended, if the other has not.
@@ -52,7 +52,7 @@ pub struct Limits {
 
 /// Counters a relay updates per write.
 #[derive(Debug, Clone, Copy)]
-pub struct Counters<'a> {
+pub(crate) struct Counters<'a> {
     /// Bytes from the client.
     pub rx: &'a Counter,
     /// Bytes to the client.
@@ -63,7 +63,7 @@ pub struct Counters<'a> {
 
 /// The kind of an I/O error that ended a relay (access log `error:<kind>`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IoKind {
+pub(crate) enum IoKind {
     /// Connection reset by the peer.
     Reset,
     /// Writing to a peer that has gone.
@@ -78,7 +78,7 @@ pub enum IoKind {
 
 impl IoKind {
     /// The kind of `e`.
-    pub fn of(e: &io::Error) -> Self {
+    pub(crate) fn of(e: &io::Error) -> Self {
         match e.kind() {
             io::ErrorKind::ConnectionReset => IoKind::Reset,
             io::ErrorKind::BrokenPipe => IoKind::BrokenPipe,
@@ -89,7 +89,7 @@ impl IoKind {
     }
 
     /// The stable name.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             IoKind::Reset => "reset",
             IoKind::BrokenPipe => "broken_pipe",
@@ -102,7 +102,7 @@ impl IoKind {
 
 /// Why a relayed connection ended (access log `reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum End {
+pub(crate) enum End {
     /// The client finished first (and then the backend, or the half-close bound hit).
     ClientClosed,
     /// The backend finished first.
@@ -132,7 +132,7 @@ impl fmt::Display for End {
 
 /// Bytes moved by a relay.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stats {
+pub(crate) struct Stats {
     /// From the client to the backend (including replayed bytes).
     pub rx: u64,
     /// From the backend to the client.
@@ -148,7 +148,7 @@ pub struct Stats {
 /// connection's task then holds a few hundred bytes of relay state instead of two nested
 /// copy futures, a drain future and their wait-list nodes.
 #[allow(clippy::too_many_arguments)]
-pub fn relay<'a, C: Leg, B: Leg>(
+pub(crate) fn relay<'a, C: Leg, B: Leg>(
     client: &'a mut C,
     backend: &'a mut B,
     to_backend: Vec<u8>,
@@ -179,7 +179,7 @@ pub fn relay<'a, C: Leg, B: Leg>(
 }
 
 /// The future [`relay`] returns; resolves to why the relay ended and what it carried.
-pub struct Relay<'a, C, B> {
+pub(crate) struct Relay<'a, C, B> {
     client: &'a mut C,
     backend: &'a mut B,
     /// Client to backend.

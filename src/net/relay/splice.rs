@@ -1,6 +1,9 @@
 //! Zero-copy relaying of bulk flows with `splice(2)` through a pipe, for two kernel TCP
 //! sockets. It never sees the bytes it moves.
 
+// The one `ioctl` (SIOCATMARK) that neither rustix nor socket2 offers.
+#![allow(unsafe_code)]
+
 use std::io;
 use std::os::fd::OwnedFd;
 

@@ -9,7 +9,7 @@ use std::task::Waker;
 /// Cuts every relay at once (the end of a drain) without a future per connection: each
 /// relay leaves its task's waker here, and [`Stop::stop`] wakes them all.
 #[derive(Debug, Default)]
-pub struct Stop {
+pub(crate) struct Stop {
     stopped: AtomicBool,
     slots: Mutex<Slots>,
 }
@@ -22,7 +22,7 @@ struct Slots {
 
 impl Stop {
     /// Ends every relay, present and future, with [`End::Drain`].
-    pub fn stop(&self) {
+    pub(crate) fn stop(&self) {
         self.stopped.store(true, Ordering::SeqCst);
         let wakers: Vec<Waker> = {
             let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
@@ -35,7 +35,7 @@ impl Stop {
     }
 
     /// Whether [`Stop::stop`] was called.
-    pub fn is_stopped(&self) -> bool {
+    pub(crate) fn is_stopped(&self) -> bool {
         self.stopped.load(Ordering::SeqCst)
     }
 
