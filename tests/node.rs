@@ -1,6 +1,7 @@
-//! `trellis node` on loopback, without root: no managed address, a real gateway behind it.
-//! Bytes cross the node's CONNECT tunnel unchanged, TCP urgent data included, in both
-//! directions.
+//! `trellis node` on loopback, without root: no managed address, and a real gateway or a
+//! scripted one behind it. Bytes cross the node's CONNECT tunnel unchanged, TCP urgent data
+//! included, in both directions; the gateway's first tunnel bytes reach the client; a
+//! refused tunnel is counted.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
@@ -20,6 +21,7 @@ const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.l
 struct Node {
     child: Child,
     listen: SocketAddr,
+    admin: SocketAddr,
     dir: TestDir,
 }
 
@@ -58,7 +60,12 @@ admin: {{address: \"{admin}\"}}
             .stderr(log)
             .spawn()
             .unwrap();
-        let node = Node { child, listen, dir };
+        let node = Node {
+            child,
+            listen,
+            admin,
+            dir,
+        };
         let ready = wait_for(Duration::from_secs(20), || {
             matches!(http_get(admin, "/ready"), Some((200, _))).then_some(())
         });
@@ -68,6 +75,17 @@ admin: {{address: \"{admin}\"}}
 
     fn logs(&self) -> String {
         std::fs::read_to_string(self.dir.path("node.log")).unwrap_or_default()
+    }
+
+    /// The first access-log line of a finished connection.
+    fn wait_access_log(&self) -> serde_json::Value {
+        wait_for(Duration::from_secs(10), || {
+            self.logs()
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .find(|l| l["target"] == "trellis::access" && l["periodic"] == false)
+        })
+        .unwrap_or_else(|| panic!("no access log line:\n{}", self.logs()))
     }
 }
 
@@ -125,31 +143,100 @@ async fn a_clients_urgent_data_crosses_the_node_inline() {
     );
 }
 
-/// A backend's urgent byte reaches the client through the gateway and the node in place.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_backends_urgent_data_crosses_the_node_inline() {
+/// A scripted CONNECT gateway: reads the request head, then runs `script` on the socket.
+async fn fake_gateway<F, Fut>(script: F) -> SocketAddr
+where
+    F: FnOnce(TcpStream, String) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let backend = listener.local_addr().unwrap();
+    let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            s.read_exact(&mut byte).await.unwrap();
+            head.push(byte[0]);
+        }
+        script(s, String::from_utf8(head).unwrap()).await;
+    });
+    addr
+}
+
+/// The gateway's first tunnel bytes, sent with the `200` in one segment, reach the client
+/// and are counted; then urgent data from the gateway's side crosses the node's upstream
+/// socket in place.
+#[tokio::test(flavor = "multi_thread")]
+async fn early_bytes_and_urgent_data_from_the_gateway_reach_the_client() {
+    let gateway = fake_gateway(|mut s, head| async move {
+        assert!(head.starts_with("CONNECT "), "{head}");
+        assert!(
+            head.contains(&format!("X-Gardener-Destination: {DEST}\r\n")),
+            "{head}"
+        );
+        s.write_all(b"HTTP/1.1 200 Connection established\r\n\r\nearly")
+            .await
+            .unwrap();
         send_with_urgent_byte(&mut s, b'y').await;
         s.shutdown().await.unwrap();
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest).await;
-    });
-    let gw = gateway_to(backend);
-    let node = Node::start(gw.addr("connect"));
+    })
+    .await;
+    let node = Node::start(gateway);
     let mut s = TcpStream::connect(node.listen).await.unwrap();
     let mut got = Vec::new();
     tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut got))
         .await
         .expect("the download ends")
         .unwrap();
+    assert!(
+        got.starts_with(b"early"),
+        "the bytes after the response head come first"
+    );
+    let got = &got[5..];
     let urgent_at = got.iter().position(|&b| b == b'!');
     assert_eq!(
         (got.len(), urgent_at),
         ((4 << 20) + 1, Some(2 << 20)),
         "every byte, the urgent one in place\n{}",
         node.logs()
+    );
+    drop(s);
+    let line = node.wait_access_log();
+    assert_eq!(line["tx_bytes"], 5 + (4 << 20) + 1, "{line}");
+    assert_eq!(line["reason"], "backend_closed", "{line}");
+}
+
+/// A gateway that refuses the tunnel: the client is closed, and the failure is counted and
+/// logged as the gateway's rejection.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_tunnel_closes_the_client_and_is_counted() {
+    let gateway = fake_gateway(|mut s, _| async move {
+        s.write_all(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest).await;
+    })
+    .await;
+    let node = Node::start(gateway);
+    let mut s = TcpStream::connect(node.listen).await.unwrap();
+    let got = read_all(&mut s, Duration::from_secs(10)).await.unwrap();
+    assert!(
+        got.is_empty(),
+        "nothing of the gateway's answer reaches the client"
+    );
+    let line = node.wait_access_log();
+    assert_eq!(line["reason"], "error:upstream_rejected", "{line}");
+    let metrics = http_get(node.admin, "/metrics").unwrap().1;
+    assert_eq!(
+        metric_in(
+            &metrics,
+            "trellis_upstream_connect_failures_total{route=\"upstream\",reason=\"rejected\"}"
+        ),
+        1.0,
+        "{metrics}"
     );
 }

@@ -672,26 +672,28 @@ async fn half_close_bound_is_not_the_idle_timeout() {
     });
     let gw = Gateway::start(
         &one_route("hold", "hold.example.com", addr),
-        "timeouts: {halfClose: 1s, idle: 60s}",
+        "timeouts: {halfClose: 2s, idle: 60s}",
     );
     let hello = trellis::wire::tls::testing::client_hello(Some("hold.example.com"), &[], 0);
     let mut s = TcpStream::connect(gw.tls).await.unwrap();
     s.write_all(&hello).await.unwrap();
     s.shutdown().await.unwrap();
-    gw.wait_metric("trellis_half_closed_connections", |v| v == 1.0);
     let start = Instant::now();
     assert_eq!(
-        read_all(&mut s, Duration::from_secs(20)).await.unwrap(),
+        read_all(&mut s, Duration::from_secs(30)).await.unwrap(),
         b"",
         "closed long before the idle timeout"
     );
     let window = start.elapsed();
-    assert!(window <= Duration::from_secs(5), "closed after {window:?}");
+    assert!(
+        window >= Duration::from_millis(1500) && window <= Duration::from_secs(10),
+        "closed after {window:?}"
+    );
     let line = gw.wait_access_log(|l| l["route"] == "hold" && l["periodic"] == false);
     assert_eq!(line["reason"], "client_closed", "{line}");
     let duration = line["duration_ms"].as_u64().unwrap();
     assert!(
-        (1000..5000).contains(&duration),
+        (2000..10_000).contains(&duration),
         "the connection lived one halfClose: {line}"
     );
     gw.wait_metric("trellis_half_closed_connections", |v| v == 0.0);

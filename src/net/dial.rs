@@ -262,6 +262,8 @@ async fn attempt(
     deadline: Instant,
 ) -> Result<(TcpStream, SocketAddr), ConnectFailure> {
     let addrs: Vec<SocketAddr> = match address {
+        // A literal of the other family is as unusable as a name without such an address.
+        BackendAddress::Ip(a) if !family.allows(a) => Vec::new(),
         BackendAddress::Ip(a) => vec![*a],
         BackendAddress::Dns { host, port } => {
             match tokio::time::timeout_at(deadline, tokio::net::lookup_host((host.as_str(), *port)))
@@ -276,12 +278,30 @@ async fn attempt(
             }
         }
     };
+    connect_any(addrs, deadline).await
+}
+
+/// Connects to the first of `addrs` that answers by `deadline`; `Resolve` if there are none.
+async fn connect_any(
+    addrs: Vec<SocketAddr>,
+    deadline: Instant,
+) -> Result<(TcpStream, SocketAddr), ConnectFailure> {
     let mut reason = ConnectFailure::Resolve;
-    for addr in addrs {
-        match connect_addr(addr, deadline).await {
+    let count = addrs.len();
+    for (i, addr) in addrs.into_iter().enumerate() {
+        // Each address gets an equal share of what is left, as backends do: an address that
+        // swallows SYNs (one family black-holed) leaves time for the next.
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return Err(ConnectFailure::Timeout);
+        }
+        let share = (remaining / (count - i) as u32)
+            .max(MIN_ATTEMPT)
+            .min(remaining);
+        match connect_addr(addr, Instant::now() + share).await {
             Ok(stream) => return Ok((stream, addr)),
-            // The budget is spent: no time for the next address.
-            Err(Failure::Deadline) => return Err(ConnectFailure::Timeout),
+            // Its share is spent; the next address gets the rest.
+            Err(Failure::Deadline) => reason = ConnectFailure::Timeout,
             // Refused, unreachable, or the kernel gave up (its own `ETIMEDOUT`): try the next.
             Err(Failure::Io(e)) => reason = ConnectFailure::of(&e),
         }
@@ -540,6 +560,32 @@ mod tests {
         };
         assert!(matches!(e, Failure::Deadline), "{e:?}");
         assert!(started.elapsed() >= Duration::from_millis(300));
+    }
+
+    /// A name whose first address swallows SYNs still reaches its second address within
+    /// the budget, and a literal of the wrong family is not dialled.
+    #[tokio::test]
+    async fn every_address_of_a_backend_gets_a_share_of_the_budget() {
+        let (_full, black_hole) = one_slot_listener();
+        // Fill the one slot: from now on SYNs to `black_hole` are dropped.
+        let _queued = connect_addr(black_hole, soon(2000)).await.unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let good = listener.local_addr().unwrap();
+        let started = Instant::now();
+        let (_, got) = connect_any(vec![black_hole, good], soon(1000))
+            .await
+            .expect("the second address within the budget");
+        assert_eq!(got, good);
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(450) && took < Duration::from_millis(1000),
+            "half the budget on the first address: {took:?}"
+        );
+        let v4 = BackendAddress::Ip(black_hole);
+        assert_eq!(
+            attempt(&v4, IpFamily::V6, soon(1000)).await.err(),
+            Some(ConnectFailure::Resolve)
+        );
     }
 
     #[tokio::test]

@@ -133,6 +133,12 @@ impl Dir {
         matches!(self.state, State::Done)
     }
 
+    /// Whether end of stream has been read, even if forwarding it (a TLS `close_notify`)
+    /// has not finished: the half-close bound runs from here.
+    pub(crate) fn ended(&self) -> bool {
+        matches!(self.state, State::Shutdown | State::Done)
+    }
+
     /// Buffer size for what this direction has carried: small for interactive traffic,
     /// larger as a flow proves to be bulk.
     fn buf_size(&self) -> usize {
@@ -341,9 +347,10 @@ impl Dir {
                         }
                         Poll::Ready(Err(e)) => {
                             pool::give(buf);
-                            if !retry(&e) {
-                                return Poll::Ready(Err((Op::Read, e)));
+                            if let Some(poll) = not_now(cx, &e) {
+                                return poll;
                             }
+                            return Poll::Ready(Err((Op::Read, e)));
                         }
                         Poll::Ready(Ok(())) => {
                             let n = rb.filled().len();
@@ -371,8 +378,12 @@ impl Dir {
                                 self.written(State::Flush);
                             }
                         }
-                        Err(e) if retry(&e) => {}
-                        Err(e) => return Poll::Ready(Err((Op::Write, e))),
+                        Err(e) => {
+                            if let Some(poll) = not_now(cx, &e) {
+                                return poll;
+                            }
+                            return Poll::Ready(Err((Op::Write, e)));
+                        }
                     }
                 }
                 State::Flush => {
@@ -391,6 +402,16 @@ impl Dir {
             }
         }
     }
+}
+
+/// A stream that answers a poll with `WouldBlock` or `Interrupted` (which an `AsyncRead` or
+/// `AsyncWrite` should not) is polled again on the next turn of the event loop, not in a
+/// loop here: that could spin on one leg forever. `None` for any other error.
+fn not_now<T>(cx: &mut Context<'_>, e: &io::Error) -> Option<Poll<T>> {
+    retry(e).then(|| {
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
 }
 
 /// Whether an I/O error only means "not now".

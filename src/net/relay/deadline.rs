@@ -144,6 +144,25 @@ mod tests {
         assert_eq!(d.due(t0 + 4 * S), Some(Due::HalfClose));
     }
 
+    /// Both due at once: the half-close window, which says how the connection ended, wins
+    /// over idle; the lifetime wins over both.
+    #[test]
+    fn precedence_when_bounds_are_due_together() {
+        let t0 = Instant::now();
+        let mut d = Deadlines::new(t0, &limits(10, 10, None, None));
+        d.half_closed(t0);
+        assert_eq!(d.due(t0 + 10 * S), Some(Due::HalfClose));
+        let mut d = Deadlines::new(t0, &limits(10, 10, Some(10), None));
+        d.half_closed(t0);
+        assert_eq!(d.due(t0 + 10 * S), Some(Due::MaxDuration));
+        let mut d = Deadlines::new(t0, &limits(10, 10, None, Some(10)));
+        assert_eq!(
+            d.due(t0 + 10 * S),
+            Some(Due::Idle),
+            "a progress call never hides idle"
+        );
+    }
+
     #[test]
     fn lifetime_takes_precedence_and_ignores_activity() {
         let t0 = Instant::now();

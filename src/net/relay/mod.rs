@@ -343,6 +343,16 @@ impl<C: Leg, B: Leg> Future for Relay<'_, C, B> {
             let end = this.first.unwrap_or(End::ClientClosed);
             return Poll::Ready((end, this.stats()));
         }
+        // A direction still forwarding its end of stream (a pending `poll_shutdown`) has
+        // ended all the same: the other one gets `half_close` from now, not from whenever
+        // the shutdown completes.
+        if this.first.is_none() {
+            if this.up.ended() {
+                this.first = Some(End::ClientClosed);
+            } else if this.down.ended() {
+                this.first = Some(End::BackendClosed);
+            }
+        }
         if this.first.is_some() && !this.deadlines.is_half_closed() {
             this.counters.half_closed.inc();
             this.deadlines.half_closed(Instant::now());

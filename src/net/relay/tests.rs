@@ -686,3 +686,199 @@ async fn generic_path_between_a_socket_and_a_stream() {
     assert_eq!((stats.rx, stats.tx), (up.len() as u64, down.len() as u64));
     assert_eq!(relay.up.spliced + relay.down.spliced, 0);
 }
+
+impl Leg for tokio::io::BufWriter<DuplexStream> {}
+
+/// A leg that buffers writes until flushed (as a TLS stream does): request and response
+/// cross only if the relay flushes after each write, with no end of stream to help.
+#[tokio::test(start_paused = true)]
+async fn generic_path_flushes_a_buffering_leg() {
+    let (mut client, client_in) = duplex(64 * 1024);
+    let (mut backend, backend_in) = duplex(64 * 1024);
+    let mut client_in = client_in;
+    let mut backend_in = tokio::io::BufWriter::new(backend_in);
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let relay = relay(
+        &mut client_in,
+        &mut backend_in,
+        Vec::new(),
+        Vec::new(),
+        bounds(3600, 60, None, None),
+        meters.counters(),
+        &no_progress,
+        &stop,
+    );
+    let exchange = async {
+        for i in 0..3u8 {
+            client.write_all(&[b'q', i]).await.unwrap();
+            let mut got = [0u8; 2];
+            backend.read_exact(&mut got).await.unwrap();
+            assert_eq!(got, [b'q', i]);
+            backend.write_all(&[b'a', i]).await.unwrap();
+            client.read_exact(&mut got).await.unwrap();
+            assert_eq!(got, [b'a', i]);
+        }
+    };
+    tokio::select! {
+        _ = relay => panic!("the relay ended early"),
+        r = tokio::time::timeout(Duration::from_secs(10), exchange) => r.expect("no flush: stalled"),
+    }
+}
+
+/// A leg whose end-of-stream forwarding never completes (a `close_notify` that cannot be
+/// flushed): the half-close bound still runs from the end of stream, with traffic the
+/// other way keeping the idle bound away.
+#[tokio::test(start_paused = true)]
+async fn generic_half_close_bound_runs_while_the_shutdown_is_pending() {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+    struct NeverShuts(DuplexStream);
+    impl AsyncRead for NeverShuts {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.0).poll_read(cx, buf)
+        }
+    }
+    impl AsyncWrite for NeverShuts {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            Pin::new(&mut self.0).poll_write(cx, buf)
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.0).poll_flush(cx)
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Pending
+        }
+    }
+    impl Leg for NeverShuts {}
+
+    let (mut client, mut client_in) = duplex(64 * 1024);
+    let (mut backend, backend_in) = duplex(64 * 1024);
+    let mut backend_in = NeverShuts(backend_in);
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let start = tokio::time::Instant::now();
+    let relay = relay(
+        &mut client_in,
+        &mut backend_in,
+        Vec::new(),
+        Vec::new(),
+        bounds(20, 30, None, None),
+        meters.counters(),
+        &no_progress,
+        &stop,
+    );
+    let ticks = async {
+        client.shutdown().await.unwrap();
+        let mut sink = [0u8; 16];
+        // 100 s of ticks, far past the window.
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            if backend.write_all(b"tick").await.is_err() || client.read(&mut sink).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    let (end, _) = tokio::select! {
+        r = relay => r,
+        () = ticks => panic!("the relay outlived its half-close bound"),
+    };
+    assert_eq!(end, End::ClientClosed);
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_secs(30),
+        "one half_close after the end"
+    );
+    assert_eq!(meters.half.get(), 0);
+}
+
+/// A leg that answers a read with `WouldBlock` (which an `AsyncRead` should not) does not
+/// make the relay spin inside one poll: it is polled again on a later turn, and the bytes
+/// still cross.
+#[tokio::test]
+async fn generic_path_does_not_spin_on_would_block() {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+    /// Every other read is `WouldBlock`; counts reads.
+    struct Flaky(DuplexStream, u32);
+    impl AsyncRead for Flaky {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            self.1 += 1;
+            if self.1 % 2 == 1 {
+                return Poll::Ready(Err(std::io::ErrorKind::WouldBlock.into()));
+            }
+            Pin::new(&mut self.0).poll_read(cx, buf)
+        }
+    }
+    impl AsyncWrite for Flaky {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            Pin::new(&mut self.0).poll_write(cx, buf)
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.0).poll_flush(cx)
+        }
+        fn poll_shutdown(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.0).poll_shutdown(cx)
+        }
+    }
+    impl Leg for Flaky {}
+
+    let (mut client, client_in) = duplex(1024);
+    let (mut backend, mut backend_in) = duplex(1024);
+    let mut client_in = Flaky(client_in, 0);
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let relay = relay(
+        &mut client_in,
+        &mut backend_in,
+        Vec::new(),
+        Vec::new(),
+        limits(Duration::from_secs(30)),
+        meters.counters(),
+        &no_progress,
+        &stop,
+    );
+    let peers = async {
+        client.write_all(b"hello").await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        backend.read_to_end(&mut got).await.unwrap();
+        backend.shutdown().await.unwrap();
+        got
+    };
+    let ((end, stats), got) = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(relay, peers)
+    })
+    .await
+    .expect("no spin, no hang");
+    assert_eq!(got, b"hello");
+    assert_eq!((end, stats.rx), (End::ClientClosed, 5));
+    assert!(
+        client_in.1 < 100,
+        "{} reads for one message and its end",
+        client_in.1
+    );
+}
