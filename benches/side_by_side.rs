@@ -116,8 +116,7 @@ fn tree(pid: u32) -> Vec<u32> {
 
 /// CPU time (user, system) of `pid` and its children, in seconds.
 fn tree_cpu(pid: u32) -> (f64, f64) {
-    // SAFETY: sysconf has no preconditions.
-    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let tick = rustix::param::clock_ticks_per_second() as f64;
     tree(pid)
         .into_iter()
         .map(|p| {
@@ -415,16 +414,15 @@ fn ensure_installed(bin: &str, packages: &[&str]) -> bool {
 /// bench, so it is told to stop (`SIGTERM`) when the bench exits, however it exits: a
 /// leftover proxy would keep its ports and answer in place of the next run's.
 fn own_session(cmd: &mut Command) -> &mut Command {
-    let bench = std::process::id() as libc::pid_t;
-    // SAFETY: only async-signal-safe calls that do not allocate run in the forked child.
+    use rustix::process::{Signal, getpid, getppid, set_parent_process_death_signal, setsid};
+    let bench = getpid();
+    // SAFETY: only async-signal-safe calls that do not allocate run in the forked child:
+    // rustix makes these system calls directly.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::setsid() < 0
-                || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong) < 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != bench {
+            setsid()?;
+            set_parent_process_death_signal(Some(Signal::TERM))?;
+            if getppid() != Some(bench) {
                 // The bench died before the death signal was armed.
                 return Err(std::io::ErrorKind::Interrupted.into());
             }

@@ -8,19 +8,23 @@
 //! pauses. It is started by the bench binary itself (`BENCH_FLOOR_SERVE=<listen address>`)
 //! in a session of its own, like the proxies, and runs only the `sni` job.
 
-use std::net::SocketAddr;
-use std::os::fd::{IntoRawFd, RawFd};
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::OwnedFd;
 
+use rustix::event::epoll::{self, CreateFlags, Event, EventData, EventFlags};
+use rustix::io::Errno;
+use rustix::net::{RecvFlags, SendFlags, Shutdown, SocketFlags};
 use socket2::{Domain, SockRef, Socket, Type};
 
 const LISTENER: u64 = u64::MAX;
-/// `armed` of an fd taken out of the epoll set for good (see `EPOLLHUP` below).
-const GONE: u32 = u32::MAX;
+/// `armed` of an fd taken out of the epoll set for good (see `EPOLLHUP` below); a sentinel
+/// rather than an `Option`, which would make every connection 8 bytes larger.
+const GONE: EventFlags = EventFlags::from_bits_retain(u32::MAX);
 
-/// One proxied connection: side 0 is the client, side 1 the backend (-1 until the first
-/// bytes arrive).
+/// One proxied connection: side 0 is the client, side 1 the backend (`None` until the first
+/// bytes arrive). Dropping it closes its sockets, which removes them from the epoll set.
 struct Conn {
-    fds: [RawFd; 2],
+    fds: [Option<OwnedFd>; 2],
     /// Bytes waiting to be written to `fds[i]`.
     pending: [Vec<u8>; 2],
     /// `fds[i]` has reached its end of stream.
@@ -28,21 +32,16 @@ struct Conn {
     /// `fds[i]` has been shut down for writing.
     shut: [bool; 2],
     /// The events each fd is registered for.
-    armed: [u32; 2],
+    armed: [EventFlags; 2],
 }
 
-fn os_err() -> i32 {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
-
-fn ctl(ep: RawFd, op: i32, fd: RawFd, events: u32, token: u64) {
-    let mut ev = libc::epoll_event { events, u64: token };
-    // SAFETY: `ev` is a valid epoll_event for the call's duration.
-    unsafe { libc::epoll_ctl(ep, op, fd, &mut ev) };
+/// The epoll data of side `side` of the connection in `slot`.
+fn conn_data(slot: usize, side: usize) -> EventData {
+    EventData::new_u64((slot as u64) << 1 | side as u64)
 }
 
 /// A non-blocking connect to `to` with `TCP_NODELAY`; the socket, connected or connecting.
-fn connect(to: SocketAddr) -> Option<RawFd> {
+fn connect(to: SocketAddr) -> Option<OwnedFd> {
     let socket = Socket::new(
         Domain::for_address(to),
         Type::STREAM.nonblocking().cloexec(),
@@ -52,32 +51,36 @@ fn connect(to: SocketAddr) -> Option<RawFd> {
     socket.set_tcp_nodelay(true).ok()?;
     match socket.connect(&to.into()) {
         Ok(()) => {}
-        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) if Errno::from_io_error(&e) == Some(Errno::INPROGRESS) => {}
         Err(_) => return None,
     }
-    Some(socket.into_raw_fd())
+    Some(socket.into())
 }
 
 /// Writes as much of `data` as the socket takes; the rest, or `None` on an error.
-fn send(fd: RawFd, data: &[u8]) -> Option<usize> {
-    // SAFETY: `data` is a live slice.
-    let n = unsafe { libc::send(fd, data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL) };
-    if n >= 0 {
-        Some(n as usize)
-    } else if os_err() == libc::EAGAIN {
-        Some(0)
-    } else {
-        None
+fn send(fd: &OwnedFd, data: &[u8]) -> Option<usize> {
+    match rustix::net::send(fd, data, SendFlags::NOSIGNAL) {
+        Ok(n) => Some(n),
+        Err(Errno::AGAIN) => Some(0),
+        Err(_) => None,
     }
 }
 
 impl Conn {
+    /// The socket of side `i`, which is set before it is registered with epoll (so before any
+    /// event for it) and stays until the connection is dropped.
+    fn fd(&self, i: usize) -> &OwnedFd {
+        self.fds[i]
+            .as_ref()
+            .expect("floor: a side with events has a socket")
+    }
+
     /// Flushes what waits for side `i`; false on an error.
     fn flush(&mut self, i: usize) -> bool {
         if self.pending[i].is_empty() {
             return true;
         }
-        let Some(n) = send(self.fds[i], &self.pending[i]) else {
+        let Some(n) = send(self.fd(i), &self.pending[i]) else {
             return false;
         };
         self.pending[i].drain(..n);
@@ -87,39 +90,31 @@ impl Conn {
     /// Shuts side `i` for writing once the other side has ended and nothing waits for `i`
     /// (unless the connection is about to close, which sends the FIN anyway).
     fn forward_eof(&mut self, i: usize) {
-        if self.eof[1 - i] && self.pending[i].is_empty() && !self.shut[i] && self.fds[i] >= 0 {
+        if self.eof[1 - i] && self.pending[i].is_empty() && !self.shut[i] {
+            let Some(fd) = &self.fds[i] else { return };
             if self.eof[i] && self.pending[1 - i].is_empty() {
                 return;
             }
-            // SAFETY: `fds[i]` is an open socket owned by this connection.
-            unsafe { libc::shutdown(self.fds[i], libc::SHUT_WR) };
+            let _ = rustix::net::shutdown(fd, Shutdown::Write);
             self.shut[i] = true;
         }
     }
 
     fn done(&self) -> bool {
-        self.eof[0] && (self.fds[1] < 0 || (self.eof[1] && self.pending.iter().all(Vec::is_empty)))
+        self.eof[0]
+            && (self.fds[1].is_none() || (self.eof[1] && self.pending.iter().all(Vec::is_empty)))
     }
 
     /// The events side `i` needs now.
-    fn wanted(&self, i: usize) -> u32 {
-        let mut events = 0;
+    fn wanted(&self, i: usize) -> EventFlags {
+        let mut events = EventFlags::empty();
         if !self.eof[i] && self.pending[1 - i].is_empty() {
-            events |= libc::EPOLLIN as u32;
+            events |= EventFlags::IN;
         }
         if !self.pending[i].is_empty() {
-            events |= libc::EPOLLOUT as u32;
+            events |= EventFlags::OUT;
         }
         events
-    }
-
-    fn close(&self) {
-        for fd in self.fds {
-            if fd >= 0 {
-                // SAFETY: each fd is owned by this connection and closed once.
-                unsafe { libc::close(fd) };
-            }
-        }
     }
 }
 
@@ -127,7 +122,7 @@ impl Conn {
 pub fn serve(listen: &str, backend: SocketAddr) -> ! {
     // trellis's own listener set-up (backlog 4096, non-blocking), without its socket options.
     let addr: SocketAddr = listen.parse().expect("floor: listen address");
-    let listener = trellis::net::socket::bind_std_with(
+    let listener: TcpListener = trellis::net::socket::bind_std_with(
         addr,
         trellis::net::socket::LISTEN_BACKLOG,
         false,
@@ -137,57 +132,52 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
     SockRef::from(&listener)
         .set_tcp_nodelay(true) // inherited by accepted sockets
         .expect("floor: TCP_NODELAY");
-    let lfd = listener.into_raw_fd();
-    // SAFETY: creating an epoll instance has no preconditions.
-    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-    assert!(ep >= 0, "floor: epoll_create1");
-    ctl(ep, libc::EPOLL_CTL_ADD, lfd, libc::EPOLLIN as u32, LISTENER);
+    let ep = epoll::create(CreateFlags::CLOEXEC).expect("floor: epoll_create1");
+    epoll::add(&ep, &listener, EventData::new_u64(LISTENER), EventFlags::IN)
+        .expect("floor: epoll_ctl");
     let mut conns: Vec<Option<Conn>> = Vec::new();
     let mut free: Vec<usize> = Vec::new();
     let mut freed: Vec<usize> = Vec::new();
-    let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+    let mut events = vec![
+        Event {
+            flags: EventFlags::empty(),
+            data: EventData::new_u64(0),
+        };
+        256
+    ];
     let mut buf = vec![0u8; 64 * 1024];
     loop {
-        // SAFETY: `events` has room for the given count.
-        let n = unsafe { libc::epoll_wait(ep, events.as_mut_ptr(), events.len() as i32, -1) };
-        for ev in events.iter().take(n.max(0) as usize) {
-            let (token, what) = (ev.u64, ev.events);
+        // No timeout; an error (EINTR) is an empty batch.
+        let n = epoll::wait(&ep, &mut events[..], None).unwrap_or(0);
+        for &ev in &events[..n] {
+            let (token, what) = (ev.data.u64(), ev.flags);
             if token == LISTENER {
                 loop {
-                    // SAFETY: accept4 with no address out-parameters.
-                    let fd = unsafe {
-                        libc::accept4(
-                            lfd,
-                            std::ptr::null_mut(),
-                            std::ptr::null_mut(),
-                            libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-                        )
-                    };
-                    if fd < 0 {
-                        if os_err() != libc::EAGAIN {
-                            // Out of descriptors: the level-triggered listener would spin.
-                            std::thread::sleep(std::time::Duration::from_millis(1));
+                    let fd = match rustix::net::accept_with(
+                        &listener,
+                        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+                    ) {
+                        Ok(fd) => fd,
+                        Err(e) => {
+                            if e != Errno::AGAIN {
+                                // Out of descriptors: the level-triggered listener would spin.
+                                std::thread::sleep(std::time::Duration::from_millis(1));
+                            }
+                            break;
                         }
-                        break;
-                    }
+                    };
                     let slot = free.pop().unwrap_or_else(|| {
                         conns.push(None);
                         conns.len() - 1
                     });
+                    let _ = epoll::add(&ep, &fd, conn_data(slot, 0), EventFlags::IN);
                     conns[slot] = Some(Conn {
-                        fds: [fd, -1],
+                        fds: [Some(fd), None],
                         pending: [Vec::new(), Vec::new()],
                         eof: [false; 2],
                         shut: [false; 2],
-                        armed: [libc::EPOLLIN as u32, 0],
+                        armed: [EventFlags::IN, EventFlags::empty()],
                     });
-                    ctl(
-                        ep,
-                        libc::EPOLL_CTL_ADD,
-                        fd,
-                        libc::EPOLLIN as u32,
-                        (slot as u64) << 1,
-                    );
                 }
                 continue;
             }
@@ -195,8 +185,8 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
             let Some(c) = conns.get_mut(slot).and_then(Option::as_mut) else {
                 continue;
             };
-            let mut ok = what & libc::EPOLLERR as u32 == 0;
-            if ok && what & libc::EPOLLOUT as u32 != 0 {
+            let mut ok = !what.contains(EventFlags::ERR);
+            if ok && what.contains(EventFlags::OUT) {
                 ok = c.flush(i);
                 c.forward_eof(i);
             }
@@ -204,60 +194,63 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
             // reported on every wait. Its peer has finished, so what is left is read even
             // while reading is paused (bounded by the receive buffer), and a socket already
             // read to its end leaves the epoll set.
-            let hup = what & libc::EPOLLHUP as u32 != 0;
+            let hup = what.contains(EventFlags::HUP);
             if ok && hup && c.eof[i] && c.armed[i] != GONE {
-                ctl(ep, libc::EPOLL_CTL_DEL, c.fds[i], 0, 0);
+                let _ = epoll::delete(&ep, c.fd(i));
                 c.armed[i] = GONE;
             }
-            let readable = what & libc::EPOLLIN as u32 != 0 || hup;
+            let readable = what.contains(EventFlags::IN) || hup;
             if ok && readable && !c.eof[i] && (c.pending[1 - i].is_empty() || hup) {
-                // SAFETY: `buf` is a live buffer of the given length.
-                let r = unsafe { libc::recv(c.fds[i], buf.as_mut_ptr().cast(), buf.len(), 0) };
-                if r > 0 {
-                    let data = &buf[..r as usize];
-                    let o = 1 - i;
-                    if c.fds[o] < 0 {
-                        // The first bytes: now the backend.
-                        match connect(backend) {
-                            Some(fd) => {
-                                c.fds[1] = fd;
-                                c.pending[1].extend_from_slice(data);
-                                ok = c.flush(1);
-                                c.armed[1] = c.wanted(1);
-                                let token = (slot as u64) << 1 | 1;
-                                ctl(ep, libc::EPOLL_CTL_ADD, fd, c.armed[1], token);
-                            }
-                            None => ok = false,
-                        }
-                    } else if c.pending[o].is_empty() {
-                        match send(c.fds[o], data) {
-                            Some(sent) => c.pending[o].extend_from_slice(&data[sent..]),
-                            None => ok = false,
-                        }
-                    } else {
-                        c.pending[o].extend_from_slice(data);
+                match rustix::net::recv(c.fd(i), &mut buf[..], RecvFlags::empty()) {
+                    Ok((0, _)) => {
+                        c.eof[i] = true;
+                        c.forward_eof(1 - i);
                     }
-                } else if r == 0 {
-                    c.eof[i] = true;
-                    c.forward_eof(1 - i);
-                } else if os_err() != libc::EAGAIN {
-                    ok = false;
+                    Ok((r, _)) => {
+                        let data = &buf[..r];
+                        let o = 1 - i;
+                        if c.fds[o].is_none() {
+                            // The first bytes: now the backend.
+                            match connect(backend) {
+                                Some(fd) => {
+                                    c.fds[1] = Some(fd);
+                                    c.pending[1].extend_from_slice(data);
+                                    ok = c.flush(1);
+                                    let want = c.wanted(1);
+                                    c.armed[1] = want;
+                                    let _ = epoll::add(&ep, c.fd(1), conn_data(slot, 1), want);
+                                }
+                                None => ok = false,
+                            }
+                        } else if c.pending[o].is_empty() {
+                            match send(c.fd(o), data) {
+                                Some(sent) => c.pending[o].extend_from_slice(&data[sent..]),
+                                None => ok = false,
+                            }
+                        } else {
+                            c.pending[o].extend_from_slice(data);
+                        }
+                    }
+                    Err(Errno::AGAIN) => {}
+                    Err(_) => ok = false,
                 }
             }
             if !ok || c.done() {
-                // Closing removes the fds from the epoll set; the slot is reused only after
-                // this batch, so a later event in it cannot reach a new connection.
-                c.close();
+                // Dropping the connection closes its sockets (client first), which removes
+                // them from the epoll set; the slot is reused only after this batch, so a
+                // later event in it cannot reach a new connection.
                 conns[slot] = None;
                 freed.push(slot);
                 continue;
             }
             for side in 0..2 {
                 let want = c.wanted(side);
-                if c.fds[side] >= 0 && c.armed[side] != GONE && want != c.armed[side] {
+                if let Some(fd) = &c.fds[side]
+                    && c.armed[side] != GONE
+                    && want != c.armed[side]
+                {
                     c.armed[side] = want;
-                    let token = (slot as u64) << 1 | side as u64;
-                    ctl(ep, libc::EPOLL_CTL_MOD, c.fds[side], want, token);
+                    let _ = epoll::modify(&ep, fd, conn_data(slot, side), want);
                 }
             }
         }
