@@ -105,7 +105,22 @@ impl Conn {
         forward::reject_with(&mut self.stream, bytes).await;
     }
 
+    /// Takes the connection apart and frees its box (in a plain function: a box moved out
+    /// of inside an async fn stays allocated until that future ends).
+    #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
+    fn into_parts(self: Box<Self>) -> (TcpStream, Vec<u8>, ConnRecord, ConnGuard) {
+        let Conn {
+            stream,
+            buf,
+            record,
+            guard,
+            ..
+        } = *self;
+        (stream, buf, record, guard)
+    }
+
     /// Rejects the connection before routing: counts `outcome`, logs, closes.
+    #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
     pub(super) fn reject(self: Box<Self>, outcome: Outcome, detail: &str) {
         let Conn { record, .. } = *self;
         record.reject(outcome, detail);
@@ -119,13 +134,7 @@ impl Conn {
         shared: &Shared,
     ) {
         let cfg = &shared.config;
-        let Conn {
-            mut stream,
-            buf,
-            record,
-            guard,
-            ..
-        } = *self;
+        let (mut stream, buf, record, guard) = self.into_parts();
         let relaying = Relaying {
             limits: crate::net::relay::Limits {
                 idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
@@ -152,7 +161,12 @@ impl Conn {
 }
 
 /// Runs one accepted connection through the pipeline.
-pub(super) async fn serve(acc: Accepted<TcpStream>, config: &ListenerConfig, shared: &Shared) {
+pub(super) async fn serve(
+    acc: Accepted<TcpStream>,
+    config: Arc<ListenerConfig>,
+    shared: Arc<Shared>,
+) {
+    let (config, shared) = (&*config, &*shared);
     let Accepted {
         stream,
         guard,

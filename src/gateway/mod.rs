@@ -215,10 +215,9 @@ fn worker(
                         max_connections: shared.config.limits.max_connections,
                     };
                     let shared = shared.clone();
-                    let serve = move |accepted| {
-                        let (l, shared) = (l.clone(), shared.clone());
-                        async move { conn::serve(accepted, &l, &shared).await }
-                    };
+                    // The connection's future itself, not one wrapping it: a wrapper would
+                    // hold a second copy of what it hands on.
+                    let serve = move |accepted| conn::serve(accepted, l.clone(), shared.clone());
                     loops.push(tokio::spawn(accept_loop(
                         sock,
                         admission,

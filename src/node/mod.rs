@@ -167,10 +167,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
         };
         let stop = node.drain.listeners_stop();
         let node = node.clone();
-        let handle = move |accepted| {
-            let node = node.clone();
-            async move { node.handle(accepted).await }
-        };
+        let handle = move |accepted| node.clone().handle(accepted);
         accept_tasks.push(tokio::spawn(accept_loop(l, admission, stop, handle)));
     }
     tracing::info!(upstream = %format!("{}:{}", config.upstream_host, config.upstream_port), "node ready");
@@ -288,7 +285,7 @@ impl Node {
     }
 
     /// Forwards one client connection to the gateway.
-    async fn handle(&self, accepted: Accepted<TcpStream>) {
+    async fn handle(self: Arc<Self>, accepted: Accepted<TcpStream>) {
         let Accepted {
             mut stream,
             guard,

@@ -80,9 +80,28 @@ impl fmt::Display for Reason {
     }
 }
 
-/// One connection's record.
+/// One connection's record: a pointer to [`Record`], so that the record costs the futures
+/// that carry it (accept loop, handshake stages, forward) eight bytes each, and is allocated
+/// once per connection.
 #[derive(Debug)]
-pub(crate) struct ConnRecord {
+pub(crate) struct ConnRecord(Box<Record>);
+
+impl std::ops::Deref for ConnRecord {
+    type Target = Record;
+    fn deref(&self) -> &Record {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ConnRecord {
+    fn deref_mut(&mut self) -> &mut Record {
+        &mut self.0
+    }
+}
+
+/// What a [`ConnRecord`] knows.
+#[derive(Debug)]
+pub(crate) struct Record {
     metrics: Arc<Metrics>,
     listener: Arc<ListenerMetrics>,
     /// Client address (the PROXY source when present).
@@ -116,7 +135,7 @@ impl ConnRecord {
         accepted_at: Instant,
     ) -> Self {
         listener.active.inc();
-        ConnRecord {
+        ConnRecord(Box::new(Record {
             metrics,
             listener,
             client: peer,
@@ -129,7 +148,7 @@ impl ConnRecord {
             route: None,
             tracked: true,
             finished: false,
-        }
+        }))
     }
 
     /// Counts and logs a connection refused at accept (over the connection limit): it never
