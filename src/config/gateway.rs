@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::cidr::Cidr;
+use super::decode::{Kind, Raw};
 use super::{ConfigError, Errors, at};
 
 mapping_only!(
@@ -33,7 +34,7 @@ pub const MAX_CLIENT_HELLO_BYTES: usize = 65_536;
 
 /// A gateway configuration file as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawGateway {
     /// Always `trellis.gardener.cloud/v1alpha1`.
     pub api_version: String,
@@ -62,13 +63,13 @@ pub struct RawGateway {
     pub access_log: RawAccessLog,
     /// Worker threads, each with its own event loop and `SO_REUSEPORT` sockets (default 0 =
     /// one per CPU).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub workers: Option<u64>,
 }
 
 /// Where the routing table is read from.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawRoutesSource {
     /// Path of the `RoutingTable` file; relative paths are relative to this config file.
     pub file: String,
@@ -79,7 +80,7 @@ pub struct RawRoutesSource {
 
 /// One listener as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawListener {
     /// Unique name, used in metrics and logs.
     pub name: String,
@@ -101,7 +102,7 @@ pub struct RawListener {
 
 /// PROXY protocol settings as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawProxyProtocol {
     /// `off` (default), `optional` or `required`.
     #[serde(default)]
@@ -113,7 +114,7 @@ pub struct RawProxyProtocol {
 
 /// Admin endpoint as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawAdmin {
     /// `IP:port` to bind.
     pub address: String,
@@ -121,7 +122,7 @@ pub struct RawAdmin {
 
 /// Timeouts as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawTimeouts {
     /// Budget to connect to a backend, failover included (default `5s`).
     pub connect: Option<String>,
@@ -137,7 +138,7 @@ pub struct RawTimeouts {
 
 /// TCP keepalive as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawKeepalive {
     /// Towards clients (default idle `55s`, interval `55s`).
     pub downstream: Option<RawKeepaliveSide>,
@@ -147,7 +148,7 @@ pub struct RawKeepalive {
 
 /// Keepalive of one leg as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawKeepaliveSide {
     /// Idle time before the first probe.
     pub idle: Option<String>,
@@ -157,21 +158,25 @@ pub struct RawKeepaliveSide {
 
 /// Limits as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawLimits {
     /// Most client connections open at once (default 100000).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_connections: Option<u64>,
     /// Most connections from one client address (0 = unlimited, the default).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_connections_per_source: Option<u64>,
     /// Largest ClientHello, record headers included (default 16384).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_client_hello_bytes: Option<u64>,
     /// Largest CONNECT request head (default 8192).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_header_bytes: Option<u64>,
 }
 
 /// Access log settings as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawAccessLog {
     /// Log a line for long-lived connections this often (off by default).
     pub interval: Option<String>,
@@ -308,23 +313,34 @@ pub struct GatewayConfig {
 
 /// Reads and validates a gateway configuration file.
 pub fn load(file: &Path) -> Result<GatewayConfig, ConfigError> {
-    super::load_with(file, from_document)
+    parse(file, &super::read_file(file)?)
 }
 
-pub(super) fn from_document(
+/// Parses and validates the bytes of a gateway configuration file.
+pub fn parse(file: &Path, bytes: &[u8]) -> Result<GatewayConfig, ConfigError> {
+    match super::decode::decode(file, bytes)? {
+        (Raw::Gateway(raw), errors) => validate(file, raw, errors),
+        (other, _) => Err(super::decode::wrong_kind(
+            file,
+            other.kind(),
+            Kind::Gateway,
+            "'trellis gateway'",
+        )),
+    }
+}
+
+/// Validates a decoded configuration; `errors` already holds the unknown fields.
+pub(super) fn validate(
     file: &Path,
-    doc: serde_json::Value,
+    raw: RawGateway,
+    mut errors: Errors,
 ) -> Result<GatewayConfig, ConfigError> {
-    let raw: RawGateway = super::decode(file, doc)?;
-    let mut errors = Errors::default();
-    let config = validate(file, raw, &mut errors);
+    let config = build(file, raw, &mut errors);
     errors.finish(file, config)
 }
 
-fn validate(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
-    if raw.kind != KIND {
-        errors.push("kind", format!("expected {KIND:?}"));
-    }
+fn build(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
+    super::check_api_version(errors, &raw.api_version);
     let mut names = HashSet::new();
     let mut addresses = HashSet::new();
     let mut listeners = Vec::new();
@@ -640,12 +656,7 @@ mod tests {
     use super::*;
 
     fn check(yaml: &str) -> Result<GatewayConfig, String> {
-        super::super::parse_with(
-            Path::new("/etc/trellis/gateway.yaml"),
-            yaml.as_bytes(),
-            from_document,
-        )
-        .map_err(|e| e.to_string())
+        parse(Path::new("/etc/trellis/gateway.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\n";

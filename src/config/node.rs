@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::decode::{Kind, Raw};
 use super::gateway::{
     DEFAULT_DESTINATION_HEADER, KeepaliveSide, RawAdmin, RawKeepalive, RawTimeouts,
 };
@@ -19,7 +20,7 @@ pub const KIND: &str = "NodeConfiguration";
 
 /// A node configuration file as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawNode {
     /// Always `trellis.gardener.cloud/v1alpha1`.
     pub api_version: String,
@@ -47,7 +48,7 @@ pub struct RawNode {
 
 /// The managed link and address as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawInterface {
     /// Link name; created as a dummy link if missing (default `apiserver-proxy`).
     #[serde(default)]
@@ -61,7 +62,7 @@ pub struct RawInterface {
 
 /// The upstream as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawUpstream {
     /// `host:port` of the seed gateway; the host is resolved per connection.
     pub address: String,
@@ -81,9 +82,10 @@ pub struct RawUpstream {
 
 /// Limits as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawNodeLimits {
     /// Most client connections at once (default 10000, as in Gardener).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_connections: Option<u64>,
 }
 
@@ -171,23 +173,34 @@ pub struct NodeConfig {
 
 /// Reads and validates a node configuration file.
 pub fn load(file: &Path) -> Result<NodeConfig, ConfigError> {
-    super::load_with(file, from_document)
+    parse(file, &super::read_file(file)?)
 }
 
-pub(super) fn from_document(
+/// Parses and validates the bytes of a node configuration file.
+pub fn parse(file: &Path, bytes: &[u8]) -> Result<NodeConfig, ConfigError> {
+    match super::decode::decode(file, bytes)? {
+        (Raw::Node(raw), errors) => validate(file, raw, errors),
+        (other, _) => Err(super::decode::wrong_kind(
+            file,
+            other.kind(),
+            Kind::Node,
+            "'trellis node'",
+        )),
+    }
+}
+
+/// Validates a decoded configuration; `errors` already holds the unknown fields.
+pub(super) fn validate(
     file: &Path,
-    doc: serde_json::Value,
+    raw: RawNode,
+    mut errors: Errors,
 ) -> Result<NodeConfig, ConfigError> {
-    let raw: RawNode = super::decode(file, doc)?;
-    let mut errors = Errors::default();
-    let config = validate(raw, &mut errors);
+    let config = build(raw, &mut errors);
     errors.finish(file, config)
 }
 
-fn validate(raw: RawNode, errors: &mut Errors) -> NodeConfig {
-    if raw.kind != KIND {
-        errors.push("kind", format!("expected {KIND:?}"));
-    }
+fn build(raw: RawNode, errors: &mut Errors) -> NodeConfig {
+    super::check_api_version(errors, &raw.api_version);
     if raw.listen.is_empty() {
         errors.push("listen", "at least one address is required");
     }
@@ -387,8 +400,7 @@ mod tests {
     use super::*;
 
     fn check(yaml: &str) -> Result<NodeConfig, String> {
-        super::super::parse_with(Path::new("node.yaml"), yaml.as_bytes(), from_document)
-            .map_err(|e| e.to_string())
+        parse(Path::new("node.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: NodeConfiguration\n";
