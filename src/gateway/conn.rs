@@ -11,7 +11,7 @@ use super::Shared;
 use super::access::AccessLog;
 use super::listener::{Accepted, ConnGuard};
 use crate::admin::metrics::ListenerMetrics;
-use crate::config::gateway::{ListenerConfig, Protocol, ProxyMode};
+use crate::config::gateway::{ListenerConfig, ListenerKind, ProxyMode};
 use crate::wire::Parsed;
 use crate::wire::proxy::{self, Detect, ProxyInfo};
 
@@ -160,10 +160,12 @@ pub async fn serve(acc: Accepted, config: &ListenerConfig, shared: &Shared, lm: 
             .reject(shared, "limited", "per-source connection limit");
     }
 
-    match config.protocol {
-        Protocol::Sni => super::sni::handle(conn, config, shared, lm).await,
-        Protocol::HttpConnect => super::connect::handle(conn, config, shared, lm).await,
-        Protocol::ProxyDestination => super::proxydst::handle(conn, config, shared, lm).await,
+    match &config.kind {
+        ListenerKind::Sni => super::sni::handle(conn, config, shared, lm).await,
+        ListenerKind::HttpConnect { destination_header } => {
+            super::connect::handle(conn, config, destination_header, shared, lm).await
+        }
+        ListenerKind::ProxyDestination => super::proxydst::handle(conn, config, shared, lm).await,
     }
 }
 

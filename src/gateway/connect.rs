@@ -15,6 +15,7 @@ use crate::wire::http;
 pub async fn handle(
     mut conn: Box<Conn>,
     config: &ListenerConfig,
+    destination_header: &str,
     shared: &Shared,
     lm: &ListenerMetrics,
 ) {
@@ -50,7 +51,7 @@ pub async fn handle(
             .log
             .reject(shared, "bad_request", &format!("method {}", head.method));
     }
-    let mut values = head.header_values(&config.destination_header);
+    let mut values = head.header_values(destination_header);
     let destination = values.next().map(str::to_owned);
     if values.any(|v| Some(v) != destination.as_deref()) {
         conn.reject_with(&http::response(400, "conflicting destination headers"))

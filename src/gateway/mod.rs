@@ -138,7 +138,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     for (i, sockets) in per_worker.into_iter().enumerate() {
         if i == 0 {
             for (l, sock) in &sockets {
-                tracing::info!(listener = %l.name, address = ?sock.local_addr().ok(), protocol = ?l.protocol, workers, "listening");
+                tracing::info!(listener = %l.name, address = ?sock.local_addr().ok(), protocol = l.kind.as_str(), workers, "listening");
             }
         }
         let (shared, stop_rx, exit_rx) = (shared.clone(), stop_rx.clone(), exit_rx.clone());
