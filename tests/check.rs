@@ -260,3 +260,193 @@ fn daemonset_config_is_valid_and_pod_is_locked_down() {
         assert!(manifest.contains(needle), "DaemonSet lacks {needle:?}");
     }
 }
+
+const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\n";
+
+/// `trellis ARGS`: its exit code and what it printed on stderr.
+fn stderr_of(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `trellis check FILE`, which must fail: the lines it printed on stderr.
+fn check_errors(file: &std::path::Path) -> Vec<String> {
+    let (code, err) = stderr_of(&["check".as_ref(), file.as_os_str()]);
+    assert_eq!(code, Some(1), "{err}");
+    err.lines().map(str::to_owned).collect()
+}
+
+/// An unknown field does not stop the file being read: it is reported with every
+/// validation problem, in YAML and in JSON. The duplicate server name is found although
+/// other routes are invalid, and an unknown field at the top is found too.
+#[test]
+fn a_table_with_three_kinds_of_problems_reports_all_three() {
+    let dir = TestDir::new("three");
+    let yaml = format!(
+        "{HEAD}kind: RoutingTable
+routes:
+- name: a
+  sni: [x.example.com]
+  backends: [{{address: \"10.0.0.1:443\", weight: 2}}]
+- name: b
+  backends: [{{address: nope}}]
+- name: c
+  sni: [X.example.com]
+  backends: [{{address: \"10.0.0.2:443\"}}]
+"
+    );
+    let as_json: serde_json::Value = serde_saphyr::from_str(&yaml).unwrap();
+    for (name, text) in [
+        ("routes.yaml", yaml.clone()),
+        ("routes.json", as_json.to_string()),
+    ] {
+        let file = dir.path(name);
+        std::fs::write(&file, &text).unwrap();
+        let f = file.display();
+        let mut expected = vec![
+            format!("{f}: routes[0].backends[0].weight: unknown field `weight`"),
+            format!("{f}: routes[1].backends[0].address: expected HOST:PORT: \"nope\""),
+            format!(
+                "{f}: routes[2]: sni \"x.example.com\" of route \"c\" is already claimed by route \"a\" (routes[0])"
+            ),
+        ];
+        let mut got = check_errors(&file);
+        got.sort();
+        expected.sort();
+        assert_eq!(got, expected, "{text}");
+    }
+    // Unknown fields of a gateway and a node configuration come with their other errors.
+    let gateway = dir.path("gateway.yaml");
+    std::fs::write(&gateway, format!("{HEAD}kind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: nope, protocol: sni, tls: {{}}}}\nadmin: {{address: \"127.0.0.1:1\"}}\nlimit: {{}}\n")).unwrap();
+    let g = gateway.display();
+    let mut got = check_errors(&gateway);
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            format!("{g}: limit: unknown field `limit`"),
+            format!("{g}: listeners[0].address: expected IP:port, got \"nope\""),
+            format!("{g}: listeners[0].tls: unknown field `tls`"),
+        ]
+    );
+    let node = dir.path("node.yaml");
+    std::fs::write(&node, format!("{HEAD}kind: NodeConfiguration\nlisten: [nope]\nupstream: {{address: \"h:1\", destination: d, destinationHeaders: X}}\nadmin: {{address: \"127.0.0.1:1\"}}\n")).unwrap();
+    let n = node.display();
+    assert_eq!(
+        check_errors(&node),
+        [
+            format!("{n}: upstream.destinationHeaders: unknown field `destinationHeaders`"),
+            format!("{n}: listen[0]: expected IP:port, got \"nope\""),
+        ]
+    );
+}
+
+/// A process given a file of another kind says which kind it needs, before anything else.
+#[test]
+fn a_file_of_the_wrong_kind_says_which_kind_is_needed() {
+    let dir = TestDir::new("kind");
+    let routes = dir.path("routes.yaml");
+    std::fs::write(&routes, format!("{HEAD}kind: RoutingTable\nroutes: []\n")).unwrap();
+    let gateway = dir.path("gateway.yaml");
+    std::fs::write(
+        &gateway,
+        format!(
+            "{HEAD}kind: GatewayConfiguration\nroutes: {{file: gateway.yaml}}\nlisteners: [{{name: tls, address: \"127.0.0.1:{}\", protocol: sni}}]\nadmin: {{address: \"127.0.0.1:{}\"}}\n",
+            free_port(),
+            free_port()
+        ),
+    )
+    .unwrap();
+    for (role, file, expected) in [
+        (
+            "gateway",
+            &routes,
+            format!(
+                "{}: kind RoutingTable, but 'trellis gateway' needs a GatewayConfiguration\n",
+                routes.display()
+            ),
+        ),
+        (
+            "node",
+            &gateway,
+            format!(
+                "{}: kind GatewayConfiguration, but 'trellis node' needs a NodeConfiguration\n",
+                gateway.display()
+            ),
+        ),
+        // The gateway's own file as its routing table.
+        (
+            "gateway",
+            &gateway,
+            format!(
+                "{}: kind GatewayConfiguration, but routes.file of 'trellis gateway' needs a RoutingTable\n",
+                gateway.display()
+            ),
+        ),
+    ] {
+        let (code, err) = stderr_of(&[role.as_ref(), "--config".as_ref(), file.as_os_str()]);
+        assert_ne!(code, Some(0), "{err}");
+        assert!(err.ends_with(&expected), "{role}: {err}");
+    }
+}
+
+/// Parse and type errors are one line each: file, line, column, field path and a message
+/// for users: no source snippet, no Rust type, no advice about a library's API.
+#[test]
+fn parse_errors_are_one_line_with_line_and_column() {
+    let dir = TestDir::new("oneline");
+    let gateway = |limits: &str| {
+        format!(
+            "{HEAD}kind: GatewayConfiguration\nroutes: {{file: r.yaml}}\nlisteners: []\nadmin: {{address: x}}\nlimits: {limits}\n"
+        )
+    };
+    let json = "{\"apiVersion\": \"trellis.gardener.cloud/v1alpha1\", \"kind\": \"GatewayConfiguration\",\n\"limits\": {\"maxConnections\": \"lots\"}}";
+    for (name, text, expected) in [
+        (
+            "type.yaml",
+            gateway("{maxConnections: lots}"),
+            "6:10: limits.maxConnections: invalid type: string \"lots\", expected a whole number",
+        ),
+        (
+            "negative.yaml",
+            gateway("{maxHeaderBytes: -1}"),
+            "6:10: limits.maxHeaderBytes: invalid value: integer `-1`, expected a whole number from 0",
+        ),
+        (
+            "type.json",
+            json.to_string(),
+            "2:35: limits.maxConnections: invalid type: string \"lots\", expected a whole number",
+        ),
+        (
+            "shape.yaml",
+            gateway("{maxConnections: 1}\ntimeouts: {connect: [5s]}"),
+            "7:21: timeouts.connect: expected a string",
+        ),
+        (
+            "syntax.yaml",
+            format!("{HEAD}kind: RoutingTable\nroutes:\n- name: a\n  sni: [a, b\n"),
+            "5:8: routes[0].sni: unclosed bracket '['",
+        ),
+        (
+            "syntax.json",
+            "{\"kind\": \"RoutingTable\",\n \"routes\": [}".to_string(),
+            "2:13: routes[0]: expected value (a file that starts with '{' is read as JSON)",
+        ),
+        (
+            "documents.yaml",
+            format!("{HEAD}kind: RoutingTable\n---\n{HEAD}kind: RoutingTable\n---\nkind: x\n"),
+            "4:1: the file holds 3 YAML documents; trellis reads one per file",
+        ),
+    ] {
+        let file = dir.path(name);
+        std::fs::write(&file, &text).unwrap();
+        assert_eq!(
+            check_errors(&file),
+            [format!("{}:{expected}", file.display())],
+            "{text}"
+        );
+    }
+}

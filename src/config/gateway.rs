@@ -8,6 +8,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::cidr::Cidr;
+use super::decode::{Kind, Raw};
+use super::routes::positive;
 use super::{ConfigError, Errors, at};
 
 mapping_only!(
@@ -33,7 +35,7 @@ pub const MAX_CLIENT_HELLO_BYTES: usize = 65_536;
 
 /// A gateway configuration file as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawGateway {
     /// Always `trellis.gardener.cloud/v1alpha1`.
     pub api_version: String,
@@ -62,13 +64,13 @@ pub struct RawGateway {
     pub access_log: RawAccessLog,
     /// Worker threads, each with its own event loop and `SO_REUSEPORT` sockets (default 0 =
     /// one per CPU).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub workers: Option<u64>,
 }
 
 /// Where the routing table is read from.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawRoutesSource {
     /// Path of the `RoutingTable` file; relative paths are relative to this config file.
     pub file: String,
@@ -79,7 +81,7 @@ pub struct RawRoutesSource {
 
 /// One listener as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawListener {
     /// Unique name, used in metrics and logs.
     pub name: String,
@@ -101,7 +103,7 @@ pub struct RawListener {
 
 /// PROXY protocol settings as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawProxyProtocol {
     /// `off` (default), `optional` or `required`.
     #[serde(default)]
@@ -113,7 +115,7 @@ pub struct RawProxyProtocol {
 
 /// Admin endpoint as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawAdmin {
     /// `IP:port` to bind.
     pub address: String,
@@ -121,7 +123,7 @@ pub struct RawAdmin {
 
 /// Timeouts as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawTimeouts {
     /// Budget to connect to a backend, failover included (default `5s`).
     pub connect: Option<String>,
@@ -137,7 +139,7 @@ pub struct RawTimeouts {
 
 /// TCP keepalive as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawKeepalive {
     /// Towards clients (default idle `55s`, interval `55s`).
     pub downstream: Option<RawKeepaliveSide>,
@@ -147,7 +149,7 @@ pub struct RawKeepalive {
 
 /// Keepalive of one leg as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawKeepaliveSide {
     /// Idle time before the first probe.
     pub idle: Option<String>,
@@ -157,44 +159,56 @@ pub struct RawKeepaliveSide {
 
 /// Limits as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawLimits {
     /// Most client connections open at once (default 100000).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_connections: Option<u64>,
     /// Most connections from one client address (0 = unlimited, the default).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_connections_per_source: Option<u64>,
     /// Largest ClientHello, record headers included (default 16384).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_client_hello_bytes: Option<u64>,
     /// Largest CONNECT request head (default 8192).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_header_bytes: Option<u64>,
 }
 
 /// Access log settings as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawAccessLog {
     /// Log a line for long-lived connections this often (off by default).
     pub interval: Option<String>,
 }
 
-/// What a listener speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Protocol {
+/// What a listener speaks, with the settings only that protocol has: a setting is carried by
+/// the kind that uses it, so a listener can never hold one its protocol ignores. The file
+/// keeps its flat form (`protocol: http-connect` next to `destinationHeader`); validation
+/// builds the kind. The tunnel listeners will fit the same way when they come:
+/// `EgressConnect { tls }` (CONNECT over TLS, the client certificate naming the shoot) and
+/// `Wireguard { private_key }` (user-space WireGuard peers over UDP).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenerKind {
     /// TLS passthrough routed by SNI.
     Sni,
     /// HTTP CONNECT relay routed by a destination header.
-    HttpConnect,
+    HttpConnect {
+        /// The header whose value is matched against route `destinations`.
+        destination_header: String,
+    },
     /// Routed by the destination address of a PROXY header (GEP-08).
     ProxyDestination,
 }
 
-impl Protocol {
-    /// The name as written in the configuration.
-    pub fn as_str(self) -> &'static str {
+impl ListenerKind {
+    /// The `protocol` as written in the file.
+    pub fn as_str(&self) -> &'static str {
         match self {
-            Protocol::Sni => "sni",
-            Protocol::HttpConnect => "http-connect",
-            Protocol::ProxyDestination => "proxy-destination",
+            ListenerKind::Sni => "sni",
+            ListenerKind::HttpConnect { .. } => "http-connect",
+            ListenerKind::ProxyDestination => "proxy-destination",
         }
     }
 }
@@ -243,12 +257,10 @@ pub struct ListenerConfig {
     pub name: String,
     /// Bind address.
     pub address: SocketAddr,
-    /// Protocol.
-    pub protocol: Protocol,
+    /// Protocol and its own settings.
+    pub kind: ListenerKind,
     /// Route for unmatched traffic.
     pub default_route: Option<String>,
-    /// CONNECT destination header (`http-connect`).
-    pub destination_header: String,
     /// PROXY protocol from a load balancer in front.
     pub proxy_protocol: ProxyProtocol,
 }
@@ -319,243 +331,296 @@ pub struct GatewayConfig {
 
 /// Reads and validates a gateway configuration file.
 pub fn load(file: &Path) -> Result<GatewayConfig, ConfigError> {
-    super::load_with(file, from_document)
+    parse(file, &super::read_file(file)?)
 }
 
-pub(super) fn from_document(
+/// Parses and validates the bytes of a gateway configuration file.
+pub fn parse(file: &Path, bytes: &[u8]) -> Result<GatewayConfig, ConfigError> {
+    match super::decode::decode(file, bytes)? {
+        (Raw::Gateway(raw), errors) => validate(file, raw, errors),
+        (other, _) => Err(super::decode::wrong_kind(
+            file,
+            other.kind(),
+            Kind::Gateway,
+            "'trellis gateway'",
+        )),
+    }
+}
+
+/// Validates a decoded configuration; `errors` already holds the unknown fields.
+pub(super) fn validate(
     file: &Path,
-    doc: serde_json::Value,
+    raw: RawGateway,
+    mut errors: Errors,
 ) -> Result<GatewayConfig, ConfigError> {
-    let raw: RawGateway = super::decode(file, doc)?;
-    let mut errors = Errors::default();
-    let config = validate(file, raw, &mut errors);
+    let config = build(file, raw, &mut errors);
     errors.finish(file, config)
 }
 
-fn validate(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
-    if raw.kind != KIND {
-        errors.push("kind", format!("expected {KIND:?}"));
+fn build(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
+    super::check_api_version(errors, &raw.api_version);
+    let (listeners, addresses) = listeners(errors, &raw.listeners);
+    let admin = admin(errors, &raw.admin, &addresses);
+    let (routes_file, routes_check_interval) = routes_source(errors, file, &raw.routes);
+    GatewayConfig {
+        zone: raw.zone,
+        routes_file,
+        routes_check_interval,
+        listeners,
+        admin,
+        timeouts: timeouts(errors, &raw.timeouts),
+        keepalive_downstream: keepalive(
+            errors,
+            "keepalive.downstream",
+            raw.keepalive.downstream.as_ref(),
+            (55, 55),
+        ),
+        keepalive_upstream: keepalive(
+            errors,
+            "keepalive.upstream",
+            raw.keepalive.upstream.as_ref(),
+            (7200, 75),
+        ),
+        limits: limits(errors, &raw.limits),
+        access_log_interval: raw
+            .access_log
+            .interval
+            .as_deref()
+            .and_then(|v| positive(errors, "accessLog.interval", v)),
+        workers: workers(errors, raw.workers),
+    }
+}
+
+/// The valid listeners, and every address the listeners take (for the admin endpoint's).
+fn listeners(
+    errors: &mut Errors,
+    raw: &[RawListener],
+) -> (Vec<ListenerConfig>, HashSet<SocketAddr>) {
+    if raw.is_empty() {
+        errors.push("listeners", "at least one listener is required");
     }
     let mut names = HashSet::new();
     let mut addresses = HashSet::new();
-    let mut listeners = Vec::new();
-    if raw.listeners.is_empty() {
-        errors.push("listeners", "at least one listener is required");
+    let listeners = raw
+        .iter()
+        .enumerate()
+        .filter_map(|(i, l)| {
+            listener(
+                errors,
+                &format!("listeners[{i}]"),
+                l,
+                &mut names,
+                &mut addresses,
+            )
+        })
+        .collect();
+    (listeners, addresses)
+}
+
+/// One listener, unless its address or protocol is invalid; names and addresses must not
+/// repeat those in `names` and `addresses`, which it adds to.
+fn listener(
+    errors: &mut Errors,
+    path: &str,
+    l: &RawListener,
+    names: &mut HashSet<String>,
+    addresses: &mut HashSet<SocketAddr>,
+) -> Option<ListenerConfig> {
+    if l.name.is_empty()
+        || !l
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
+    {
+        errors.push(
+            at(path, "name"),
+            format!(
+                "invalid listener name {:?} (letters, digits, '-', '_')",
+                l.name
+            ),
+        );
+    } else if !names.insert(l.name.clone()) {
+        errors.push(
+            at(path, "name"),
+            format!("duplicate listener name {:?}", l.name),
+        );
     }
-    for (i, l) in raw.listeners.iter().enumerate() {
-        let path = format!("listeners[{i}]");
-        if l.name.is_empty()
-            || !l
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
-        {
+    let address = socket_addr(errors, &at(path, "address"), &l.address);
+    if let Some(a) = address
+        && !addresses.insert(a)
+    {
+        errors.push(
+            at(path, "address"),
+            format!("address {a} is used by another listener"),
+        );
+    }
+    let kind = listener_kind(errors, path, l);
+    let proxy_protocol = proxy_protocol(errors, path, l.proxy_protocol.as_ref());
+    if let Some(r) = &l.default_route
+        && r.is_empty()
+    {
+        errors.push(at(path, "defaultRoute"), "must not be empty");
+    }
+    Some(ListenerConfig {
+        name: l.name.clone(),
+        address: address?,
+        kind: kind?,
+        default_route: l.default_route.clone(),
+        proxy_protocol,
+    })
+}
+
+/// The listener's protocol with its own settings; a setting of another protocol is an error.
+fn listener_kind(errors: &mut Errors, path: &str, l: &RawListener) -> Option<ListenerKind> {
+    let kind = match l.protocol.as_str() {
+        "sni" => Some(ListenerKind::Sni),
+        "http-connect" => Some(ListenerKind::HttpConnect {
+            destination_header: destination_header(errors, path, l.destination_header.as_deref()),
+        }),
+        "proxy-destination" => Some(ListenerKind::ProxyDestination),
+        "egress-connect" | "wireguard" => {
             errors.push(
-                at(&path, "name"),
+                at(path, "protocol"),
                 format!(
-                    "invalid listener name {:?} (letters, digits, '-', '_')",
-                    l.name
+                    "protocol {:?} is not supported by this build yet",
+                    l.protocol
                 ),
             );
-        } else if !names.insert(l.name.clone()) {
+            None
+        }
+        other => {
             errors.push(
-                at(&path, "name"),
-                format!("duplicate listener name {:?}", l.name),
+                at(path, "protocol"),
+                format!("unknown protocol {other:?}, expected one of sni, http-connect, proxy-destination, egress-connect, wireguard"),
             );
+            None
         }
-        let address = socket_addr(errors, &at(&path, "address"), &l.address);
-        if let Some(a) = address
-            && !addresses.insert(a)
-        {
-            errors.push(
-                at(&path, "address"),
-                format!("address {a} is used by another listener"),
-            );
-        }
-        let protocol = match l.protocol.as_str() {
-            "sni" => Some(Protocol::Sni),
-            "http-connect" => Some(Protocol::HttpConnect),
-            "proxy-destination" => Some(Protocol::ProxyDestination),
-            "egress-connect" | "wireguard" => {
-                errors.push(
-                    at(&path, "protocol"),
-                    format!(
-                        "protocol {:?} is not supported by this build yet",
-                        l.protocol
-                    ),
-                );
-                None
-            }
-            other => {
-                errors.push(
-                    at(&path, "protocol"),
-                    format!("unknown protocol {other:?}, expected one of sni, http-connect, proxy-destination, egress-connect, wireguard"),
-                );
-                None
-            }
-        };
-        let proxy_protocol = proxy_protocol(errors, &path, l.proxy_protocol.as_ref());
-        let destination_header = match (&l.destination_header, protocol) {
-            (Some(h), Some(Protocol::HttpConnect)) => {
-                if h.is_empty()
-                    || !h
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-                {
-                    errors.push(
-                        at(&path, "destinationHeader"),
-                        format!("invalid header name {h:?}"),
-                    );
-                }
-                h.clone()
-            }
-            (Some(_), _) => {
-                errors.push(
-                    at(&path, "destinationHeader"),
-                    "only valid for http-connect listeners",
-                );
-                String::new()
-            }
-            (None, _) => DEFAULT_DESTINATION_HEADER.to_owned(),
-        };
-        if let Some(r) = &l.default_route
-            && r.is_empty()
-        {
-            errors.push(at(&path, "defaultRoute"), "must not be empty");
-        }
-        if let (Some(address), Some(protocol)) = (address, protocol) {
-            listeners.push(ListenerConfig {
-                name: l.name.clone(),
-                address,
-                protocol,
-                default_route: l.default_route.clone(),
-                destination_header,
-                proxy_protocol,
-            });
-        }
+    };
+    if l.destination_header.is_some() && !matches!(kind, Some(ListenerKind::HttpConnect { .. })) {
+        errors.push(
+            at(path, "destinationHeader"),
+            "only valid for http-connect listeners",
+        );
     }
-    let admin = socket_addr(errors, "admin.address", &raw.admin.address);
+    kind
+}
+
+/// An `http-connect` listener's destination header name (an HTTP token).
+fn destination_header(errors: &mut Errors, path: &str, raw: Option<&str>) -> String {
+    let Some(h) = raw else {
+        return DEFAULT_DESTINATION_HEADER.to_owned();
+    };
+    if h.is_empty()
+        || !h
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    {
+        errors.push(
+            at(path, "destinationHeader"),
+            format!("invalid header name {h:?}"),
+        );
+    }
+    h.to_owned()
+}
+
+/// The admin endpoint's address, which no listener may take.
+fn admin(errors: &mut Errors, raw: &RawAdmin, listeners: &HashSet<SocketAddr>) -> SocketAddr {
+    let admin = socket_addr(errors, "admin.address", &raw.address);
     if let Some(a) = admin
-        && addresses.contains(&a)
+        && listeners.contains(&a)
     {
         errors.push(
             "admin.address",
             format!("address {a} is used by a listener"),
         );
     }
-    if raw.routes.file.is_empty() {
+    admin.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)))
+}
+
+/// The routing table file (a relative path is relative to the directory of `file`) and how
+/// often it is re-read.
+fn routes_source(errors: &mut Errors, file: &Path, raw: &RawRoutesSource) -> (PathBuf, Duration) {
+    if raw.file.is_empty() {
         errors.push("routes.file", "must not be empty");
     }
-    let t = &raw.timeouts;
-    let mut positive_or = |path: &str, v: Option<&str>, default: Duration| match v {
-        Some(v) => super::routes::positive(errors, path, v).unwrap_or(default),
-        None => default,
+    let check_interval = raw
+        .check_interval
+        .as_deref()
+        .and_then(|v| positive(errors, "routes.checkInterval", v))
+        .unwrap_or(Duration::from_secs(10));
+    let routes_file = PathBuf::from(&raw.file);
+    let routes_file = if routes_file.is_relative() {
+        file.parent().unwrap_or(Path::new(".")).join(routes_file)
+    } else {
+        routes_file
     };
-    let timeouts = Timeouts {
-        connect: positive_or(
-            "timeouts.connect",
-            t.connect.as_deref(),
-            Duration::from_secs(5),
-        ),
-        handshake: positive_or(
-            "timeouts.handshake",
-            t.handshake.as_deref(),
-            Duration::from_secs(10),
-        ),
-        idle: positive_or(
-            "timeouts.idle",
-            t.idle.as_deref(),
-            Duration::from_secs(3600),
-        ),
-        half_close: positive_or(
-            "timeouts.halfClose",
-            t.half_close.as_deref(),
-            Duration::from_secs(60),
-        ),
+    (routes_file, check_interval)
+}
+
+/// Timeouts with their defaults; every one but `drain` must be greater than zero. The node
+/// daemon's are the same.
+pub(super) fn timeouts(errors: &mut Errors, raw: &RawTimeouts) -> Timeouts {
+    let mut positive_or = |path: &str, v: Option<&str>, default: u64| {
+        v.and_then(|v| positive(errors, path, v))
+            .unwrap_or(Duration::from_secs(default))
+    };
+    let connect = positive_or("timeouts.connect", raw.connect.as_deref(), 5);
+    let handshake = positive_or("timeouts.handshake", raw.handshake.as_deref(), 10);
+    let idle = positive_or("timeouts.idle", raw.idle.as_deref(), 3600);
+    let half_close = positive_or("timeouts.halfClose", raw.half_close.as_deref(), 60);
+    Timeouts {
+        connect,
+        handshake,
+        idle,
+        half_close,
         drain: errors.duration_or(
             "timeouts.drain",
-            t.drain.as_deref(),
+            raw.drain.as_deref(),
             Duration::from_secs(60),
         ),
-    };
-    let keepalive_downstream = keepalive(
-        errors,
-        "keepalive.downstream",
-        raw.keepalive.downstream.as_ref(),
-        (55, 55),
-    );
-    let keepalive_upstream = keepalive(
-        errors,
-        "keepalive.upstream",
-        raw.keepalive.upstream.as_ref(),
-        (7200, 75),
-    );
-    let l = &raw.limits;
-    let limits = Limits {
+    }
+}
+
+fn limits(errors: &mut Errors, raw: &RawLimits) -> Limits {
+    Limits {
         max_connections: bounded(
             errors,
             "limits.maxConnections",
-            l.max_connections,
+            raw.max_connections,
             100_000,
             1..=10_000_000,
         ),
         max_connections_per_source: bounded(
             errors,
             "limits.maxConnectionsPerSource",
-            l.max_connections_per_source,
+            raw.max_connections_per_source,
             0,
             0..=10_000_000,
         ),
         max_client_hello_bytes: bounded(
             errors,
             "limits.maxClientHelloBytes",
-            l.max_client_hello_bytes,
+            raw.max_client_hello_bytes,
             16_384,
             MIN_CLIENT_HELLO_BYTES..=MAX_CLIENT_HELLO_BYTES,
         ),
         max_header_bytes: bounded(
             errors,
             "limits.maxHeaderBytes",
-            l.max_header_bytes,
+            raw.max_header_bytes,
             8192,
             256..=65_536,
         ),
-    };
-    let access_log_interval = raw
-        .access_log
-        .interval
-        .as_deref()
-        .and_then(|v| super::routes::positive(errors, "accessLog.interval", v));
-    let routes_check_interval = raw
-        .routes
-        .check_interval
-        .as_deref()
-        .and_then(|v| super::routes::positive(errors, "routes.checkInterval", v))
-        .unwrap_or(Duration::from_secs(10));
-    let workers = match bounded(errors, "workers", raw.workers, 0, 0..=256) {
+    }
+}
+
+/// Worker threads: as written, or one per CPU for 0 (the default).
+fn workers(errors: &mut Errors, raw: Option<u64>) -> usize {
+    match bounded(errors, "workers", raw, 0, 0..=256) {
         0 => std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1),
         n => n,
-    };
-    let routes_file = PathBuf::from(&raw.routes.file);
-    let routes_file = if routes_file.is_relative() {
-        file.parent().unwrap_or(Path::new(".")).join(routes_file)
-    } else {
-        routes_file
-    };
-    GatewayConfig {
-        zone: raw.zone,
-        routes_file,
-        routes_check_interval,
-        listeners,
-        admin: admin.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0))),
-        timeouts,
-        keepalive_downstream,
-        keepalive_upstream,
-        limits,
-        access_log_interval,
-        workers,
     }
 }
 
@@ -598,7 +663,7 @@ fn proxy_protocol(
     }
 }
 
-fn socket_addr(errors: &mut Errors, path: &str, value: &str) -> Option<SocketAddr> {
+pub(super) fn socket_addr(errors: &mut Errors, path: &str, value: &str) -> Option<SocketAddr> {
     value
         .parse()
         .map_err(|_| errors.push(path, format!("expected IP:port, got {value:?}")))
@@ -615,9 +680,7 @@ pub(super) fn keepalive(
         .map(|r| (r.idle.as_deref(), r.interval.as_deref()))
         .unwrap_or_default();
     let mut get = |field: &str, v: Option<&str>, d: u64| match v {
-        Some(v) => {
-            super::routes::positive(errors, &at(path, field), v).unwrap_or(Duration::from_secs(d))
-        }
+        Some(v) => positive(errors, &at(path, field), v).unwrap_or(Duration::from_secs(d)),
         None => Duration::from_secs(d),
     };
     KeepaliveSide {
@@ -651,12 +714,7 @@ mod tests {
     use super::*;
 
     fn check(yaml: &str) -> Result<GatewayConfig, String> {
-        super::super::parse_with(
-            Path::new("/etc/trellis/gateway.yaml"),
-            yaml.as_bytes(),
-            from_document,
-        )
-        .map_err(|e| e.to_string())
+        parse(Path::new("/etc/trellis/gateway.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\n";
@@ -671,6 +729,51 @@ mod tests {
         assert_eq!(c.timeouts.connect, Duration::from_secs(5));
         assert_eq!(c.limits.max_client_hello_bytes, 16_384);
         assert_eq!(c.keepalive_upstream.idle, Duration::from_secs(7200));
+    }
+
+    /// Each protocol's settings live in its kind: an `http-connect` listener carries its
+    /// destination header (or the default), and another protocol may not name one.
+    #[test]
+    fn listener_kinds_carry_their_settings() {
+        let c = check(&format!(
+            "{HEAD}routes: {{file: r.yaml}}
+listeners:
+- {{name: a, address: \"0.0.0.0:1\", protocol: sni}}
+- {{name: b, address: \"0.0.0.0:2\", protocol: http-connect}}
+- {{name: c, address: \"0.0.0.0:3\", protocol: http-connect, destinationHeader: Reversed-VPN}}
+- {{name: d, address: \"0.0.0.0:4\", protocol: proxy-destination}}
+admin: {{address: \"127.0.0.1:5\"}}
+"
+        ))
+        .unwrap();
+        let kinds: Vec<_> = c.listeners.iter().map(|l| l.kind.clone()).collect();
+        assert_eq!(
+            kinds,
+            [
+                ListenerKind::Sni,
+                ListenerKind::HttpConnect {
+                    destination_header: DEFAULT_DESTINATION_HEADER.into()
+                },
+                ListenerKind::HttpConnect {
+                    destination_header: "Reversed-VPN".into()
+                },
+                ListenerKind::ProxyDestination,
+            ]
+        );
+        let err = check(&format!(
+            "{HEAD}routes: {{file: r.yaml}}
+listeners:
+- {{name: a, address: \"0.0.0.0:1\", protocol: sni, destinationHeader: X-D}}
+- {{name: b, address: \"0.0.0.0:2\", protocol: http-connect, destinationHeader: \"X D\"}}
+admin: {{address: \"127.0.0.1:5\"}}
+"
+        ))
+        .unwrap_err();
+        assert_eq!(
+            err,
+            "/etc/trellis/gateway.yaml: listeners[0].destinationHeader: only valid for http-connect listeners
+/etc/trellis/gateway.yaml: listeners[1].destinationHeader: invalid header name \"X D\""
+        );
     }
 
     #[test]

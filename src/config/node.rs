@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::decode::{Kind, Raw};
 use super::gateway::{
     DEFAULT_DESTINATION_HEADER, KeepaliveSide, RawAdmin, RawKeepalive, RawTimeouts,
 };
@@ -19,7 +20,7 @@ pub const KIND: &str = "NodeConfiguration";
 
 /// A node configuration file as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawNode {
     /// Always `trellis.gardener.cloud/v1alpha1`.
     pub api_version: String,
@@ -47,7 +48,7 @@ pub struct RawNode {
 
 /// The managed link and address as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawInterface {
     /// Link name; created as a dummy link if missing (default `apiserver-proxy`).
     #[serde(default)]
@@ -61,7 +62,7 @@ pub struct RawInterface {
 
 /// The upstream as written.
 #[derive(Debug, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawUpstream {
     /// `host:port` of the seed gateway; the host is resolved per connection.
     pub address: String,
@@ -81,9 +82,10 @@ pub struct RawUpstream {
 
 /// Limits as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", deny_unknown_fields, rename_all = "camelCase")]
+#[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawNodeLimits {
     /// Most client connections at once (default 10000, as in Gardener).
+    #[serde(default, deserialize_with = "super::whole_number")]
     pub max_connections: Option<u64>,
 }
 
@@ -171,72 +173,117 @@ pub struct NodeConfig {
 
 /// Reads and validates a node configuration file.
 pub fn load(file: &Path) -> Result<NodeConfig, ConfigError> {
-    super::load_with(file, from_document)
+    parse(file, &super::read_file(file)?)
 }
 
-pub(super) fn from_document(
+/// Parses and validates the bytes of a node configuration file.
+pub fn parse(file: &Path, bytes: &[u8]) -> Result<NodeConfig, ConfigError> {
+    match super::decode::decode(file, bytes)? {
+        (Raw::Node(raw), errors) => validate(file, raw, errors),
+        (other, _) => Err(super::decode::wrong_kind(
+            file,
+            other.kind(),
+            Kind::Node,
+            "'trellis node'",
+        )),
+    }
+}
+
+/// Validates a decoded configuration; `errors` already holds the unknown fields.
+pub(super) fn validate(
     file: &Path,
-    doc: serde_json::Value,
+    raw: RawNode,
+    mut errors: Errors,
 ) -> Result<NodeConfig, ConfigError> {
-    let raw: RawNode = super::decode(file, doc)?;
-    let mut errors = Errors::default();
-    let config = validate(raw, &mut errors);
+    let config = build(raw, &mut errors);
     errors.finish(file, config)
 }
 
-fn validate(raw: RawNode, errors: &mut Errors) -> NodeConfig {
-    if raw.kind != KIND {
-        errors.push("kind", format!("expected {KIND:?}"));
+fn build(raw: RawNode, errors: &mut Errors) -> NodeConfig {
+    super::check_api_version(errors, &raw.api_version);
+    // In the file's order, so that errors are listed in it.
+    let listen = listen(errors, &raw.listen);
+    let interface = raw.interface.as_ref().and_then(|i| interface(errors, i));
+    let u = &raw.upstream;
+    let (upstream_host, upstream_port) = upstream_address(errors, &u.address);
+    let protocol = upstream_protocol(errors, u);
+    let ip_family = ip_family(errors, u.ip_family.as_deref());
+    let admin = super::gateway::socket_addr(errors, "admin.address", &raw.admin.address)
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    let timeouts = super::gateway::timeouts(errors, &raw.timeouts);
+    NodeConfig {
+        listen,
+        interface,
+        upstream_host,
+        upstream_port,
+        protocol,
+        ip_family,
+        admin,
+        connect_timeout: timeouts.connect,
+        handshake_timeout: timeouts.handshake,
+        idle_timeout: timeouts.idle,
+        half_close_timeout: timeouts.half_close,
+        drain_timeout: timeouts.drain,
+        keepalive_downstream: super::gateway::keepalive(
+            errors,
+            "keepalive.downstream",
+            raw.keepalive.downstream.as_ref(),
+            (55, 55),
+        ),
+        keepalive_upstream: super::gateway::keepalive(
+            errors,
+            "keepalive.upstream",
+            raw.keepalive.upstream.as_ref(),
+            (7200, 55),
+        ),
+        max_connections: max_connections(errors, raw.limits.max_connections),
     }
-    if raw.listen.is_empty() {
+}
+
+/// The listen addresses: at least one.
+fn listen(errors: &mut Errors, raw: &[String]) -> Vec<SocketAddr> {
+    if raw.is_empty() {
         errors.push("listen", "at least one address is required");
     }
-    let listen = raw
-        .listen
-        .iter()
+    raw.iter()
         .enumerate()
-        .filter_map(|(i, a)| {
-            a.parse::<SocketAddr>()
-                .map_err(|_| {
-                    errors.push(
-                        format!("listen[{i}]"),
-                        format!("expected IP:port, got {a:?}"),
-                    )
-                })
-                .ok()
-        })
-        .collect();
-    let interface = raw.interface.as_ref().and_then(|i| {
-        let name = i.name.clone().unwrap_or_else(|| "apiserver-proxy".into());
-        if name.is_empty() || name.len() > 15 || name.contains(['/', ' ']) {
+        .filter_map(|(i, a)| super::gateway::socket_addr(errors, &format!("listen[{i}]"), a))
+        .collect()
+}
+
+/// The managed link and address, unless the address is invalid.
+fn interface(errors: &mut Errors, raw: &RawInterface) -> Option<InterfaceConfig> {
+    let name = raw.name.clone().unwrap_or_else(|| "apiserver-proxy".into());
+    if name.is_empty() || name.len() > 15 || name.contains(['/', ' ']) {
+        errors.push(
+            "interface.name",
+            format!("invalid link name {name:?} (1-15 characters, no '/' or spaces)"),
+        );
+    }
+    let check_interval = raw
+        .check_interval
+        .as_deref()
+        .and_then(|v| positive(errors, "interface.checkInterval", v))
+        .unwrap_or(Duration::from_secs(10));
+    match raw.address.parse::<IpAddr>() {
+        Ok(address) => Some(InterfaceConfig {
+            name,
+            address,
+            check_interval,
+        }),
+        Err(_) => {
             errors.push(
-                "interface.name",
-                format!("invalid link name {name:?} (1-15 characters, no '/' or spaces)"),
+                "interface.address",
+                format!("expected an IP address, got {:?}", raw.address),
             );
+            None
         }
-        let check_interval = match &i.check_interval {
-            Some(v) => {
-                positive(errors, "interface.checkInterval", v).unwrap_or(Duration::from_secs(10))
-            }
-            None => Duration::from_secs(10),
-        };
-        match i.address.parse::<IpAddr>() {
-            Ok(address) => Some(InterfaceConfig {
-                name,
-                address,
-                check_interval,
-            }),
-            Err(_) => {
-                errors.push(
-                    "interface.address",
-                    format!("expected an IP address, got {:?}", i.address),
-                );
-                None
-            }
-        }
-    });
-    let u = &raw.upstream;
-    let (upstream_host, upstream_port) = match u.address.rsplit_once(':') {
+    }
+}
+
+/// The gateway's host (without brackets or a trailing dot) and port.
+fn upstream_address(errors: &mut Errors, address: &str) -> (String, u16) {
+    match address.rsplit_once(':') {
         Some((host, port)) if !host.is_empty() => match port.parse::<u16>() {
             Ok(p) if p > 0 => (
                 host.trim_start_matches('[')
@@ -246,22 +293,24 @@ fn validate(raw: RawNode, errors: &mut Errors) -> NodeConfig {
                 p,
             ),
             _ => {
-                errors.push(
-                    "upstream.address",
-                    format!("invalid port in {:?}", u.address),
-                );
+                errors.push("upstream.address", format!("invalid port in {address:?}"));
                 (String::new(), 0)
             }
         },
         _ => {
             errors.push(
                 "upstream.address",
-                format!("expected HOST:PORT, got {:?}", u.address),
+                format!("expected HOST:PORT, got {address:?}"),
             );
             (String::new(), 0)
         }
-    };
-    let protocol = match u.protocol.as_deref() {
+    }
+}
+
+/// How the node reaches the gateway, with the settings of that protocol; a setting of the
+/// other protocol is an error.
+fn upstream_protocol(errors: &mut Errors, u: &RawUpstream) -> UpstreamProtocol {
+    match u.protocol.as_deref() {
         None | Some("http-connect") => {
             let header = u
                 .destination_header
@@ -302,8 +351,11 @@ fn validate(raw: RawNode, errors: &mut Errors) -> NodeConfig {
             );
             UpstreamProtocol::ProxyV2
         }
-    };
-    let ip_family = match u.ip_family.as_deref() {
+    }
+}
+
+fn ip_family(errors: &mut Errors, raw: Option<&str>) -> IpFamily {
+    match raw {
         None | Some("any") => IpFamily::Any,
         Some("v4") => IpFamily::V4,
         Some("v6") => IpFamily::V6,
@@ -314,45 +366,11 @@ fn validate(raw: RawNode, errors: &mut Errors) -> NodeConfig {
             );
             IpFamily::Any
         }
-    };
-    let admin = raw
-        .admin
-        .address
-        .parse()
-        .map_err(|_| {
-            errors.push(
-                "admin.address",
-                format!("expected IP:port, got {:?}", raw.admin.address),
-            )
-        })
-        .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)));
-    let t = &raw.timeouts;
-    let mut get = |path: &str, v: Option<&String>, d: u64| match v {
-        Some(v) => positive(errors, path, v).unwrap_or(Duration::from_secs(d)),
-        None => Duration::from_secs(d),
-    };
-    let connect_timeout = get("timeouts.connect", t.connect.as_ref(), 5);
-    let handshake_timeout = get("timeouts.handshake", t.handshake.as_ref(), 10);
-    let idle_timeout = get("timeouts.idle", t.idle.as_ref(), 3600);
-    let half_close_timeout = get("timeouts.halfClose", t.half_close.as_ref(), 60);
-    let drain_timeout = errors.duration_or(
-        "timeouts.drain",
-        t.drain.as_deref(),
-        Duration::from_secs(60),
-    );
-    let keepalive_downstream = super::gateway::keepalive(
-        errors,
-        "keepalive.downstream",
-        raw.keepalive.downstream.as_ref(),
-        (55, 55),
-    );
-    let keepalive_upstream = super::gateway::keepalive(
-        errors,
-        "keepalive.upstream",
-        raw.keepalive.upstream.as_ref(),
-        (7200, 55),
-    );
-    let max_connections = match raw.limits.max_connections {
+    }
+}
+
+fn max_connections(errors: &mut Errors, raw: Option<u64>) -> usize {
+    match raw {
         None => 10_000,
         Some(n) if (1..=1_000_000).contains(&n) => n as usize,
         Some(n) => {
@@ -362,23 +380,6 @@ fn validate(raw: RawNode, errors: &mut Errors) -> NodeConfig {
             );
             10_000
         }
-    };
-    NodeConfig {
-        listen,
-        interface,
-        upstream_host,
-        upstream_port,
-        protocol,
-        ip_family,
-        admin,
-        connect_timeout,
-        handshake_timeout,
-        idle_timeout,
-        half_close_timeout,
-        drain_timeout,
-        keepalive_downstream,
-        keepalive_upstream,
-        max_connections,
     }
 }
 
@@ -387,8 +388,7 @@ mod tests {
     use super::*;
 
     fn check(yaml: &str) -> Result<NodeConfig, String> {
-        super::super::parse_with(Path::new("node.yaml"), yaml.as_bytes(), from_document)
-            .map_err(|e| e.to_string())
+        parse(Path::new("node.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: NodeConfiguration\n";

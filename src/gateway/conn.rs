@@ -10,7 +10,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::Shared;
-use crate::config::gateway::{ListenerConfig, Protocol, ProxyMode};
+use crate::config::gateway::{ListenerConfig, ListenerKind, ProxyMode};
 use crate::route::Route;
 use crate::serve::accept::Accepted;
 use crate::serve::forward::{self, Relaying, Reply};
@@ -210,10 +210,12 @@ pub(super) async fn serve(
         return conn.reject(Outcome::Limited, "per-source connection limit");
     }
 
-    match config.protocol {
-        Protocol::Sni => super::sni::handle(conn, config, shared).await,
-        Protocol::HttpConnect => super::connect::handle(conn, config, shared).await,
-        Protocol::ProxyDestination => super::proxydst::handle(conn, config, shared).await,
+    match &config.kind {
+        ListenerKind::Sni => super::sni::handle(conn, config, shared).await,
+        ListenerKind::HttpConnect { destination_header } => {
+            super::connect::handle(conn, config, destination_header, shared).await
+        }
+        ListenerKind::ProxyDestination => super::proxydst::handle(conn, config, shared).await,
     }
 }
 

@@ -13,7 +13,12 @@ use crate::serve::record::Outcome;
 use crate::wire::http;
 
 /// Handles one `http-connect` connection from its request head to close.
-pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
+pub(super) async fn handle(
+    mut conn: Box<Conn>,
+    config: &ListenerConfig,
+    destination_header: &str,
+    shared: &Shared,
+) {
     let max = shared.config.limits.max_header_bytes;
     let (head, consumed) =
         match Box::pin(conn.read_until(max, |b| http::parse_request_head(b, max))).await {
@@ -41,7 +46,7 @@ pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared:
             .await;
         return conn.reject(Outcome::BadRequest, &format!("method {}", head.method));
     }
-    let mut values = head.header_values(&config.destination_header);
+    let mut values = head.header_values(destination_header);
     let destination = values.next().map(str::to_owned);
     if values.any(|v| Some(v) != destination.as_deref()) {
         conn.reject_with(&http::response(400, "conflicting destination headers"))

@@ -144,7 +144,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
                 let address = sock
                     .local_addr()
                     .map_or_else(|_| l.address.to_string(), |a| a.to_string());
-                tracing::info!(listener = %l.name, address, protocol = l.protocol.as_str(), workers, "listening");
+                tracing::info!(listener = %l.name, address, protocol = l.kind.as_str(), workers, "listening");
             }
         }
         let (shared, stop_rx, exit_rx) = (shared.clone(), stop_rx.clone(), exit_rx.clone());
