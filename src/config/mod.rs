@@ -485,19 +485,24 @@ mod tests {
                 "{doc}"
             );
         }
-        let (_, errors) = decode::decode(
-            f,
-            b"routes: []\nkind: RoutingTable\napiVersion: v\nrouts: {}\n",
-        )
-        .unwrap();
-        assert_eq!(
-            errors.0,
-            [FieldError {
-                path: "routs".into(),
-                message: "unknown field `routs`".into(),
-                position: None
-            }]
-        );
+        // An unknown field at the top, the only one in the file, whether it is read after
+        // `kind` (by the dispatch) or before it (by the second decode).
+        for doc in [
+            "kind: RoutingTable\napiVersion: v\nrouts: {}\nroutes: []\n",
+            "routes: []\nkind: RoutingTable\napiVersion: v\nrouts: {}\n",
+            "{\"kind\": \"RoutingTable\", \"apiVersion\": \"v\", \"routs\": {}}",
+        ] {
+            let (_, errors) = decode::decode(f, doc.as_bytes()).unwrap();
+            assert_eq!(
+                errors.0,
+                [FieldError {
+                    path: "routs".into(),
+                    message: "unknown field `routs`".into(),
+                    position: None
+                }],
+                "{doc}"
+            );
+        }
     }
 
     /// `check` and the gateway read a routing table the same way: what one accepts the
