@@ -454,9 +454,8 @@ async fn half_close_delivers_full_response() {
     assert_eq!(gw.metric("trellis_half_closed_connections"), 0.0);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn half_close_is_bounded_and_idle_connections_time_out() {
-    // Backend that never closes and never answers.
+/// A backend that never answers and never closes.
+async fn holding_backend() -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -466,6 +465,12 @@ async fn half_close_is_bounded_and_idle_connections_time_out() {
             held.push(s);
         }
     });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn half_close_is_bounded_and_idle_connections_time_out() {
+    let addr = holding_backend().await;
     let gw = Gateway::start(
         &one_route("hold", "hold.example.com", addr),
         "timeouts: {halfClose: 1s, idle: 2s}",
@@ -661,15 +666,7 @@ async fn urgent_data_on_a_spliced_flow_is_forwarded_inline() {
 /// closed one `halfClose` later, as `client_closed`.
 #[tokio::test(flavor = "multi_thread")]
 async fn half_close_bound_is_not_the_idle_timeout() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let mut held = Vec::new();
-        loop {
-            let (s, _) = listener.accept().await.unwrap();
-            held.push(s);
-        }
-    });
+    let addr = holding_backend().await;
     let gw = Gateway::start(
         &one_route("hold", "hold.example.com", addr),
         "timeouts: {halfClose: 2s, idle: 60s}",

@@ -726,45 +726,70 @@ async fn generic_path_flushes_a_buffering_leg() {
     }
 }
 
+/// An in-memory leg with the quirks of real streams: a shutdown that never completes (a
+/// `close_notify` that cannot be flushed), or a `WouldBlock` answer to every other read.
+struct Quirky {
+    inner: DuplexStream,
+    never_shuts: bool,
+    would_block: bool,
+    reads: u32,
+}
+
+impl Quirky {
+    fn new(inner: DuplexStream) -> Self {
+        Quirky {
+            inner,
+            never_shuts: false,
+            would_block: false,
+            reads: 0,
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for Quirky {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        self.reads += 1;
+        if self.would_block && self.reads % 2 == 1 {
+            return Poll::Ready(Err(std::io::ErrorKind::WouldBlock.into()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Quirky {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.never_shuts {
+            return Poll::Pending;
+        }
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl Leg for Quirky {}
+
 /// A leg whose end-of-stream forwarding never completes (a `close_notify` that cannot be
 /// flushed): the half-close bound still runs from the end of stream, with traffic the
 /// other way keeping the idle bound away.
 #[tokio::test(start_paused = true)]
 async fn generic_half_close_bound_runs_while_the_shutdown_is_pending() {
-    use std::pin::Pin;
-    use std::task::{Context, Poll};
-    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-
-    struct NeverShuts(DuplexStream);
-    impl AsyncRead for NeverShuts {
-        fn poll_read(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &mut ReadBuf<'_>,
-        ) -> Poll<std::io::Result<()>> {
-            Pin::new(&mut self.0).poll_read(cx, buf)
-        }
-    }
-    impl AsyncWrite for NeverShuts {
-        fn poll_write(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &[u8],
-        ) -> Poll<std::io::Result<usize>> {
-            Pin::new(&mut self.0).poll_write(cx, buf)
-        }
-        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-            Pin::new(&mut self.0).poll_flush(cx)
-        }
-        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-            Poll::Pending
-        }
-    }
-    impl Leg for NeverShuts {}
-
     let (mut client, mut client_in) = duplex(64 * 1024);
     let (mut backend, backend_in) = duplex(64 * 1024);
-    let mut backend_in = NeverShuts(backend_in);
+    let mut backend_in = Quirky::new(backend_in);
+    backend_in.never_shuts = true;
     let meters = Meters::default();
     let stop = Stop::default();
     let start = tokio::time::Instant::now();
@@ -807,48 +832,10 @@ async fn generic_half_close_bound_runs_while_the_shutdown_is_pending() {
 /// still cross.
 #[tokio::test]
 async fn generic_path_does_not_spin_on_would_block() {
-    use std::pin::Pin;
-    use std::task::{Context, Poll};
-    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-
-    /// Every other read is `WouldBlock`; counts reads.
-    struct Flaky(DuplexStream, u32);
-    impl AsyncRead for Flaky {
-        fn poll_read(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &mut ReadBuf<'_>,
-        ) -> Poll<std::io::Result<()>> {
-            self.1 += 1;
-            if self.1 % 2 == 1 {
-                return Poll::Ready(Err(std::io::ErrorKind::WouldBlock.into()));
-            }
-            Pin::new(&mut self.0).poll_read(cx, buf)
-        }
-    }
-    impl AsyncWrite for Flaky {
-        fn poll_write(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &[u8],
-        ) -> Poll<std::io::Result<usize>> {
-            Pin::new(&mut self.0).poll_write(cx, buf)
-        }
-        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-            Pin::new(&mut self.0).poll_flush(cx)
-        }
-        fn poll_shutdown(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<std::io::Result<()>> {
-            Pin::new(&mut self.0).poll_shutdown(cx)
-        }
-    }
-    impl Leg for Flaky {}
-
     let (mut client, client_in) = duplex(1024);
     let (mut backend, mut backend_in) = duplex(1024);
-    let mut client_in = Flaky(client_in, 0);
+    let mut client_in = Quirky::new(client_in);
+    client_in.would_block = true;
     let meters = Meters::default();
     let stop = Stop::default();
     let relay = relay(
@@ -877,8 +864,8 @@ async fn generic_path_does_not_spin_on_would_block() {
     assert_eq!(got, b"hello");
     assert_eq!((end, stats.rx), (End::ClientClosed, 5));
     assert!(
-        client_in.1 < 100,
+        client_in.reads < 100,
         "{} reads for one message and its end",
-        client_in.1
+        client_in.reads
     );
 }
