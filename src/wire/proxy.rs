@@ -104,6 +104,7 @@ pub fn detect(buf: &[u8]) -> Detect {
 pub fn parse(buf: &[u8], limit: usize) -> Result<Parsed<ProxyInfo>, Reject> {
     match detect(buf) {
         Detect::NotProxy => return Err(Reject::NotProxy),
+        Detect::NeedMore if buf.len() >= limit => return Err(Reject::TooLarge { limit }),
         Detect::NeedMore => return Ok(Parsed::Incomplete),
         Detect::Proxy => {}
     }
@@ -115,6 +116,7 @@ pub fn parse(buf: &[u8], limit: usize) -> Result<Parsed<ProxyInfo>, Reject> {
         }
     }
     match ProxyHeader::parse(buf, ParseConfig::default()) {
+        Ok((_, consumed)) if consumed > limit => Err(Reject::TooLarge { limit }),
         Ok((header, consumed)) => {
             let addresses = header.proxied_address().map(|a| (a.source, a.destination));
             let tlvs = if version == 2 {
@@ -330,6 +332,18 @@ mod tests {
         let mut big = V2_SIGNATURE.to_vec();
         big.extend_from_slice(&[0x21, 0x11, 0xff, 0xff]);
         assert_eq!(parse(&big, LIMIT), Err(Reject::TooLarge { limit: LIMIT }));
+    }
+
+    #[test]
+    fn caps_below_a_header_are_honoured() {
+        // Configuration allows no cap under 256 bytes; the function's contract holds anyway:
+        // at the cap the answer is final, and a header longer than the cap is too large.
+        assert_eq!(parse(b"PRO", 3), Err(Reject::TooLarge { limit: 3 }));
+        assert_eq!(parse(b"PRO", 4), Ok(Parsed::Incomplete));
+        let h = v1();
+        let under = h.len() - 1;
+        assert_eq!(parse(&h, under), Err(Reject::TooLarge { limit: under }));
+        assert!(matches!(parse(&h, h.len()), Ok(Parsed::Complete { .. })));
     }
 
     #[test]
