@@ -39,6 +39,9 @@ mod tests {
     //!   accepted as the name `x.example.com.`.
     //! - `tls/server-name-of-254-bytes`: the length cap counted a trailing dot the name had
     //!   already lost, so a 254-byte name without one passed.
+    //! - `proxy/v1-over-107-bytes-in-one-read` (the fuzz input that found it): a v1 line
+    //!   longer than the spec's 107 bytes was accepted when it arrived in one read and
+    //!   refused when a read ended at byte 107.
     //!
     //! The others are no past bug; they pin what the parsers' caps and splits turn on:
     //! `tls/hello-in-32-records` and `tls/server-name-of-253-bytes-and-a-trailing-dot` (the

@@ -115,7 +115,14 @@ pub fn parse(buf: &[u8], limit: usize) -> Result<Parsed<ProxyInfo>, Reject> {
             return Err(Reject::TooLarge { limit });
         }
     }
-    match ProxyHeader::parse(buf, ParseConfig::default()) {
+    // proxy-header stops waiting for a v1 line at 107 bytes but takes a longer one that
+    // arrives whole; it sees no more than the spec allows, so a split cannot change the answer.
+    let input = if version == 1 {
+        &buf[..buf.len().min(V1_MAX)]
+    } else {
+        buf
+    };
+    match ProxyHeader::parse(input, ParseConfig::default()) {
         Ok((_, consumed)) if consumed > limit => Err(Reject::TooLarge { limit }),
         Ok((header, consumed)) => {
             let addresses = header.proxied_address().map(|a| (a.source, a.destination));
@@ -344,6 +351,27 @@ mod tests {
         let under = h.len() - 1;
         assert_eq!(parse(&h, under), Err(Reject::TooLarge { limit: under }));
         assert!(matches!(parse(&h, h.len()), Ok(Parsed::Complete { .. })));
+    }
+
+    #[test]
+    fn v1_is_at_most_107_bytes_however_it_arrives() {
+        let line = |n: usize| {
+            let mut l = b"PROXY UNKNOWN ".to_vec();
+            l.resize(n - 2, b'x');
+            l.extend_from_slice(b"\r\n");
+            l
+        };
+        let (fits, over) = (line(V1_MAX), line(V1_MAX + 1));
+        assert!(matches!(
+            parse(&fits, LIMIT),
+            Ok(Parsed::Complete {
+                consumed: V1_MAX,
+                ..
+            })
+        ));
+        // Whole, or split after 107 bytes: the same answer.
+        assert_eq!(parse(&over, LIMIT), Err(Reject::Malformed));
+        assert_eq!(parse(&over[..V1_MAX], LIMIT), Err(Reject::Malformed));
     }
 
     #[test]
