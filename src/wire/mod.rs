@@ -42,6 +42,9 @@ mod tests {
     //! - `proxy/v1-over-107-bytes-in-one-read` (the fuzz input that found it): a v1 line
     //!   longer than the spec's 107 bytes was accepted when it arrived in one read and
     //!   refused when a read ended at byte 107.
+    //! - `proxy/v2-ssl-version-with-control-bytes` (the fuzz input that found it): the SSL
+    //!   TLV's version went into the TLV summaries for logs as sent, control bytes and all,
+    //!   and of any length, where every other value is cut to 64 printable characters.
     //!
     //! The others are no past bug; they pin what the parsers' caps and splits turn on:
     //! `tls/hello-in-32-records` and `tls/server-name-of-253-bytes-and-a-trailing-dot` (the

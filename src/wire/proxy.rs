@@ -164,7 +164,11 @@ fn summarize_tlvs(header: &ProxyHeader<'_>) -> Result<Vec<String>, Reject> {
             Tlv::Crc32c(v) => format!("crc32c={v:08x}"),
             Tlv::Noop(_) => "noop".into(),
             Tlv::UniqueId(v) => format!("unique_id={}", hex(v)),
-            Tlv::Ssl(info) => format!("ssl={}", info.version().unwrap_or("?")),
+            Tlv::Ssl(info) => format!(
+                "ssl={}",
+                info.version()
+                    .map_or("?".into(), |v| printable(v.as_bytes()))
+            ),
             Tlv::Netns(v) => format!("netns={}", printable(v.as_bytes())),
             Tlv::Custom(kind, v) => format!("0x{kind:02x}={}", hex(v)),
             other => format!("0x{:02x}", other.kind()),
@@ -372,6 +376,21 @@ mod tests {
         // Whole, or split after 107 bytes: the same answer.
         assert_eq!(parse(&over, LIMIT), Err(Reject::Malformed));
         assert_eq!(parse(&over[..V1_MAX], LIMIT), Err(Reject::Malformed));
+    }
+
+    #[test]
+    fn ssl_version_summary_is_short_printable_text() {
+        let mut ssl = proxy_header::SslInfo::new(true, false, false, 0);
+        let version = format!("TLSv1.3\n{}", "x".repeat(200));
+        ssl.append_tlv(Tlv::SslVersion(version.into()));
+        let mut header = Vec::new();
+        ProxyHeader::with_tlvs(None, [Tlv::Ssl(ssl)])
+            .encode_v2(&mut header)
+            .unwrap();
+        let Parsed::Complete { value, .. } = parse(&header, LIMIT).unwrap() else {
+            panic!()
+        };
+        assert_eq!(value.tlvs, [format!("ssl=TLSv1.3?{}", "x".repeat(56))]);
     }
 
     #[test]
