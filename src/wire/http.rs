@@ -126,7 +126,7 @@ pub fn parse_request_head(buf: &[u8], limit: usize) -> Result<Parsed<RequestHead
         if name.is_empty() || !name.iter().all(|&b| is_tchar(b)) {
             return Err(Reject::Malformed("header name"));
         }
-        let value = value.trim_ascii();
+        let value = trim_ows(value);
         if value.iter().any(|&b| (b < 0x20 && b != b'\t') || b == 0x7f) {
             return Err(Reject::Malformed("control character in header value"));
         }
@@ -141,6 +141,18 @@ pub fn parse_request_head(buf: &[u8], limit: usize) -> Result<Parsed<RequestHead
         },
         consumed: end,
     })
+}
+
+/// Strips optional whitespace (RFC 9110 §5.6.3: spaces and tabs) from both ends. Other
+/// ASCII whitespace (CR, form feed) is left for the control character check.
+fn trim_ows(mut v: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = v {
+        v = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = v {
+        v = rest;
+    }
+    v
 }
 
 fn ascii(b: &[u8]) -> String {
@@ -275,6 +287,24 @@ mod tests {
     fn bare_lf_and_whitespace() {
         let (h, _) = complete(b"CONNECT 10.0.0.1:443 HTTP/1.1\nHost: 127.0.0.1\nX-A:   v  \n\n");
         assert_eq!(h.header_values("x-a").next(), Some("v"));
+    }
+
+    #[test]
+    fn control_characters_at_the_ends_of_values_are_rejected() {
+        // Only spaces and tabs are trimmed (RFC 9110 OWS); a form feed or a bare CR is not
+        // whitespace to strip but a control character.
+        for field in [&b"X: v\x0c"[..], b"X: \x0cv", b"X: v\r", b"X:\r v"] {
+            let mut head = b"CONNECT x HTTP/1.1\r\n".to_vec();
+            head.extend_from_slice(field);
+            head.extend_from_slice(b"\r\n\r\n");
+            assert_eq!(
+                parse_request_head(&head, 8192),
+                Err(Reject::Malformed("control character in header value")),
+                "{field:?}"
+            );
+        }
+        let (h, _) = complete(b"CONNECT x HTTP/1.1\r\nX: \t v \t\r\n\r\n");
+        assert_eq!(h.header_values("x").next(), Some("v"));
     }
 
     #[test]

@@ -45,6 +45,10 @@ mod tests {
     //! - `proxy/v2-ssl-version-with-control-bytes` (the fuzz input that found it): the SSL
     //!   TLV's version went into the TLV summaries for logs as sent, control bytes and all,
     //!   and of any length, where every other value is cut to 64 printable characters.
+    //! - `http/form-feed-trimmed-from-header-value` (the fuzz input that found it) and
+    //!   `http/bare-cr-at-end-of-header-value`: header values were trimmed of all ASCII
+    //!   whitespace, so a form feed or a bare CR at either end of a value vanished instead
+    //!   of being refused as a control character.
     //!
     //! The others are no past bug; they pin what the parsers' caps and splits turn on:
     //! `tls/hello-in-32-records` and `tls/server-name-of-253-bytes-and-a-trailing-dot` (the
