@@ -188,9 +188,10 @@ pub fn parse_response_status(buf: &[u8], limit: usize) -> Result<Parsed<u16>, Re
     if version != b"HTTP/1.1" && version != b"HTTP/1.0" {
         return Err(Reject::Malformed("HTTP version"));
     }
+    // Three digits (RFC 9112 §4); `u16::from_str` alone would also take "+20".
     let status = std::str::from_utf8(code)
         .ok()
-        .filter(|c| c.len() == 3)
+        .filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_digit()))
         .and_then(|c| c.parse::<u16>().ok())
         .ok_or(Reject::Malformed("status code"))?;
     Ok(Parsed::Complete {
@@ -351,6 +352,11 @@ mod tests {
         );
         assert!(parse_response_status(b"SSH-2.0", 8192).is_err());
         assert!(parse_response_status(b"HTTP/1.1 2000 x\r\n\r\n", 8192).is_err());
+        // Three digits: a sign is not one.
+        assert_eq!(
+            parse_response_status(b"HTTP/1.1 +20 x\r\n\r\n", 8192),
+            Err(Reject::Malformed("status code"))
+        );
     }
 
     #[test]

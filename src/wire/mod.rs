@@ -49,6 +49,9 @@ mod tests {
     //!   `http/bare-cr-at-end-of-header-value`: header values were trimmed of all ASCII
     //!   whitespace, so a form feed or a bare CR at either end of a value vanished instead
     //!   of being refused as a control character.
+    //! - `http/response-status-code-with-plus-sign` (the fuzz input that found it): the
+    //!   node read the status code with `u16::from_str`, which takes a sign, so
+    //!   `HTTP/1.0 +03` was status 3.
     //!
     //! The others are no past bug; they pin what the parsers' caps and splits turn on:
     //! `tls/hello-in-32-records` and `tls/server-name-of-253-bytes-and-a-trailing-dot` (the
