@@ -126,7 +126,7 @@ pub fn parse_request_head(buf: &[u8], limit: usize) -> Result<Parsed<RequestHead
         if name.is_empty() || !name.iter().all(|&b| is_tchar(b)) {
             return Err(Reject::Malformed("header name"));
         }
-        let value = value.trim_ascii();
+        let value = trim_ows(value);
         if value.iter().any(|&b| (b < 0x20 && b != b'\t') || b == 0x7f) {
             return Err(Reject::Malformed("control character in header value"));
         }
@@ -141,6 +141,18 @@ pub fn parse_request_head(buf: &[u8], limit: usize) -> Result<Parsed<RequestHead
         },
         consumed: end,
     })
+}
+
+/// Strips optional whitespace (RFC 9110 §5.6.3: spaces and tabs) from both ends. Other
+/// ASCII whitespace (CR, form feed) is left for the control character check.
+fn trim_ows(mut v: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = v {
+        v = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = v {
+        v = rest;
+    }
+    v
 }
 
 fn ascii(b: &[u8]) -> String {
@@ -176,9 +188,10 @@ pub fn parse_response_status(buf: &[u8], limit: usize) -> Result<Parsed<u16>, Re
     if version != b"HTTP/1.1" && version != b"HTTP/1.0" {
         return Err(Reject::Malformed("HTTP version"));
     }
+    // Three digits (RFC 9112 §4); `u16::from_str` alone would also take "+20".
     let status = std::str::from_utf8(code)
         .ok()
-        .filter(|c| c.len() == 3)
+        .filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_digit()))
         .and_then(|c| c.parse::<u16>().ok())
         .ok_or(Reject::Malformed("status code"))?;
     Ok(Parsed::Complete {
@@ -278,6 +291,24 @@ mod tests {
     }
 
     #[test]
+    fn control_characters_at_the_ends_of_values_are_rejected() {
+        // Only spaces and tabs are trimmed (RFC 9110 OWS); a form feed or a bare CR is not
+        // whitespace to strip but a control character.
+        for field in [&b"X: v\x0c"[..], b"X: \x0cv", b"X: v\r", b"X:\r v"] {
+            let mut head = b"CONNECT x HTTP/1.1\r\n".to_vec();
+            head.extend_from_slice(field);
+            head.extend_from_slice(b"\r\n\r\n");
+            assert_eq!(
+                parse_request_head(&head, 8192),
+                Err(Reject::Malformed("control character in header value")),
+                "{field:?}"
+            );
+        }
+        let (h, _) = complete(b"CONNECT x HTTP/1.1\r\nX: \t v \t\r\n\r\n");
+        assert_eq!(h.header_values("x").next(), Some("v"));
+    }
+
+    #[test]
     fn rejects() {
         let bad = |b: &[u8]| parse_request_head(b, 8192).unwrap_err();
         assert_eq!(bad(b"\x16\x03\x01").status(), 400);
@@ -321,6 +352,11 @@ mod tests {
         );
         assert!(parse_response_status(b"SSH-2.0", 8192).is_err());
         assert!(parse_response_status(b"HTTP/1.1 2000 x\r\n\r\n", 8192).is_err());
+        // Three digits: a sign is not one.
+        assert_eq!(
+            parse_response_status(b"HTTP/1.1 +20 x\r\n\r\n", 8192),
+            Err(Reject::Malformed("status code"))
+        );
     }
 
     #[test]

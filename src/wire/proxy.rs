@@ -104,6 +104,7 @@ pub fn detect(buf: &[u8]) -> Detect {
 pub fn parse(buf: &[u8], limit: usize) -> Result<Parsed<ProxyInfo>, Reject> {
     match detect(buf) {
         Detect::NotProxy => return Err(Reject::NotProxy),
+        Detect::NeedMore if buf.len() >= limit => return Err(Reject::TooLarge { limit }),
         Detect::NeedMore => return Ok(Parsed::Incomplete),
         Detect::Proxy => {}
     }
@@ -114,7 +115,15 @@ pub fn parse(buf: &[u8], limit: usize) -> Result<Parsed<ProxyInfo>, Reject> {
             return Err(Reject::TooLarge { limit });
         }
     }
-    match ProxyHeader::parse(buf, ParseConfig::default()) {
+    // proxy-header stops waiting for a v1 line at 107 bytes but takes a longer one that
+    // arrives whole; it sees no more than the spec allows, so a split cannot change the answer.
+    let input = if version == 1 {
+        &buf[..buf.len().min(V1_MAX)]
+    } else {
+        buf
+    };
+    match ProxyHeader::parse(input, ParseConfig::default()) {
+        Ok((_, consumed)) if consumed > limit => Err(Reject::TooLarge { limit }),
         Ok((header, consumed)) => {
             let addresses = header.proxied_address().map(|a| (a.source, a.destination));
             let tlvs = if version == 2 {
@@ -155,7 +164,11 @@ fn summarize_tlvs(header: &ProxyHeader<'_>) -> Result<Vec<String>, Reject> {
             Tlv::Crc32c(v) => format!("crc32c={v:08x}"),
             Tlv::Noop(_) => "noop".into(),
             Tlv::UniqueId(v) => format!("unique_id={}", hex(v)),
-            Tlv::Ssl(info) => format!("ssl={}", info.version().unwrap_or("?")),
+            Tlv::Ssl(info) => format!(
+                "ssl={}",
+                info.version()
+                    .map_or("?".into(), |v| printable(v.as_bytes()))
+            ),
             Tlv::Netns(v) => format!("netns={}", printable(v.as_bytes())),
             Tlv::Custom(kind, v) => format!("0x{kind:02x}={}", hex(v)),
             other => format!("0x{:02x}", other.kind()),
@@ -330,6 +343,54 @@ mod tests {
         let mut big = V2_SIGNATURE.to_vec();
         big.extend_from_slice(&[0x21, 0x11, 0xff, 0xff]);
         assert_eq!(parse(&big, LIMIT), Err(Reject::TooLarge { limit: LIMIT }));
+    }
+
+    #[test]
+    fn caps_below_a_header_are_honoured() {
+        // Configuration allows no cap under 256 bytes; the function's contract holds anyway:
+        // at the cap the answer is final, and a header longer than the cap is too large.
+        assert_eq!(parse(b"PRO", 3), Err(Reject::TooLarge { limit: 3 }));
+        assert_eq!(parse(b"PRO", 4), Ok(Parsed::Incomplete));
+        let h = v1();
+        let under = h.len() - 1;
+        assert_eq!(parse(&h, under), Err(Reject::TooLarge { limit: under }));
+        assert!(matches!(parse(&h, h.len()), Ok(Parsed::Complete { .. })));
+    }
+
+    #[test]
+    fn v1_is_at_most_107_bytes_however_it_arrives() {
+        let line = |n: usize| {
+            let mut l = b"PROXY UNKNOWN ".to_vec();
+            l.resize(n - 2, b'x');
+            l.extend_from_slice(b"\r\n");
+            l
+        };
+        let (fits, over) = (line(V1_MAX), line(V1_MAX + 1));
+        assert!(matches!(
+            parse(&fits, LIMIT),
+            Ok(Parsed::Complete {
+                consumed: V1_MAX,
+                ..
+            })
+        ));
+        // Whole, or split after 107 bytes: the same answer.
+        assert_eq!(parse(&over, LIMIT), Err(Reject::Malformed));
+        assert_eq!(parse(&over[..V1_MAX], LIMIT), Err(Reject::Malformed));
+    }
+
+    #[test]
+    fn ssl_version_summary_is_short_printable_text() {
+        let mut ssl = proxy_header::SslInfo::new(true, false, false, 0);
+        let version = format!("TLSv1.3\n{}", "x".repeat(200));
+        ssl.append_tlv(Tlv::SslVersion(version.into()));
+        let mut header = Vec::new();
+        ProxyHeader::with_tlvs(None, [Tlv::Ssl(ssl)])
+            .encode_v2(&mut header)
+            .unwrap();
+        let Parsed::Complete { value, .. } = parse(&header, LIMIT).unwrap() else {
+            panic!()
+        };
+        assert_eq!(value.tlvs, [format!("ssl=TLSv1.3?{}", "x".repeat(56))]);
     }
 
     #[test]
