@@ -451,7 +451,7 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
         dir.join("gateway.yaml"),
         format!(
             "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:8440\", protocol: sni}}\n- {{name: pp, address: \"127.0.0.1:8450\", protocol: proxy-destination}}\n- {{name: connect, address: \"127.0.0.1:8460\", protocol: http-connect}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: {}}}\nworkers: {}\n",
-            // Room for the idle connections, within the open files this machine allows.
+            // Room for the idle connections, within the open files the host allows.
             idle_connections() + 1000,
             std::env::var("BENCH_TRELLIS_WORKERS").unwrap_or_else(|_| "1".into())
         ),
@@ -633,7 +633,7 @@ fn main() {
         figures.split(',').any(|f| f == "rate"),
         figures.split(',').any(|f| f == "latency"),
     );
-    let peers_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/peers");
+    let peers_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/side_by_side/peers");
     let work = std::env::temp_dir().join(format!("trellis-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work).unwrap();
 

@@ -1,5 +1,5 @@
 //! The floor: the least a proxy can do for a TLS passthrough connection, as a reference for
-//! what the kernel's TCP work alone allows on this machine.
+//! what the kernel's TCP work alone allows on the host it runs on.
 //!
 //! One thread, one level-triggered epoll loop, no parsing, no timers, no limits, no splice:
 //! accept; wait for the first bytes (a real proxy must, to route by SNI); connect to the one
