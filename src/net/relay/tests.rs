@@ -45,12 +45,23 @@ fn plain<'a>(
     meters: &'a Meters,
     stop: &'a Stop,
 ) -> Relay<'a, TcpStream, TcpStream> {
+    bare(client, backend, limits(idle), meters, stop)
+}
+
+/// A relay over any legs with nothing to replay and no progress callback.
+fn bare<'a, C: Leg, B: Leg>(
+    client: &'a mut C,
+    backend: &'a mut B,
+    limits: Limits,
+    meters: &'a Meters,
+    stop: &'a Stop,
+) -> Relay<'a, C, B> {
     relay(
         client,
         backend,
         Vec::new(),
         Vec::new(),
-        limits(idle),
+        limits,
         meters.counters(),
         &no_progress,
         stop,
@@ -649,14 +660,11 @@ async fn generic_path_between_a_socket_and_a_stream() {
     let stop = Stop::default();
     let up = pattern(3 << 20, 0x55);
     let down = pattern(2 << 20, 0x66);
-    let mut relay = relay(
+    let mut relay = bare(
         &mut client_in,
         &mut backend_in,
-        Vec::new(),
-        Vec::new(),
         limits(Duration::from_secs(30)),
-        meters.counters(),
-        &no_progress,
+        &meters,
         &stop,
     );
     let peers = async {
@@ -699,14 +707,11 @@ async fn generic_path_flushes_a_buffering_leg() {
     let mut backend_in = tokio::io::BufWriter::new(backend_in);
     let meters = Meters::default();
     let stop = Stop::default();
-    let relay = relay(
+    let relay = bare(
         &mut client_in,
         &mut backend_in,
-        Vec::new(),
-        Vec::new(),
         bounds(3600, 60, None, None),
-        meters.counters(),
-        &no_progress,
+        &meters,
         &stop,
     );
     let exchange = async {
@@ -793,14 +798,11 @@ async fn generic_half_close_bound_runs_while_the_shutdown_is_pending() {
     let meters = Meters::default();
     let stop = Stop::default();
     let start = tokio::time::Instant::now();
-    let relay = relay(
+    let relay = bare(
         &mut client_in,
         &mut backend_in,
-        Vec::new(),
-        Vec::new(),
         bounds(20, 30, None, None),
-        meters.counters(),
-        &no_progress,
+        &meters,
         &stop,
     );
     let ticks = async {
@@ -838,14 +840,11 @@ async fn generic_path_does_not_spin_on_would_block() {
     client_in.would_block = true;
     let meters = Meters::default();
     let stop = Stop::default();
-    let relay = relay(
+    let relay = bare(
         &mut client_in,
         &mut backend_in,
-        Vec::new(),
-        Vec::new(),
         limits(Duration::from_secs(30)),
-        meters.counters(),
-        &no_progress,
+        &meters,
         &stop,
     );
     let peers = async {
