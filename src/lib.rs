@@ -14,3 +14,11 @@ pub mod node;
 pub mod route;
 pub(crate) mod serve;
 pub mod wire;
+
+/// The version `trellis --version` prints and `trellis_build_info` carries: the crate
+/// version, or `TRELLIS_VERSION` from the build environment when set (the container image
+/// build sets it to the release or commit it was built from).
+pub const VERSION: &str = match option_env!("TRELLIS_VERSION") {
+    Some(v) => v,
+    None => env!("CARGO_PKG_VERSION"),
+};

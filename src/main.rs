@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 /// trellis: L4 data plane for hosted Kubernetes control planes.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version = trellis::VERSION, about)]
 struct Cli {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
