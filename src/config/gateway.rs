@@ -117,8 +117,10 @@ pub struct RawProxyProtocol {
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawAdmin {
-    /// `IP:port` to bind.
+    /// `IP:port` to bind: probes and metrics.
     pub address: String,
+    /// `IP:port` for `/routes` and other state (gateway only; default `127.0.0.1:15000`).
+    pub debug_address: Option<String>,
 }
 
 /// Timeouts as written.
@@ -133,6 +135,8 @@ pub struct RawTimeouts {
     pub idle: Option<String>,
     /// How long a half-closed connection may stay open (default `1m`).
     pub half_close: Option<String>,
+    /// How long listeners keep accepting after SIGTERM while readiness fails (default `5s`).
+    pub drain_delay: Option<String>,
     /// How long established connections may finish on shutdown (default `60s`).
     pub drain: Option<String>,
 }
@@ -276,6 +280,8 @@ pub struct Timeouts {
     pub idle: Duration,
     /// Half-close bound.
     pub half_close: Duration,
+    /// How long listeners keep accepting after SIGTERM (readiness already failing).
+    pub drain_delay: Duration,
     /// Drain deadline.
     pub drain: Duration,
 }
@@ -315,6 +321,8 @@ pub struct GatewayConfig {
     pub listeners: Vec<ListenerConfig>,
     /// Admin bind address.
     pub admin: SocketAddr,
+    /// Where `/routes` and other state are served (loopback by default).
+    pub debug_address: SocketAddr,
     /// Timeouts.
     pub timeouts: Timeouts,
     /// Keepalive towards clients.
@@ -361,13 +369,15 @@ fn build(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
     super::check_api_version(errors, &raw.api_version);
     let (listeners, addresses) = listeners(errors, &raw.listeners);
     let admin = admin(errors, &raw.admin, &addresses);
+    let debug_address = debug_address(errors, &raw.admin, &addresses, admin);
     let (routes_file, routes_check_interval) = routes_source(errors, file, &raw.routes);
     GatewayConfig {
-        zone: raw.zone,
+        zone: zone(raw.zone),
         routes_file,
         routes_check_interval,
         listeners,
         admin,
+        debug_address,
         timeouts: timeouts(errors, &raw.timeouts),
         keepalive_downstream: keepalive(
             errors,
@@ -537,6 +547,50 @@ fn admin(errors: &mut Errors, raw: &RawAdmin, listeners: &HashSet<SocketAddr>) -
     admin.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)))
 }
 
+/// Where `/routes` and other state are served: `admin.debugAddress`, loopback port 15000 by
+/// default; neither a listener's address nor the admin address.
+fn debug_address(
+    errors: &mut Errors,
+    raw: &RawAdmin,
+    listeners: &HashSet<SocketAddr>,
+    admin: SocketAddr,
+) -> SocketAddr {
+    let Some(text) = raw.debug_address.as_deref() else {
+        return DEFAULT_DEBUG_ADDRESS;
+    };
+    let debug = socket_addr(errors, "admin.debugAddress", text);
+    if let Some(a) = debug {
+        if listeners.contains(&a) {
+            errors.push(
+                "admin.debugAddress",
+                format!("address {a} is used by a listener"),
+            );
+        } else if a == admin && a.port() != 0 {
+            errors.push(
+                "admin.debugAddress",
+                format!("address {a} is admin.address; the debug endpoint needs its own"),
+            );
+        }
+    }
+    debug.unwrap_or(DEFAULT_DEBUG_ADDRESS)
+}
+
+/// `admin.debugAddress` when none is written: loopback only, as Envoy's admin port.
+pub const DEFAULT_DEBUG_ADDRESS: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 15000);
+
+/// The environment variable that sets the gateway's zone (the manifests fill it from the
+/// pod's zone); it wins over `zone` in the file, which all replicas share.
+pub const ZONE_ENV: &str = "TRELLIS_ZONE";
+
+/// The zone: `TRELLIS_ZONE` when set and not empty, else the file's `zone`.
+fn zone(file: Option<String>) -> Option<String> {
+    match std::env::var(ZONE_ENV) {
+        Ok(z) if !z.trim().is_empty() => Some(z.trim().to_owned()),
+        _ => file,
+    }
+}
+
 /// The routing table file (a relative path is relative to the directory of `file`) and how
 /// often it is re-read.
 fn routes_source(errors: &mut Errors, file: &Path, raw: &RawRoutesSource) -> (PathBuf, Duration) {
@@ -573,6 +627,11 @@ pub(super) fn timeouts(errors: &mut Errors, raw: &RawTimeouts) -> Timeouts {
         handshake,
         idle,
         half_close,
+        drain_delay: errors.duration_or(
+            "timeouts.drainDelay",
+            raw.drain_delay.as_deref(),
+            Duration::from_secs(5),
+        ),
         drain: errors.duration_or(
             "timeouts.drain",
             raw.drain.as_deref(),

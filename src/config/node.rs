@@ -210,6 +210,18 @@ fn build(raw: RawNode, errors: &mut Errors) -> NodeConfig {
     let ip_family = ip_family(errors, u.ip_family.as_deref());
     let admin = super::gateway::socket_addr(errors, "admin.address", &raw.admin.address)
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    if raw.admin.debug_address.is_some() {
+        errors.push(
+            "admin.debugAddress",
+            "the node serves no routing table; only the gateway has a debug endpoint",
+        );
+    }
+    if raw.timeouts.drain_delay.is_some() {
+        errors.push(
+            "timeouts.drainDelay",
+            "no load balancer sends to the node; only the gateway delays closing its listeners",
+        );
+    }
     let timeouts = super::gateway::timeouts(errors, &raw.timeouts);
     NodeConfig {
         listen,

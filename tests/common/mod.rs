@@ -188,7 +188,7 @@ kind: GatewayConfiguration
 {routes_source}
 listeners:
 {listeners_yaml}
-admin: {{address: \"{admin}\"}}
+admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
 {extra}
 "
         );
