@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -66,9 +65,11 @@ impl Conn {
         }
     }
 
-    /// Reads once more into the buffer (never past `max` bytes buffered).
+    /// Reads once more into the buffer (never past `max` bytes buffered). The buffer grows
+    /// by what arrived, not by a read's worth: a client that sends a few bytes and then
+    /// waits holds a few bytes, not a 4 KiB buffer, until its deadline.
     async fn read_more<E>(&mut self, max: usize) -> Result<(), ReadError<E>> {
-        let room = max.saturating_sub(self.buf.len()).min(4096);
+        let room = max.saturating_sub(self.buf.len()).min(READ_CHUNK);
         if room == 0 {
             // Parsers reject before their cap; this is a guard, not a path.
             return Err(ReadError::Closed {
@@ -76,18 +77,16 @@ impl Conn {
             });
         }
         let start = self.buf.len();
-        self.buf.resize(start + room, 0);
-        let read =
-            tokio::time::timeout_at(self.deadline, self.stream.read(&mut self.buf[start..])).await;
+        let read = tokio::time::timeout_at(
+            self.deadline,
+            read_appending(&self.stream, &mut self.buf, room),
+        )
+        .await;
         let n = match read {
             Ok(Ok(n)) => n,
             Ok(Err(_)) => 0,
-            Err(_) => {
-                self.buf.truncate(start);
-                return Err(ReadError::Timeout);
-            }
+            Err(_) => return Err(ReadError::Timeout),
         };
-        self.buf.truncate(start + n);
         if n == 0 {
             return Err(ReadError::Closed { bytes: start });
         }
@@ -225,6 +224,38 @@ pub(super) fn header_result(info: &ProxyInfo) -> &'static str {
         (None, _) => "local",
         (Some(_), 1) => "v1",
         (Some(_), _) => "v2",
+    }
+}
+
+/// Most bytes one read before routing takes.
+const READ_CHUNK: usize = 4096;
+
+thread_local! {
+    /// Where reads before routing land before they are appended to their connection's
+    /// buffer; one per worker thread, as a connection never changes threads.
+    static SCRATCH: std::cell::RefCell<[u8; READ_CHUNK]> = const {
+        std::cell::RefCell::new([0; READ_CHUNK])
+    };
+}
+
+/// Waits until `stream` is readable, then appends at most `room` bytes to `buf`. Returns
+/// how many (0: end of stream).
+async fn read_appending(
+    stream: &TcpStream,
+    buf: &mut Vec<u8>,
+    room: usize,
+) -> std::io::Result<usize> {
+    loop {
+        stream.readable().await?;
+        let read = SCRATCH.with_borrow_mut(|scratch| {
+            let n = stream.try_read(&mut scratch[..room])?;
+            buf.extend_from_slice(&scratch[..n]);
+            Ok::<_, std::io::Error>(n)
+        });
+        match read {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            other => return other,
+        }
     }
 }
 

@@ -67,10 +67,10 @@ pub(crate) struct Shared {
 
 /// Runs the gateway until SIGTERM/SIGINT and a completed drain.
 pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
-    table::fix_mmap_threshold();
+    crate::serve::memory::fix_mmap_threshold();
     let metrics = Arc::new(Metrics::new());
     let tables = Arc::new(Tables::load(&config.routes_file, metrics.clone())?);
-    table::release_free_memory();
+    crate::serve::memory::release_free_memory();
     let mut sigterm = signal(SignalKind::terminate()).map_err(GatewayError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(GatewayError::Signals)?;
     let mut sighup = signal(SignalKind::hangup()).map_err(GatewayError::Signals)?;
@@ -137,6 +137,9 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     });
     let stop_rx = shared.drain.listeners_stop();
     let (exit_tx, exit_rx) = watch::channel(false);
+    let memory_task = tokio::spawn(crate::serve::memory::return_after_floods(
+        shared.drain.tracker.clone(),
+    ));
     let mut threads = Vec::new();
     for (i, sockets) in per_worker.into_iter().enumerate() {
         if i == 0 {
@@ -176,6 +179,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     })
     .await;
     watch_task.abort();
+    memory_task.abort();
     admin_task.abort();
     tracing::info!("gateway stopped");
     Ok(())

@@ -393,7 +393,7 @@ impl Tables {
             // large table here delays no traffic; staying on one thread also keeps glibc from
             // growing a new heap arena per reload thread.
             if self.reload_with(force) == Reload::Applied {
-                release_free_memory();
+                crate::serve::memory::release_free_memory();
             }
         }
     }
@@ -418,28 +418,6 @@ impl Tables {
             })?;
         watcher.watch(&self.dir(), RecursiveMode::NonRecursive)?;
         Ok(watcher)
-    }
-}
-
-/// Keeps large allocations (a table's route list and indexes, a file's bytes) out of the
-/// heap: glibc otherwise raises its mmap threshold after the first such block is freed, and
-/// from then on every reload's large blocks fragment the heap so it never shrinks back.
-#[allow(unsafe_code)] // glibc's allocator settings have no safe wrapper.
-pub(crate) fn fix_mmap_threshold() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets a glibc allocator parameter; it has no preconditions.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
-    }
-}
-
-/// Returns heap memory freed by the previous table (and by parsing) to the operating system.
-#[allow(unsafe_code)] // glibc's malloc_trim has no safe wrapper.
-pub(crate) fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only walks and shrinks glibc's own heaps; it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }
 

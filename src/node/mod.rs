@@ -152,6 +152,9 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     readiness.publish(&admin_state);
 
     let node = Arc::new(Node::new(config.clone()));
+    let memory_task = tokio::spawn(crate::serve::memory::return_after_floods(
+        node.drain.tracker.clone(),
+    ));
     let listener_metrics = Arc::new(metrics.listener(LISTENER));
     let mut accept_tasks = Vec::new();
     for l in listeners {
@@ -185,6 +188,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     if let Some(t) = link_task {
         t.abort();
     }
+    memory_task.abort();
     admin_task.abort();
     tracing::info!("node stopped; the address stays in place (use --cleanup to remove it)");
     Ok(())

@@ -1,7 +1,8 @@
 //! What every role shares to serve connections: the accept loop with its admission and
 //! back-off ([`accept`]), connection tracking and limits ([`tracker`]), the per-connection
 //! record that feeds the access log and the metrics exactly once ([`record`]), the path of
-//! a routed connection — dial, relay, record ([`forward`]) — and the drain ([`drain`]).
+//! a routed connection — dial, relay, record ([`forward`]) — the drain ([`drain`]), and
+//! handing freed memory back to the system ([`memory`]).
 //!
 //! Roles (gateway, node) are wiring on top of this; nothing here knows a listener protocol
 //! or a configuration file format.
@@ -9,5 +10,6 @@
 pub(crate) mod accept;
 pub(crate) mod drain;
 pub(crate) mod forward;
+pub(crate) mod memory;
 pub(crate) mod record;
 pub(crate) mod tracker;

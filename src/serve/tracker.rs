@@ -12,6 +12,8 @@ use tokio::sync::Notify;
 #[derive(Debug, Default)]
 pub(crate) struct Tracker {
     active: AtomicUsize,
+    /// The highest `active` since the last [`Tracker::take_peak`].
+    peak: AtomicUsize,
     per_source: Mutex<HashMap<IpAddr, usize>>,
     idle: Notify,
 }
@@ -31,9 +33,15 @@ impl Tracker {
 
     /// Admits a connection unless `max` are open.
     pub(crate) fn admit(self: &Arc<Self>, max: usize) -> Option<ConnGuard> {
-        if self.active.fetch_add(1, Ordering::SeqCst) >= max {
+        let before = self.active.fetch_add(1, Ordering::SeqCst);
+        if before >= max {
             self.release(None);
             return None;
+        }
+        // Written only while the count climbs past its peak: no extra shared write per
+        // connection at a steady load.
+        if before >= self.peak.load(Ordering::Relaxed) {
+            self.peak.fetch_max(before + 1, Ordering::Relaxed);
         }
         Some(ConnGuard {
             tracker: self.clone(),
@@ -54,6 +62,16 @@ impl Tracker {
         if self.active.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.idle.notify_waiters();
         }
+    }
+
+    /// The highest count of open connections since the last call, and the count now; the
+    /// next call's peak starts from the count now.
+    pub(crate) fn take_peak(&self) -> (usize, usize) {
+        let active = self.active();
+        (
+            self.peak.swap(active, Ordering::Relaxed).max(active),
+            active,
+        )
     }
 
     /// Waits until no connection is open.
