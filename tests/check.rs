@@ -224,43 +224,6 @@ fn gateway_warns_when_open_files_cannot_cover_max_connections() {
     }
 }
 
-#[test]
-fn daemonset_config_is_valid_and_pod_is_locked_down() {
-    let manifest = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/node-daemonset.yaml"),
-    )
-    .unwrap();
-    // The node.yaml embedded in the ConfigMap passes `trellis check`.
-    let start = manifest
-        .find("node.yaml: |\n")
-        .expect("ConfigMap with node.yaml")
-        + "node.yaml: |\n".len();
-    let embedded: String = manifest[start..]
-        .lines()
-        .take_while(|l| l.starts_with("    ") || l.is_empty())
-        .map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l)))
-        .collect();
-    let dir = TestDir::new("daemonset");
-    std::fs::write(dir.path("node.yaml"), embedded).unwrap();
-    let (ok, out) = run(
-        Command::new(BIN).arg("check").arg(dir.path("node.yaml")),
-        b"",
-        Duration::from_secs(20),
-    );
-    assert!(ok, "{out}");
-    for needle in [
-        "hostNetwork: true",
-        "priorityClassName: system-node-critical",
-        "- operator: Exists",
-        "drop: [\"ALL\"]",
-        "add: [\"NET_ADMIN\", \"NET_BIND_SERVICE\"]",
-        "httpGet: {path: /ready, port: 16910}",
-        "httpGet: {path: /live, port: 16910}",
-    ] {
-        assert!(manifest.contains(needle), "DaemonSet lacks {needle:?}");
-    }
-}
-
 const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\n";
 
 /// `trellis ARGS`: its exit code and what it printed on stderr.
