@@ -201,7 +201,9 @@ impl Dir {
                                 };
                                 continue;
                             }
-                            Err(_) => self.no_splice = true,
+                            // Copied for now: the budget may have room for the next read.
+                            Err(splice::NoPipe::Budget) => {}
+                            Err(splice::NoPipe::Kernel) => self.no_splice = true,
                         }
                     }
                     let mut buf = pool::take(self.buf_size());
