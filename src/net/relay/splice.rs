@@ -13,7 +13,7 @@ use rustix::pipe::{PipeFlags, SpliceFlags, pipe_with, splice};
 use tokio::net::TcpStream;
 
 use super::SPLICE_CHUNK;
-use crate::net::fds::{PIPES, PipeSlot};
+use crate::net::fds::{PipeBudget, PipeSlot};
 
 /// Smallest pipe worth splicing through (the default pipe size).
 const MIN_PIPE: usize = 64 * 1024;
@@ -37,9 +37,9 @@ pub(crate) enum NoPipe {
 }
 
 impl Pipe {
-    /// A pipe, if the budget has room and the kernel gives a large enough one.
-    pub(crate) fn new() -> Result<Pipe, NoPipe> {
-        let slot = PIPES.take().ok_or(NoPipe::Budget)?;
+    /// A pipe, if `budget` has room and the kernel gives a large enough one.
+    pub(crate) fn new(budget: &'static PipeBudget) -> Result<Pipe, NoPipe> {
+        let slot = budget.take().ok_or(NoPipe::Budget)?;
         let (read, write) =
             pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK).map_err(|_| NoPipe::Kernel)?;
         // Past the per-user pipe quota the kernel hands out tiny pipes, and splicing
