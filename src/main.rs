@@ -81,31 +81,14 @@ fn check(files: &[PathBuf]) -> ExitCode {
 }
 
 fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let config = match trellis::config::gateway::load(config_file) {
+    let mut config = match trellis::config::gateway::load(config_file) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
             return Ok(ExitCode::FAILURE);
         }
     };
-    match trellis::net::socket::raise_nofile_limit() {
-        Ok(n) => {
-            tracing::debug!(nofile = n, "open files limit");
-            let max = config.limits.max_connections;
-            let needed = trellis::net::socket::descriptors_for(max);
-            if n < needed {
-                tracing::warn!(
-                    nofile = n,
-                    needed,
-                    max_connections = max,
-                    "the open files limit is below what limits.maxConnections needs (two \
-                     descriptors per connection and a reserve); past it, accepts fail with \
-                     EMFILE and back off. Raise the limit or lower maxConnections"
-                );
-            }
-        }
-        Err(e) => tracing::warn!(error = %e, "could not raise the open files limit"),
-    }
+    config.limits.max_connections = budget(config.limits.max_connections)?;
     // The control plane (signals, admin, table reloads) runs here; connections run on the
     // gateway's own worker threads.
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -117,15 +100,15 @@ fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
 }
 
 fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode> {
-    let config = match trellis::config::node::load(config_file) {
+    let mut config = match trellis::config::node::load(config_file) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
             return Ok(ExitCode::FAILURE);
         }
     };
-    if let Err(e) = trellis::net::socket::raise_nofile_limit() {
-        tracing::warn!(error = %e, "could not raise the open files limit");
+    if !cleanup {
+        config.max_connections = budget(config.max_connections)?;
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -139,6 +122,20 @@ fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode
         runtime.block_on(trellis::node::run(config))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Divides the open-files limit and returns the connections the process can admit:
+/// `limits.maxConnections`, or fewer when the limit cannot hold them (said at start).
+fn budget(requested: usize) -> anyhow::Result<usize> {
+    let budget = trellis::net::fds::apply(requested);
+    if budget.max_connections == 0 {
+        anyhow::bail!(
+            "the open files limit ({}) leaves no descriptor for connections: it must be above {}",
+            budget.nofile,
+            budget.reserve + trellis::net::fds::SOCKETS_PER_CONNECTION
+        );
+    }
+    Ok(budget.max_connections)
 }
 
 fn main() -> ExitCode {

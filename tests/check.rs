@@ -182,7 +182,7 @@ fn gateway_that_cannot_bind_exits_non_zero() {
 
 #[allow(unsafe_code)] // pre_exec: setting a limit in the child before exec
 #[test]
-fn gateway_warns_when_open_files_cannot_cover_max_connections() {
+fn gateway_lowers_max_connections_to_what_open_files_hold() {
     use std::os::unix::process::CommandExt;
     let dir = TestDir::new("nofile");
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -211,13 +211,16 @@ fn gateway_warns_when_open_files_cannot_cover_max_connections() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("cannot bind"), "{err}");
         assert_eq!(
-            err.contains("open files limit is below what limits.maxConnections needs"),
+            err.contains("limits.maxConnections lowered to what the open files limit holds"),
             warned,
             "maxConnections {max}: {err}"
         );
         if warned {
+            let cap = trellis::net::fds::Budget::plan(512, 1000).max_connections;
             assert!(
-                err.contains("nofile=512") && err.contains("needed=2064"),
+                err.contains("nofile=512")
+                    && err.contains("requested=1000")
+                    && err.contains(&format!("max_connections={cap}")),
                 "{err}"
             );
         }

@@ -240,3 +240,43 @@ async fn a_refused_tunnel_closes_the_client_and_is_counted() {
         "{metrics}"
     );
 }
+
+/// The node exports the shared connection families, `trellis_build_info` and the
+/// `process_*` metrics, and none of the gateway's own (routing table, ClientHello sizes,
+/// PROXY headers).
+#[test]
+fn node_metrics_are_its_own() {
+    let node = Node::start("127.0.0.1:9".parse().unwrap());
+    let (status, metrics) = http_get(node.admin, "/metrics").unwrap();
+    assert_eq!(status, 200);
+    let families: Vec<&str> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    for gateway_only in [
+        "trellis_routing_table_routes",
+        "trellis_routing_table_generation",
+        "trellis_routing_table_reloads",
+        "trellis_client_hello_bytes",
+        "trellis_proxy_protocol_headers",
+    ] {
+        assert!(
+            !families.contains(&gateway_only),
+            "{gateway_only}\n{metrics}"
+        );
+    }
+    for family in [
+        "trellis_downstream_connections",
+        "trellis_build_info",
+        "process_resident_memory_bytes",
+        "process_cpu_seconds",
+    ] {
+        assert!(families.contains(&family), "{family}\n{metrics}");
+    }
+    let build = format!("trellis_build_info{{version=\"{}\"}} 1", trellis::VERSION);
+    assert!(metrics.lines().any(|l| l == build), "{metrics}");
+    assert!(metric_in(&metrics, "process_resident_memory_bytes ") > 0.0);
+    // The node has no routing table to show, on any address.
+    assert_eq!(http_get(node.admin, "/routes").unwrap().0, 404);
+}

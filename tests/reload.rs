@@ -153,7 +153,7 @@ async fn streams_survive_route_change_removal_and_invalid_table() {
     stop.store(true, Ordering::SeqCst);
     let verified = streaming.await.unwrap();
     assert!(verified > 200_000, "verified {verified} bytes");
-    let (status, body) = http_get(gw.admin, "/routes").unwrap();
+    let (status, body) = http_get(gw.debug, "/routes").unwrap();
     assert_eq!(status, 200);
     assert!(
         body.contains("\"generation\": 3")

@@ -1,4 +1,5 @@
-//! The metrics of SPEC §5, registered once per process.
+//! The metrics of SPEC §5, registered once per process: each role registers the families
+//! it records ([`Role`]), plus `trellis_build_info` and the standard `process_*` metrics.
 //!
 //! Labels are bounded: listener and route names and fixed reason strings, never raw SNI or
 //! client addresses. Hot paths resolve per-route handles once per connection
@@ -66,6 +67,16 @@ pub(crate) struct RouteReasonLabels {
 pub(crate) struct ResultLabel {
     /// `applied`, `rejected` or `unchanged`.
     pub result: &'static str,
+}
+
+/// Which role's families a [`Metrics`] exports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// Everything: the shared connection families, ClientHello sizes, PROXY headers and the
+    /// routing table.
+    Gateway,
+    /// The shared connection families only (what `serve/` records).
+    Node,
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -157,16 +168,22 @@ pub(crate) struct ListenerMetrics {
     pub routed: Counter,
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl Metrics {
-    /// Creates and registers every metric under the `trellis_` prefix.
-    pub(crate) fn new() -> Self {
-        let mut registry = Registry::with_prefix("trellis");
+    /// The gateway's metrics.
+    pub(crate) fn gateway() -> Self {
+        Self::new(Role::Gateway)
+    }
+
+    /// The node's metrics.
+    pub(crate) fn node() -> Self {
+        Self::new(Role::Node)
+    }
+
+    /// Creates every handle and registers, under the `trellis_` prefix, the families `role`
+    /// records (the others are never encoded), then `trellis_build_info` and, unprefixed, the
+    /// `process_*` metrics.
+    pub(crate) fn new(role: Role) -> Self {
+        let mut registry = Registry::default();
         let m = Metrics {
             downstream_total: Family::default(),
             downstream_active: Family::default(),
@@ -186,7 +203,7 @@ impl Metrics {
             route_cache: Default::default(),
             failure_labels: Default::default(),
         };
-        let r = &mut registry;
+        let r = registry.sub_registry_with_prefix("trellis");
         r.register(
             "downstream_connections",
             "Client connections by listener and outcome",
@@ -223,40 +240,52 @@ impl Metrics {
             m.connect_duration.clone(),
         );
         r.register(
-            "client_hello_bytes",
-            "Size of ClientHellos, record headers included",
-            m.client_hello_bytes.clone(),
-        );
-        r.register(
             "connection_duration_seconds",
             "Lifetime of client connections",
             m.connection_duration.clone(),
-        );
-        r.register(
-            "proxy_protocol_headers",
-            "PROXY protocol headers by result",
-            m.proxy_headers.clone(),
-        );
-        r.register(
-            "routing_table_routes",
-            "Routes in the active table",
-            m.table_routes.clone(),
-        );
-        r.register(
-            "routing_table_generation",
-            "Generation of the active table",
-            m.table_generation.clone(),
-        );
-        r.register(
-            "routing_table_reloads",
-            "Routing table reloads by result",
-            m.table_reloads.clone(),
         );
         r.register(
             "half_closed_connections",
             "Connections with one direction closed",
             m.half_closed.clone(),
         );
+        if role == Role::Gateway {
+            r.register(
+                "client_hello_bytes",
+                "Size of ClientHellos, record headers included",
+                m.client_hello_bytes.clone(),
+            );
+            r.register(
+                "proxy_protocol_headers",
+                "PROXY protocol headers by result",
+                m.proxy_headers.clone(),
+            );
+            r.register(
+                "routing_table_routes",
+                "Routes in the active table",
+                m.table_routes.clone(),
+            );
+            r.register(
+                "routing_table_generation",
+                "Generation of the active table",
+                m.table_generation.clone(),
+            );
+            r.register(
+                "routing_table_reloads",
+                "Routing table reloads by result",
+                m.table_reloads.clone(),
+            );
+        }
+        let build_info = Family::<[(&'static str, &'static str); 1], Gauge>::default();
+        build_info
+            .get_or_create(&[("version", crate::VERSION)])
+            .set(1);
+        r.register(
+            "build_info",
+            "The running trellis version (always 1)",
+            build_info,
+        );
+        registry.register_collector(Box::new(super::process::ProcessCollector::new()));
         Metrics { registry, ..m }
     }
 
@@ -417,5 +446,75 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The family names (`# TYPE` lines) an encoding declares.
+    fn families(text: &str) -> Vec<String> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    const GATEWAY_ONLY: [&str; 5] = [
+        "trellis_client_hello_bytes",
+        "trellis_proxy_protocol_headers",
+        "trellis_routing_table_routes",
+        "trellis_routing_table_generation",
+        "trellis_routing_table_reloads",
+    ];
+
+    /// A role's metrics with a series in every family (empty families are not encoded).
+    fn touched(role: Role) -> String {
+        let m = Metrics::new(role);
+        let _ = m.listener("l");
+        let _ = m.route("r");
+        m.outcome("l", "routed");
+        m.connect_failure("r", "refused");
+        m.proxy_header("l", "absent");
+        m.reload("applied");
+        m.encode()
+    }
+
+    #[test]
+    fn each_role_exports_its_own_families() {
+        let gateway = families(&touched(Role::Gateway));
+        let node = families(&touched(Role::Node));
+        for name in GATEWAY_ONLY {
+            assert!(gateway.iter().any(|f| f == name), "gateway lacks {name}");
+            assert!(!node.iter().any(|f| f == name), "node exports {name}");
+        }
+        for name in [
+            "trellis_downstream_connections",
+            "trellis_route_bytes",
+            "trellis_upstream_connect_failures",
+            "trellis_connection_duration_seconds",
+            "trellis_half_closed_connections",
+            "trellis_build_info",
+            "process_cpu_seconds",
+            "process_resident_memory_bytes",
+            "process_virtual_memory_bytes",
+            "process_open_fds",
+            "process_max_fds",
+            "process_start_time_seconds",
+            "process_threads",
+        ] {
+            assert!(gateway.iter().any(|f| f == name), "gateway lacks {name}");
+            assert!(node.iter().any(|f| f == name), "node lacks {name}");
+        }
+    }
+
+    #[test]
+    fn build_info_carries_the_version() {
+        let text = Metrics::node().encode();
+        let line = format!("trellis_build_info{{version=\"{}\"}} 1", crate::VERSION);
+        assert!(text.lines().any(|l| l == line), "{text}");
+        assert!(text.contains("\nprocess_cpu_seconds_total "), "{text}");
     }
 }

@@ -39,7 +39,7 @@ pub enum GatewayError {
     /// A listener or the admin endpoint could not be bound.
     #[error("cannot bind {what} on {address}: {source}")]
     Bind {
-        /// `listener NAME` or `admin`.
+        /// `listener NAME`, `admin` or `debug endpoint`.
         what: String,
         /// The address.
         address: SocketAddr,
@@ -68,7 +68,7 @@ pub(crate) struct Shared {
 /// Runs the gateway until SIGTERM/SIGINT and a completed drain.
 pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     crate::serve::memory::fix_mmap_threshold();
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::gateway());
     let tables = Arc::new(Tables::load(&config.routes_file, metrics.clone())?);
     crate::serve::memory::release_free_memory();
     let mut sigterm = signal(SignalKind::terminate()).map_err(GatewayError::Signals)?;
@@ -100,20 +100,28 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             sockets.push((l.clone(), sock));
         }
     }
-    let admin_sock = admin::bind(config.admin)
-        .await
-        .map_err(|source| GatewayError::Bind {
-            what: "admin".into(),
-            address: config.admin,
-            source,
-        })?;
-
+    let admin_sock = admin::bind(config.admin).map_err(|source| GatewayError::Bind {
+        what: "admin".into(),
+        address: config.admin,
+        source,
+    })?;
+    let debug_sock = admin::bind(config.debug_address).map_err(|source| GatewayError::Bind {
+        what: "debug endpoint".into(),
+        address: config.debug_address,
+        source,
+    })?;
+    let admin_state = Arc::new(AdminState::new(metrics.clone()));
     let json_tables = tables.clone();
-    let admin_state = Arc::new(AdminState::new(
-        metrics.clone(),
-        Some(Box::new(move || json_tables.to_json())),
-    ));
-    let admin_task = tokio::spawn(admin::serve(admin_sock, admin_state.clone()));
+    let routes: admin::RoutesJson = Box::new(move || json_tables.to_json());
+    // Probes, metrics and /routes run on a thread of their own.
+    let admin_server =
+        admin::Server::start(admin_sock, Some((debug_sock, routes)), admin_state.clone()).map_err(
+            |source| GatewayError::Bind {
+                what: "admin".into(),
+                address: config.admin,
+                source,
+            },
+        )?;
 
     let (hup_tx, hup_rx) = mpsc::channel(1);
     let watch_task = tokio::spawn(tables.clone().watch(config.routes_check_interval, hup_rx));
@@ -180,7 +188,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     .await;
     watch_task.abort();
     memory_task.abort();
-    admin_task.abort();
+    drop(admin_server);
     tracing::info!("gateway stopped");
     Ok(())
 }

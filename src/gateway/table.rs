@@ -446,7 +446,7 @@ mod tests {
                 SystemTime::now() + Duration::from_millis(offset.load(Ordering::Relaxed))
             })
         };
-        let t = Tables::load_with_clock(&file, Arc::new(Metrics::new()), clock).unwrap();
+        let t = Tables::load_with_clock(&file, Arc::new(Metrics::gateway()), clock).unwrap();
         let reads = || t.reads.load(Ordering::Relaxed);
         let port = |t: &Tables| {
             t.snapshot().table().routes()[0].backends[0]
@@ -526,7 +526,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("routes.yaml");
         std::fs::write(&file, table(7001)).unwrap();
-        let t = Tables::load(&file, Arc::new(Metrics::new())).unwrap();
+        let t = Tables::load(&file, Arc::new(Metrics::gateway())).unwrap();
         let mut rx = t.subscribe();
         assert_eq!(rx.borrow_and_update().generation, 1);
         assert_eq!(t.reload(), Reload::Unchanged);

@@ -6,5 +6,6 @@
 //! protocol bytes handled here are a tunnel's own handshake, through the `wire` codecs.
 
 pub(crate) mod dial;
+pub mod fds;
 pub(crate) mod relay;
 pub mod socket;

@@ -118,20 +118,8 @@ pub fn tune(stream: &TcpStream, idle: Duration, interval: Duration) {
     }
 }
 
-/// Descriptors kept free for listeners, the admin server, the table watch and logs.
-const RESERVED_DESCRIPTORS: u64 = 64;
-
-/// Open files a gateway needs to hold `max_connections` proxied connections: a client and a
-/// backend socket each (bulk flows also take a pipe per direction while they splice, and
-/// copy instead when none can be had), and a reserve.
-pub fn descriptors_for(max_connections: usize) -> u64 {
-    (max_connections as u64)
-        .saturating_mul(2)
-        .saturating_add(RESERVED_DESCRIPTORS)
-}
-
 /// Raises the soft open-files limit to the hard limit, as a proxy needs two descriptors per
-/// connection. Returns the new soft limit.
+/// connection (see [`super::fds`]). Returns the new soft limit.
 pub fn raise_nofile_limit() -> io::Result<u64> {
     use rustix::process::{Resource, getrlimit, setrlimit};
     let mut limit = getrlimit(Resource::Nofile);

@@ -90,20 +90,26 @@ pub async fn cleanup(config: &NodeConfig) -> Result<(), NodeError> {
 /// Runs the node daemon until SIGTERM/SIGINT and a completed drain.
 pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     let config = Arc::new(config);
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::node());
     let readiness = Arc::new(Readiness::default());
     let mut sigterm = signal(SignalKind::terminate()).map_err(NodeError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(NodeError::Signals)?;
 
-    let admin_sock = admin::bind(config.admin)
-        .await
-        .map_err(|source| NodeError::Bind {
-            what: "admin",
-            address: config.admin,
-            source,
+    let admin_sock = admin::bind(config.admin).map_err(|source| NodeError::Bind {
+        what: "admin",
+        address: config.admin,
+        source,
+    })?;
+    let admin_state = Arc::new(AdminState::new(metrics.clone()));
+    // Probes and metrics run on a thread of their own.
+    let admin_server =
+        admin::Server::start(admin_sock, None, admin_state.clone()).map_err(|source| {
+            NodeError::Bind {
+                what: "admin",
+                address: config.admin,
+                source,
+            }
         })?;
-    let admin_state = Arc::new(AdminState::new(metrics.clone(), None));
-    let admin_task = tokio::spawn(admin::serve(admin_sock, admin_state.clone()));
 
     // Link management first: the address should be in place before we report ready.
     let link_task = match &config.interface {
@@ -189,7 +195,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
         t.abort();
     }
     memory_task.abort();
-    admin_task.abort();
+    drop(admin_server);
     tracing::info!("node stopped; the address stays in place (use --cleanup to remove it)");
     Ok(())
 }

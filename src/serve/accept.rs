@@ -16,6 +16,7 @@ use super::record::ConnRecord;
 use super::tracker::{ConnGuard, Tracker};
 use crate::admin::Metrics;
 use crate::admin::metrics::ListenerMetrics;
+use crate::net::fds::{FailureLog, is_resource_error};
 use crate::net::socket::normalize;
 
 /// A source of accepted streams: a kernel TCP listener today; a user-space stack's listener
@@ -69,17 +70,6 @@ impl Backoff {
     }
 }
 
-/// Whether an accept error means the process or system is out of resources.
-pub(crate) fn is_resource_error(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
-            || code == rustix::io::Errno::NFILE.raw_os_error()
-            || code == rustix::io::Errno::NOBUFS.raw_os_error()
-            || code == rustix::io::Errno::NOMEM.raw_os_error()
-    )
-}
-
 /// What a connection task gets.
 pub(crate) struct Accepted<S> {
     /// The client stream.
@@ -117,6 +107,7 @@ pub(crate) async fn accept_loop<L, F, Fut>(
 {
     let name = admission.listener.listener.clone();
     let mut backoff = Backoff::default();
+    let mut failures = FailureLog::default();
     loop {
         let accepted = tokio::select! {
             r = listener.accept() => r,
@@ -125,11 +116,26 @@ pub(crate) async fn accept_loop<L, F, Fut>(
         let (stream, peer) = match accepted {
             Ok(x) => {
                 backoff.succeeded();
+                if failures.unsaid() > 0
+                    && let Some(n) = failures.succeeded(tokio::time::Instant::now())
+                {
+                    tracing::warn!(listener = %name, failures = n, "accepting again after failed accepts");
+                }
                 x
             }
             Err(e) if is_resource_error(&e) => {
                 let pause = backoff.failed();
-                tracing::warn!(listener = %name, error = %e, pause_ms = pause.as_millis() as u64, "accept failed; backing off");
+                if let Some(n) = failures.failed(tokio::time::Instant::now()) {
+                    tracing::warn!(
+                        listener = %name,
+                        error = %e,
+                        failures = n,
+                        pause_ms = pause.as_millis() as u64,
+                        "accept failed; backing off (one line per {} s, with the failures since \
+                         the last)",
+                        FailureLog::INTERVAL.as_secs()
+                    );
+                }
                 tokio::time::sleep(pause).await;
                 continue;
             }
@@ -178,16 +184,6 @@ mod tests {
         assert_eq!(b.failed(), Backoff::FIRST);
     }
 
-    #[test]
-    fn only_resource_errors_back_off() {
-        for errno in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
-            assert!(is_resource_error(&io::Error::from_raw_os_error(errno)));
-        }
-        for errno in [libc::ECONNABORTED, libc::EPERM, libc::EINTR] {
-            assert!(!is_resource_error(&io::Error::from_raw_os_error(errno)));
-        }
-    }
-
     /// Out of descriptors, the loop pauses instead of spinning, and accepts again once a
     /// descriptor is free.
     #[tokio::test(start_paused = true)]
@@ -213,7 +209,7 @@ mod tests {
             }
         }
         let calls = Arc::new(AtomicUsize::new(0));
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::gateway());
         let admission = Admission {
             listener: Arc::new(metrics.listener("l")),
             metrics,

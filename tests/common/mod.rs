@@ -123,6 +123,8 @@ pub(crate) struct Gateway {
     pub child: Child,
     pub tls: SocketAddr,
     pub admin: SocketAddr,
+    /// The debug endpoint (`/routes`), on the port the gateway got for `127.0.0.1:0`.
+    pub debug: SocketAddr,
     pub dir: TestDir,
     pub listeners: Vec<(String, SocketAddr)>,
 }
@@ -150,6 +152,19 @@ impl Gateway {
             &[("tls", "sni", listener_extra)],
             extra,
             routes_source,
+            None,
+        )
+    }
+
+    /// Starts with one `sni` listener named `tls` under an open-files limit (soft and hard)
+    /// of `nofile`.
+    pub(crate) fn start_with_nofile(routes: &str, extra: &str, nofile: u64) -> Gateway {
+        Self::start_full(
+            routes,
+            &[("tls", "sni", "")],
+            extra,
+            "routes: {file: routes.yaml}",
+            Some(nofile),
         )
     }
 
@@ -160,7 +175,13 @@ impl Gateway {
         listeners: &[(&str, &str, &str)],
         extra: &str,
     ) -> Gateway {
-        Self::start_full(routes, listeners, extra, "routes: {file: routes.yaml}")
+        Self::start_full(
+            routes,
+            listeners,
+            extra,
+            "routes: {file: routes.yaml}",
+            None,
+        )
     }
 
     fn start_full(
@@ -168,6 +189,7 @@ impl Gateway {
         listeners: &[(&str, &str, &str)],
         extra: &str,
         routes_source: &str,
+        nofile: Option<u64>,
     ) -> Gateway {
         let dir = TestDir::new("gw");
         let mut ports = free_ports(1 + listeners.len()).into_iter();
@@ -194,7 +216,16 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
         );
         std::fs::write(dir.path("gateway.yaml"), config).unwrap();
         let log = std::fs::File::create(dir.path("gateway.log")).unwrap();
-        let child = Command::new(BIN)
+        let mut command = match nofile {
+            None => Command::new(BIN),
+            Some(n) => {
+                // `ulimit -n` sets the soft and the hard limit: the gateway cannot raise it.
+                let mut c = Command::new("sh");
+                c.args(["-c", &format!("ulimit -n {n} && exec \"$0\" \"$@\""), BIN]);
+                c
+            }
+        };
+        let child = command
             .args(["--log-format", "json", "gateway", "--config"])
             .arg(dir.path("gateway.yaml"))
             .env("TRELLIS_LOG", "info,trellis=debug")
@@ -206,6 +237,7 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             child,
             tls: addrs[0].1,
             admin,
+            debug: SocketAddr::from(([127, 0, 0, 1], 0)),
             dir,
             listeners: addrs,
         };
@@ -219,7 +251,19 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             let _ = gw.child.kill();
             panic!("gateway did not become ready:\n{}", gw.logs());
         }
+        gw.debug = gw
+            .logged_address("debug endpoint listening")
+            .unwrap_or_else(|| panic!("no debug endpoint in the log:\n{}", gw.logs()));
         gw
+    }
+
+    /// The `address` of the first log line whose message is `message`.
+    pub(crate) fn logged_address(&self, message: &str) -> Option<SocketAddr> {
+        self.logs()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["message"] == message)
+            .and_then(|v| v["address"].as_str()?.parse().ok())
     }
 
     /// The address of listener `name`.

@@ -21,6 +21,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::{pool, splice};
+use crate::net::fds::{self, PipeBudget};
 
 /// Buffer for a direction that has carried little (interactive traffic).
 pub(crate) const SMALL_BUF: usize = 4 * 1024;
@@ -69,6 +70,8 @@ pub(crate) struct Dir {
     full_read: bool,
     /// Bytes of `carried` that went through a pipe (for tests and debugging).
     pub(crate) spliced: u64,
+    /// Where pipes are counted: the process's budget ([`fds::PIPES`]).
+    pub(crate) pipes: &'static PipeBudget,
     state: State,
 }
 
@@ -117,6 +120,7 @@ impl Dir {
             no_splice: false,
             full_read: false,
             spliced: 0,
+            pipes: &fds::PIPES,
             state: if initial.is_empty() {
                 State::Read
             } else {
@@ -190,7 +194,7 @@ impl Dir {
                 State::Read => {
                     ready!(src.poll_read_ready(cx)).map_err(|e| (Op::Read, e))?;
                     if self.carried >= SPLICE_AFTER && self.full_read && !self.no_splice {
-                        match splice::Pipe::new() {
+                        match splice::Pipe::new(self.pipes) {
                             Ok(pipe) => {
                                 // Bulk flow: from here on, bytes go socket -> pipe -> socket
                                 // inside the kernel.
@@ -201,7 +205,9 @@ impl Dir {
                                 };
                                 continue;
                             }
-                            Err(_) => self.no_splice = true,
+                            // Copied for now: the budget may have room for the next read.
+                            Err(splice::NoPipe::Budget) => {}
+                            Err(splice::NoPipe::Kernel) => self.no_splice = true,
                         }
                     }
                     let mut buf = pool::take(self.buf_size());

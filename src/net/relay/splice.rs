@@ -1,5 +1,7 @@
 //! Zero-copy relaying of bulk flows with `splice(2)` through a pipe, for two kernel TCP
-//! sockets. It never sees the bytes it moves.
+//! sockets. Every pipe holds a place in the process's pipe budget ([`crate::net::fds`]), so
+//! spliced connections never take descriptors the budget did not count. It never sees the
+//! bytes it moves.
 
 // The one `ioctl` (SIOCATMARK) that neither rustix nor socket2 offers.
 #![allow(unsafe_code)]
@@ -11,6 +13,7 @@ use rustix::pipe::{PipeFlags, SpliceFlags, pipe_with, splice};
 use tokio::net::TcpStream;
 
 use super::SPLICE_CHUNK;
+use crate::net::fds::{PipeBudget, PipeSlot};
 
 /// Smallest pipe worth splicing through (the default pipe size).
 const MIN_PIPE: usize = 64 * 1024;
@@ -19,18 +22,38 @@ const MIN_PIPE: usize = 64 * 1024;
 pub(crate) struct Pipe {
     read: OwnedFd,
     write: OwnedFd,
+    /// Given back to the budget when the pipe is closed.
+    _slot: PipeSlot,
+}
+
+/// Why no pipe was made.
+#[derive(Debug)]
+pub(crate) enum NoPipe {
+    /// The pipe budget is used up for now; a later try may succeed.
+    Budget,
+    /// The kernel gave none, or one too small to be worth it (past the per-user pipe
+    /// quota); trying again soon would fail the same way.
+    Kernel,
 }
 
 impl Pipe {
-    pub(crate) fn new() -> io::Result<Pipe> {
-        let (read, write) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
+    /// A pipe, if `budget` has room and the kernel gives a large enough one.
+    pub(crate) fn new(budget: &'static PipeBudget) -> Result<Pipe, NoPipe> {
+        let slot = budget.take().ok_or(NoPipe::Budget)?;
+        let (read, write) =
+            pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK).map_err(|_| NoPipe::Kernel)?;
         // Past the per-user pipe quota the kernel hands out tiny pipes, and splicing
         // through one is slower than copying: then the copy path is used instead.
-        let size = rustix::pipe::fcntl_setpipe_size(&write, SPLICE_CHUNK)?;
+        let size =
+            rustix::pipe::fcntl_setpipe_size(&write, SPLICE_CHUNK).map_err(|_| NoPipe::Kernel)?;
         if size < MIN_PIPE {
-            return Err(io::Error::other("pipe too small"));
+            return Err(NoPipe::Kernel);
         }
-        Ok(Pipe { read, write })
+        Ok(Pipe {
+            read,
+            write,
+            _slot: slot,
+        })
     }
 }
 

@@ -868,3 +868,56 @@ async fn generic_path_does_not_spin_on_would_block() {
         client_in.reads
     );
 }
+
+/// Pipes come from the budget: a direction that finds it used up copies its bulk flow (every
+/// byte intact), one that finds room splices, and the pipe's place is given back when the
+/// relay ends.
+#[tokio::test]
+async fn bulk_flows_splice_only_within_the_pipe_budget() {
+    use crate::net::fds::PipeBudget;
+    static NONE_LEFT: PipeBudget = PipeBudget::new(0);
+    static ONE: PipeBudget = PipeBudget::new(1);
+    const BULK: usize = 4 << 20;
+    let (mut client, mut client_in) = pair().await;
+    let (mut backend, mut backend_in) = pair().await;
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let mut relay = plain(
+        &mut client_in,
+        &mut backend_in,
+        Duration::from_secs(30),
+        &meters,
+        &stop,
+    );
+    relay.up.pipes = &NONE_LEFT;
+    relay.down.pipes = &ONE;
+    let peers = async {
+        let (up, down) = (pattern(BULK, 0x51), pattern(BULK, 0x52));
+        let (mut got_up, mut got_down) = (vec![0u8; BULK], vec![0u8; BULK]);
+        let ((mut client_r, mut client_w), (mut backend_r, mut backend_w)) =
+            (client.split(), backend.split());
+        let (a, b, c, d) = tokio::join!(
+            client_w.write_all(&up),
+            backend_r.read_exact(&mut got_up),
+            backend_w.write_all(&down),
+            client_r.read_exact(&mut got_down),
+        );
+        a.unwrap();
+        b.unwrap();
+        c.unwrap();
+        d.unwrap();
+        assert!(got_up == up && got_down == down, "bytes differ");
+        client.shutdown().await.unwrap();
+        backend.shutdown().await.unwrap();
+    };
+    let ((_, stats), ()) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(&mut relay, peers)
+    })
+    .await
+    .expect("relay finishes");
+    assert_eq!((stats.rx, stats.tx), (BULK as u64, BULK as u64));
+    assert_eq!(relay.up.spliced, 0, "no pipe in the budget: copied");
+    assert!(relay.down.spliced > 0, "a pipe in the budget: spliced");
+    drop(relay);
+    assert!(ONE.take().is_some(), "the pipe's place was given back");
+}
