@@ -240,3 +240,33 @@ async fn a_refused_tunnel_closes_the_client_and_is_counted() {
         "{metrics}"
     );
 }
+
+/// A second node on the same listen address (its own admin port) refuses to start, saying
+/// so; the first keeps answering its probes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_node_on_the_same_address_refuses_to_start() {
+    // Nothing is forwarded: any address will do as the gateway.
+    let node = Node::start("127.0.0.1:9".parse().unwrap());
+    let config = std::fs::read_to_string(node.dir.path("node.yaml")).unwrap();
+    let second = config.replace(
+        &node.admin.to_string(),
+        &format!("127.0.0.1:{}", free_port()),
+    );
+    std::fs::write(node.dir.path("second.yaml"), second).unwrap();
+    let (ok, out) = run(
+        Command::new(BIN)
+            .args(["node", "--config"])
+            .arg(node.dir.path("second.yaml")),
+        b"",
+        Duration::from_secs(20),
+    );
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains(&format!(
+            "cannot bind listener on {}: another process already listens there",
+            node.listen
+        )),
+        "{out}"
+    );
+    assert_eq!(http_get(node.admin, "/ready").unwrap().0, 200);
+}

@@ -25,7 +25,7 @@ use crate::net::relay::Limits;
 use crate::net::socket::{self, ListenOptions, normalize};
 use crate::route::{Backend, BackendAddress, BackendRegistry, Route};
 use crate::serve::accept::{Accepted, Admission, accept_loop};
-use crate::serve::drain::Drain;
+use crate::serve::drain::{Drain, DrainTimes};
 use crate::serve::forward::{Relaying, Reply, forward};
 
 /// Listener name in metrics and logs.
@@ -36,6 +36,16 @@ pub const ROUTE: &str = "upstream";
 /// Why the node could not start.
 #[derive(Debug, Error)]
 pub enum NodeError {
+    /// Another process already listens on the listener's or the admin endpoint's address.
+    #[error("cannot bind {what} on {address}: another process already listens there ({source})")]
+    InUse {
+        /// `listener` or `admin`.
+        what: &'static str,
+        /// The address.
+        address: SocketAddr,
+        /// The error (`EADDRINUSE`).
+        source: std::io::Error,
+    },
     /// A listener or the admin endpoint could not be bound.
     #[error("cannot bind {what} on {address}: {source}")]
     Bind {
@@ -52,6 +62,26 @@ pub enum NodeError {
     /// Signal handlers could not be installed.
     #[error("signal handling: {0}")]
     Signals(std::io::Error),
+}
+
+impl NodeError {
+    /// A failed bind: [`NodeError::InUse`] when the address is taken. The node's listeners
+    /// do not use `SO_REUSEPORT`, so the kernel refuses a second listener itself.
+    fn bind(what: &'static str, address: SocketAddr, source: std::io::Error) -> Self {
+        if source.kind() == std::io::ErrorKind::AddrInUse {
+            NodeError::InUse {
+                what,
+                address,
+                source,
+            }
+        } else {
+            NodeError::Bind {
+                what,
+                address,
+                source,
+            }
+        }
+    }
 }
 
 /// Local readiness: listeners bound, address in place (when managed), not draining.
@@ -97,11 +127,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
 
     let admin_sock = admin::bind(config.admin)
         .await
-        .map_err(|source| NodeError::Bind {
-            what: "admin",
-            address: config.admin,
-            source,
-        })?;
+        .map_err(|source| NodeError::bind("admin", config.admin, source))?;
     let admin_state = Arc::new(AdminState::new(metrics.clone(), None));
     let admin_task = tokio::spawn(admin::serve(admin_sock, admin_state.clone()));
 
@@ -141,11 +167,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     for &addr in &config.listen {
         let l = socket::bind_listener(addr, &options)
             .and_then(TcpListener::from_std)
-            .map_err(|source| NodeError::Bind {
-                what: "listener",
-                address: addr,
-                source,
-            })?;
+            .map_err(|source| NodeError::bind("listener", addr, source))?;
         listeners.push(l);
     }
     readiness.bound.store(true, Ordering::SeqCst);
@@ -178,7 +200,13 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     }
     readiness.draining.store(true, Ordering::SeqCst);
     readiness.publish(&admin_state);
-    node.drain.run(config.drain_timeout).await;
+    // No drain delay: the node's clients are local and its address is not behind a load
+    // balancer that needs time to notice.
+    let times = DrainTimes {
+        delay: Duration::ZERO,
+        timeout: config.drain_timeout,
+    };
+    node.drain.run(times).await;
     for t in accept_tasks {
         let _ = t.await;
     }
