@@ -230,6 +230,15 @@ async fn a_refused_tunnel_closes_the_client_and_is_counted() {
     );
     let line = node.wait_access_log();
     assert_eq!(line["reason"], "error:upstream_rejected", "{line}");
+    // The gateway tried is in the access log and in the (rate-limited) warning.
+    assert_eq!(line["backend"], gateway.to_string(), "{line}");
+    assert!(
+        node.logs().lines().any(|l| l.contains("\"level\":\"WARN\"")
+            && l.contains("connect failed")
+            && l.contains(&format!("\"backend\":\"{gateway}\""))),
+        "{}",
+        node.logs()
+    );
     let metrics = http_get(node.admin, "/metrics").unwrap().1;
     assert_eq!(
         metric_in(
