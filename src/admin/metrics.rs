@@ -118,6 +118,9 @@ pub(crate) struct Metrics {
     pub table_reloads: Family<ResultLabel, Counter>,
     /// `trellis_half_closed_connections`.
     pub half_closed: Gauge,
+    /// `trellis_default_route_missing`: 1 while a listener's `defaultRoute` is not in the
+    /// active table (set at every load).
+    pub default_route_missing: Family<ListenerLabel, Gauge>,
     /// Per-route handles by route name, so a connection resolves them with one lookup.
     route_cache: std::sync::RwLock<std::collections::HashMap<String, std::sync::Arc<RouteMetrics>>>,
     /// The `(route, reason)` label sets of `connect_failures`, so a gone route's can be
@@ -182,6 +185,7 @@ impl Metrics {
             table_generation: Gauge::default(),
             table_reloads: Family::default(),
             half_closed: Gauge::default(),
+            default_route_missing: Family::default(),
             registry: Registry::default(),
             route_cache: Default::default(),
             failure_labels: Default::default(),
@@ -256,6 +260,11 @@ impl Metrics {
             "half_closed_connections",
             "Connections with one direction closed",
             m.half_closed.clone(),
+        );
+        r.register(
+            "default_route_missing",
+            "1 while a listener's defaultRoute is not in the active routing table",
+            m.default_route_missing.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -98,7 +98,15 @@ pub(crate) struct Shared {
 pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     table::fix_mmap_threshold();
     let metrics = Arc::new(Metrics::new());
-    let tables = Arc::new(Tables::load(&config.routes_file, metrics.clone())?);
+    let mut tables = Tables::load(&config.routes_file, metrics.clone())?;
+    tables.set_default_routes(
+        config
+            .listeners
+            .iter()
+            .filter_map(|l| Some((l.name.clone(), l.default_route.clone()?)))
+            .collect(),
+    );
+    let tables = Arc::new(tables);
     table::release_free_memory();
     let mut sigterm = signal(SignalKind::terminate()).map_err(GatewayError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(GatewayError::Signals)?;

@@ -144,6 +144,9 @@ pub(crate) struct Gateway {
     pub tls: SocketAddr,
     pub admin: SocketAddr,
     pub dir: TestDir,
+    /// Holds the log, outside `dir`: the gateway watches `dir`, and a log written there
+    /// would raise a directory event with every line.
+    pub log_dir: TestDir,
     pub listeners: Vec<(String, SocketAddr)>,
 }
 
@@ -214,7 +217,8 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             no_drain_delay(extra)
         );
         std::fs::write(dir.path("gateway.yaml"), config).unwrap();
-        let log = std::fs::File::create(dir.path("gateway.log")).unwrap();
+        let log_dir = TestDir::new("gwlog");
+        let log = std::fs::File::create(log_dir.path("gateway.log")).unwrap();
         let child = Command::new(BIN)
             .args(["--log-format", "json", "gateway", "--config"])
             .arg(dir.path("gateway.yaml"))
@@ -228,6 +232,7 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             tls: addrs[0].1,
             admin,
             dir,
+            log_dir,
             listeners: addrs,
         };
         let ready = wait_for(Duration::from_secs(20), || {
@@ -277,7 +282,7 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
     }
 
     pub(crate) fn logs(&self) -> String {
-        std::fs::read_to_string(self.dir.path("gateway.log")).unwrap_or_default()
+        std::fs::read_to_string(self.log_dir.path("gateway.log")).unwrap_or_default()
     }
 
     /// Replaces the routing table atomically (write, rename), as the controller does.
