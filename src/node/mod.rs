@@ -90,14 +90,31 @@ struct Readiness {
     bound: AtomicBool,
     address: AtomicBool,
     draining: AtomicBool,
+    /// What was last published, to log changes only.
+    published: AtomicBool,
 }
 
 impl Readiness {
+    /// Sets `/ready` from the local state and logs when it changes.
     fn publish(&self, admin: &AdminState) {
-        let ready = self.bound.load(Ordering::SeqCst)
-            && self.address.load(Ordering::SeqCst)
-            && !self.draining.load(Ordering::SeqCst);
+        let (bound, address, draining) = (
+            self.bound.load(Ordering::SeqCst),
+            self.address.load(Ordering::SeqCst),
+            self.draining.load(Ordering::SeqCst),
+        );
+        let ready = bound && address && !draining;
         admin.set_ready(ready);
+        if self.published.swap(ready, Ordering::SeqCst) != ready {
+            if ready {
+                tracing::info!("node ready");
+            } else if !draining {
+                tracing::warn!(
+                    listeners_bound = bound,
+                    address_in_place = address,
+                    "node not ready"
+                );
+            }
+        }
     }
 }
 
@@ -192,7 +209,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
         let handle = move |accepted| node.clone().handle(accepted);
         accept_tasks.push(tokio::spawn(accept_loop(l, admission, stop, handle)));
     }
-    tracing::info!(upstream = %format!("{}:{}", config.upstream_host, config.upstream_port), "node ready");
+    tracing::info!(upstream = %format!("{}:{}", config.upstream_host, config.upstream_port), "node serving");
 
     tokio::select! {
         _ = sigterm.recv() => tracing::info!("SIGTERM: draining"),
@@ -227,16 +244,36 @@ async fn manage_link(
 ) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The last failure logged: the same one again (every event and tick) goes to debug.
+    let mut last_error = None;
     loop {
         match manager.reconcile().await {
             Ok(changes) => {
                 if changes != link::Changes::default() {
                     tracing::info!(changes = %changes, link = manager.link(), "address reconciled");
                 }
+                last_error = None;
                 readiness.address.store(true, Ordering::SeqCst);
             }
             Err(e) => {
-                tracing::error!(error = %e, "cannot manage the advertise address");
+                let text = e.to_string();
+                let repeated = last_error.as_ref() == Some(&text);
+                match (e.is_permission_denied(), repeated) {
+                    (_, true) => {
+                        tracing::debug!(error = %e, "cannot manage the advertise address")
+                    }
+                    (true, false) => tracing::error!(
+                        error = %e,
+                        capability = "CAP_NET_ADMIN",
+                        "cannot manage the advertise address: the process lacks the \
+                         CAP_NET_ADMIN capability (needed to add the address and create the \
+                         link); not ready while the address is not in place"
+                    ),
+                    (false, false) => {
+                        tracing::error!(error = %e, "cannot manage the advertise address")
+                    }
+                }
+                last_error = Some(text);
                 let in_place = manager.is_in_place().await.unwrap_or(false);
                 readiness.address.store(in_place, Ordering::SeqCst);
             }
