@@ -173,6 +173,18 @@ impl Gateway {
             &[("tls", "sni", listener_extra)],
             extra,
             routes_source,
+            &[],
+        )
+    }
+
+    /// Like [`Gateway::start`], with `env` set for the process.
+    pub(crate) fn start_env(routes: &str, extra: &str, env: &[(&str, &str)]) -> Gateway {
+        Self::start_full(
+            routes,
+            &[("tls", "sni", "")],
+            extra,
+            "routes: {file: routes.yaml}",
+            env,
         )
     }
 
@@ -183,7 +195,7 @@ impl Gateway {
         listeners: &[(&str, &str, &str)],
         extra: &str,
     ) -> Gateway {
-        Self::start_full(routes, listeners, extra, "routes: {file: routes.yaml}")
+        Self::start_full(routes, listeners, extra, "routes: {file: routes.yaml}", &[])
     }
 
     fn start_full(
@@ -191,6 +203,7 @@ impl Gateway {
         listeners: &[(&str, &str, &str)],
         extra: &str,
         routes_source: &str,
+        env: &[(&str, &str)],
     ) -> Gateway {
         let dir = TestDir::new("gw");
         let mut ports = free_ports(1 + listeners.len()).into_iter();
@@ -223,6 +236,9 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             .args(["--log-format", "json", "gateway", "--config"])
             .arg(dir.path("gateway.yaml"))
             .env("TRELLIS_LOG", "info,trellis=debug")
+            // The zone is the file's unless a test sets it.
+            .env_remove("TRELLIS_ZONE")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
