@@ -416,3 +416,95 @@ fn parse_errors_are_one_line_with_line_and_column() {
         );
     }
 }
+
+/// `check` on a gateway configuration loads its routing table from `routes.file` resolved as
+/// the gateway resolves it (relative to the configuration's directory, whatever the working
+/// directory), refuses a missing or invalid one as the gateway does, and names a
+/// `defaultRoute` that is not in it.
+#[test]
+fn check_loads_the_gateways_routing_table_as_the_gateway_does() {
+    let dir = TestDir::new("checkroutes");
+    std::fs::create_dir_all(dir.path("conf")).unwrap();
+    let gateway = dir.path("conf/gateway.yaml");
+    std::fs::write(
+        &gateway,
+        format!(
+            "{HEAD}kind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:{}\", protocol: sni}}\n- {{name: other, address: \"127.0.0.1:{}\", protocol: sni, defaultRoute: fallback}}\nadmin: {{address: \"127.0.0.1:{}\"}}\n",
+            free_port(),
+            free_port(),
+            free_port()
+        ),
+    )
+    .unwrap();
+    let table = |names: &[&str]| {
+        let mut t = format!("{HEAD}kind: RoutingTable\nroutes:\n");
+        for n in names {
+            t += &format!("- {{name: {n}, backends: [{{address: \"127.0.0.1:9\"}}]}}\n");
+        }
+        t
+    };
+    // A valid table in the working directory is not the gateway's.
+    std::fs::write(dir.path("routes.yaml"), table(&["fallback"])).unwrap();
+    let check = || {
+        let out = Command::new(BIN)
+            .arg("check")
+            .arg(&gateway)
+            .current_dir(&dir.0)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.code(), text)
+    };
+    let routes = dir.path("conf/routes.yaml");
+    let (code, out) = check();
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!(
+            "{}: routes.file: cannot read the routing table {}: No such file",
+            gateway.display(),
+            routes.display()
+        )),
+        "{out}"
+    );
+    // The gateway refuses it too, naming the same file.
+    let started = Command::new(BIN)
+        .args(["gateway", "--config"])
+        .arg(&gateway)
+        .current_dir(&dir.0)
+        .output()
+        .unwrap();
+    assert!(!started.status.success());
+    let err = String::from_utf8_lossy(&started.stderr);
+    assert!(err.contains(&routes.display().to_string()), "{err}");
+
+    // An invalid table: its own errors, against its own file.
+    std::fs::write(
+        &routes,
+        format!("{HEAD}kind: RoutingTable\nroutes: [{{name: a}}]\n"),
+    )
+    .unwrap();
+    let (code, out) = check();
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!("{}: routes[0]", routes.display())),
+        "{out}"
+    );
+
+    // A valid table without the default route.
+    std::fs::write(&routes, table(&["a"])).unwrap();
+    let (code, out) = check();
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!(
+            "{}: listeners[1].defaultRoute: route \"fallback\" is not in the routing table {}",
+            gateway.display(),
+            routes.display()
+        )),
+        "{out}"
+    );
+    std::fs::write(&routes, table(&["a", "fallback"])).unwrap();
+    let (code, out) = check();
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("valid GatewayConfiguration"), "{out}");
+}

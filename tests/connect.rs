@@ -187,6 +187,24 @@ routes:
         (502, b"CONNECT x:443 HTTP/1.1\r\nX-Gardener-Destination: refused\r\n\r\n".to_vec()),
         (504, b"CONNECT x:443 HTTP/1.1\r\nX-Gardener-Destination: blackhole\r\n\r\n".to_vec()),
     ];
+    // No answer names a route, a backend, an address or what the client asked for: the
+    // access log and the metrics carry those.
+    let leaks = |response: &str| {
+        let secret = [
+            "127.0.0.1".to_string(),
+            api.port().to_string(),
+            refused.port().to_string(),
+            full_addr.port().to_string(),
+            "route".into(),
+            "\"refused\"".into(),
+            "blackhole".into(),
+            "nowhere".into(),
+        ];
+        secret
+            .into_iter()
+            .filter(|s| response.contains(s.as_str()))
+            .collect::<Vec<_>>()
+    };
     for (status, request) in cases {
         let response = exchange(addr, &request).await;
         assert_eq!(
@@ -196,12 +214,20 @@ routes:
             String::from_utf8_lossy(&request[..request.len().min(60)])
         );
         assert!(response.contains("Connection: close"), "{response}");
+        assert_eq!(leaks(&response), Vec::<String>::new(), "{response}");
     }
     // 408: a head that never completes.
     let start = Instant::now();
     let response = exchange(addr, b"CONNECT x:443 HTTP/1.1\r\nX-Gar").await;
     assert_eq!(status_of(&response), 408, "{response}");
+    assert_eq!(leaks(&response), Vec::<String>::new(), "{response}");
     assert!(start.elapsed() >= Duration::from_millis(900));
+    // The access log names the backend each failed connect tried.
+    for (route, backend) in [("refused", refused), ("blackhole", full_addr)] {
+        gw.wait_access_log(|l| {
+            l["route"] == route && l["backend"] == backend.to_string() && l["reason"] != "open"
+        });
+    }
     // Counted by outcome.
     let outcome = |o: &str| {
         format!("trellis_downstream_connections_total{{listener=\"connect\",outcome=\"{o}\"}}")
@@ -214,6 +240,33 @@ routes:
         "trellis_upstream_connect_failures_total{route=\"blackhole\",reason=\"timeout\"}",
         |v| v == 1.0,
     );
+    // Each failure is logged with the backend, once per backend and interval: two more
+    // refusals within it add no warning.
+    for _ in 0..2 {
+        let request = b"CONNECT x:443 HTTP/1.1\r\nX-Gardener-Destination: refused\r\n\r\n";
+        assert_eq!(status_of(&exchange(addr, request).await), 502);
+    }
+    let warnings = || {
+        gw.logs()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|l| {
+                l["level"] == "WARN"
+                    && l["message"] == "connect failed"
+                    && l["backend"] == refused.to_string()
+            })
+            .count()
+    };
+    let lines = wait_for(Duration::from_secs(10), || {
+        let n = gw
+            .access_logs()
+            .iter()
+            .filter(|l| l["route"] == "refused")
+            .count();
+        (n == 3).then_some(n)
+    });
+    assert_eq!(lines, Some(3), "{}", gw.logs());
+    assert_eq!(warnings(), 1, "{}", gw.logs());
     drop(fillers);
 }
 

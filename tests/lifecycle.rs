@@ -106,6 +106,178 @@ async fn drain_deadline_closes_remaining_connections() {
     assert!(gw.logs().contains("\"reason\":\"drain\""), "{}", gw.logs());
 }
 
+/// After SIGTERM, readiness fails at once but the listeners keep accepting for the drain
+/// delay: a client connecting every 50 ms (as a load balancer still sends them) is never
+/// refused and is served; after the delay the listeners close.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_keeps_accepting_for_the_drain_delay() {
+    let echo = echo_backend().await;
+    let mut gw = Gateway::start(
+        &routes_yaml(&[R {
+            name: "e",
+            sni: &["e.example.com"],
+            backends: &[echo],
+        }]),
+        "timeouts: {drainDelay: 3s, drain: 30s}",
+    );
+    let start = Instant::now();
+    gw.signal("TERM");
+    let not_ready = wait_for(Duration::from_secs(2), || {
+        (http_get(gw.admin, "/ready")?.0 == 503).then_some(())
+    });
+    assert!(not_ready.is_some(), "/ready must turn 503 at once");
+    // Well inside the delay (which starts when the signal is handled, after `start`).
+    let mut served = 0;
+    while start.elapsed() < Duration::from_secs(2) {
+        let mut s = TcpStream::connect(gw.tls).await.unwrap_or_else(|e| {
+            panic!(
+                "refused {:?} after SIGTERM, within the drain delay: {e}\n{}",
+                start.elapsed(),
+                gw.logs()
+            )
+        });
+        let h = hello("e.example.com");
+        s.write_all(&h).await.unwrap();
+        let mut back = vec![0u8; h.len()];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(back, h, "served during the drain delay");
+        served += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(served >= 10, "{served} clients");
+    // Then the listeners close, and with no connection left the process exits.
+    let refused = wait_for(Duration::from_secs(10), || {
+        std::net::TcpStream::connect(gw.tls).is_err().then_some(())
+    });
+    assert!(refused.is_some(), "listeners close after the drain delay");
+    let status = wait_exit(&mut gw, Duration::from_secs(10));
+    assert!(status.success(), "exit status {status}");
+}
+
+/// Connections still open at the drain deadline are not all cut in the same instant: their
+/// closes are spread over the window (1 s for a drain of 1 s), and the process still exits
+/// within drain + window + its grace.
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_left_at_the_deadline_are_closed_spread_over_a_window() {
+    const N: usize = 40;
+    let echo = echo_backend().await;
+    let mut gw = Gateway::start(
+        &routes_yaml(&[R {
+            name: "e",
+            sni: &["e.example.com"],
+            backends: &[echo],
+        }]),
+        "timeouts: {drain: 1s}",
+    );
+    let mut conns = Vec::new();
+    for _ in 0..N {
+        conns.push(open_echo(&gw, "e.example.com").await);
+    }
+    let start = Instant::now();
+    gw.signal("TERM");
+    let closes: Vec<_> = conns
+        .into_iter()
+        .map(|mut c| {
+            tokio::spawn(async move {
+                assert_eq!(
+                    read_all(&mut c, Duration::from_secs(20)).await.unwrap(),
+                    b""
+                );
+                start.elapsed()
+            })
+        })
+        .collect();
+    let mut at = Vec::new();
+    for c in closes {
+        at.push(c.await.unwrap());
+    }
+    at.sort();
+    let (first, last) = (at[0], at[N - 1]);
+    assert!(
+        first >= Duration::from_millis(900),
+        "not before the deadline: {at:?}"
+    );
+    assert!(
+        last - first >= Duration::from_millis(500),
+        "closes spread over the 1 s window, not in one instant: {at:?}"
+    );
+    // Half of them neither in the first nor in the last quarter of the spread alone.
+    let quarter = first + (last - first) / 4;
+    assert!(
+        at.iter().filter(|t| **t <= quarter).count() <= N / 2,
+        "{at:?}"
+    );
+    // drain 1 s + window 1 s + grace 2 s, with room for a loaded machine.
+    assert!(last < Duration::from_secs(8), "{at:?}");
+    let status = wait_exit(&mut gw, Duration::from_secs(10));
+    assert!(status.success(), "exit status {status}");
+    let drained = gw
+        .access_logs()
+        .iter()
+        .filter(|l| l["reason"] == "drain")
+        .count();
+    assert_eq!(drained, N, "{}", gw.logs());
+}
+
+/// A second gateway started with the same listener addresses (its own admin port) refuses to
+/// start with a clear error instead of sharing the port through SO_REUSEPORT; the first keeps
+/// serving, old and new connections alike.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_instance_on_the_same_addresses_refuses_to_start() {
+    let echo = echo_backend().await;
+    let gw = Gateway::start_listeners(
+        &routes_yaml(&[R {
+            name: "e",
+            sni: &["e.example.com"],
+            backends: &[echo],
+        }]),
+        &[("tls", "sni", ""), ("connect", "http-connect", "")],
+        "workers: 2",
+    );
+    let mut before = open_echo(&gw, "e.example.com").await;
+    let config = std::fs::read_to_string(gw.dir.path("gateway.yaml")).unwrap();
+    let second_admin = format!("127.0.0.1:{}", free_port());
+    let second = config.replace(&gw.admin.to_string(), &second_admin);
+    assert_ne!(second, config);
+    std::fs::write(gw.dir.path("second.yaml"), second).unwrap();
+    let mut child = std::process::Command::new(BIN)
+        .args(["gateway", "--config"])
+        .arg(gw.dir.path("second.yaml"))
+        .env("TRELLIS_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_for(Duration::from_secs(10), || child.try_wait().unwrap());
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the second gateway started next to the first");
+    }
+    assert!(!status.unwrap().success());
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(
+        err.contains(&format!(
+            "cannot bind listener tls on {}: another process already listens there",
+            gw.tls
+        )),
+        "{err}"
+    );
+    // It never bound its admin port either.
+    assert!(std::net::TcpStream::connect(&second_admin).is_err());
+    // The first serves on: its ready probe, the old connection and every new one.
+    assert_eq!(http_get(gw.admin, "/ready").unwrap().0, 200);
+    roundtrip(&mut before, b"still here").await;
+    for _ in 0..20 {
+        let mut c = open_echo(&gw, "e.example.com").await;
+        roundtrip(&mut c, b"new").await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn two_thousand_connections_leave_no_descriptors_behind() {
     trellis::net::socket::raise_nofile_limit().unwrap();

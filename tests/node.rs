@@ -230,6 +230,15 @@ async fn a_refused_tunnel_closes_the_client_and_is_counted() {
     );
     let line = node.wait_access_log();
     assert_eq!(line["reason"], "error:upstream_rejected", "{line}");
+    // The gateway tried is in the access log and in the (rate-limited) warning.
+    assert_eq!(line["backend"], gateway.to_string(), "{line}");
+    assert!(
+        node.logs().lines().any(|l| l.contains("\"level\":\"WARN\"")
+            && l.contains("connect failed")
+            && l.contains(&format!("\"backend\":\"{gateway}\""))),
+        "{}",
+        node.logs()
+    );
     let metrics = http_get(node.admin, "/metrics").unwrap().1;
     assert_eq!(
         metric_in(
@@ -260,6 +269,7 @@ fn node_metrics_are_its_own() {
         "trellis_routing_table_reloads",
         "trellis_client_hello_bytes",
         "trellis_proxy_protocol_headers",
+        "trellis_default_route_missing",
     ] {
         assert!(
             !families.contains(&gateway_only),
@@ -279,4 +289,34 @@ fn node_metrics_are_its_own() {
     assert!(metric_in(&metrics, "process_resident_memory_bytes ") > 0.0);
     // The node has no routing table to show, on any address.
     assert_eq!(http_get(node.admin, "/routes").unwrap().0, 404);
+}
+
+/// A second node on the same listen address (its own admin port) refuses to start, saying
+/// so; the first keeps answering its probes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_node_on_the_same_address_refuses_to_start() {
+    // Nothing is forwarded: any address will do as the gateway.
+    let node = Node::start("127.0.0.1:9".parse().unwrap());
+    let config = std::fs::read_to_string(node.dir.path("node.yaml")).unwrap();
+    let second = config.replace(
+        &node.admin.to_string(),
+        &format!("127.0.0.1:{}", free_port()),
+    );
+    std::fs::write(node.dir.path("second.yaml"), second).unwrap();
+    let (ok, out) = run(
+        Command::new(BIN)
+            .args(["node", "--config"])
+            .arg(node.dir.path("second.yaml")),
+        b"",
+        Duration::from_secs(20),
+    );
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains(&format!(
+            "cannot bind listener on {}: another process already listens there",
+            node.listen
+        )),
+        "{out}"
+    );
+    assert_eq!(http_get(node.admin, "/ready").unwrap().0, 200);
 }

@@ -418,3 +418,64 @@ fn link_management_on_veth_needs_root_netns() {
         "{got:?}\n{logs}"
     );
 }
+
+/// Without `CAP_NET_ADMIN` the node cannot put its address on a link: it says which
+/// capability it lacks and stays not ready (`/ready` 503) while listening, instead of
+/// claiming to be ready.
+#[test]
+fn node_without_net_admin_names_the_capability_and_stays_unready_needs_root_netns() {
+    let test = "node_without_net_admin_names_the_capability_and_stays_unready_needs_root_netns";
+    if skip(test, &["curl", "setpriv"]) {
+        return;
+    }
+    let mut lab = Lab::new(&["nocap"]);
+    let ns = lab.ns(0);
+    let dir = lab.dir.0.clone();
+    let ip = "240.1.2.4";
+    let admin = "127.0.0.1:16912";
+    let config = dir.join("nocap.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: NodeConfiguration\nlisten: [\"{ip}:443\"]\ninterface: {{name: apiserver-proxy, address: {ip}}}\nupstream:\n  address: \"127.0.0.1:1\"\n  destination: \"{DEST}\"\nadmin: {{address: \"{admin}\"}}\n"
+        ),
+    )
+    .unwrap();
+    let log = dir.join("node.log");
+    let config = config.to_str().unwrap();
+    lab.spawn(
+        &ns,
+        &[
+            "setpriv",
+            "--inh-caps=-all",
+            "--bounding-set=-net_admin",
+            "--",
+            BIN,
+            "--log-format",
+            "json",
+            "node",
+            "--config",
+            config,
+        ],
+        &log,
+    );
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+    let said = wait_for(Duration::from_secs(20), || {
+        logs()
+            .lines()
+            .find(|l| l.contains("\"level\":\"ERROR\"") && l.contains("CAP_NET_ADMIN"))
+            .map(str::to_owned)
+    });
+    assert!(
+        said.is_some(),
+        "the missing capability is named:\n{}",
+        logs()
+    );
+    // Serving its admin endpoint, but not ready, and it stays so.
+    for _ in 0..5 {
+        assert_eq!(lab.http_get(&ns, admin, "/ready").0, 503, "{}", logs());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(addresses(&lab, &ns, ip), vec![]);
+    assert!(!logs().contains("\"node ready\""), "{}", logs());
+}

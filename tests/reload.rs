@@ -297,3 +297,150 @@ async fn removed_routes_drop_their_metric_series() {
     let text = dropped.unwrap_or_else(|| panic!("held's series stay:\n{}", metrics()));
     assert!(text.contains("route=\"keep\""), "{text}");
 }
+
+/// The log lines of reloads with `message`, as JSON objects.
+fn reload_lines(gw: &Gateway, message: &str) -> Vec<serde_json::Value> {
+    gw.logs()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|l| l["message"] == message)
+        .collect()
+}
+
+/// Every reload says its outcome with the generation and route count in force: applied,
+/// unchanged (at info level on SIGHUP, at debug level on the periodic re-read) and
+/// rejected.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_reload_logs_its_outcome_generation_and_route_count() {
+    let a: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let one = routes_yaml(&[R {
+        name: "a",
+        sni: &["a.example.com"],
+        backends: &[a],
+    }]);
+    let two = routes_yaml(&[
+        R {
+            name: "a",
+            sni: &["a.example.com"],
+            backends: &[a],
+        },
+        R {
+            name: "b",
+            sni: &["b.example.com"],
+            backends: &[a],
+        },
+    ]);
+    let gw = Gateway::start_opts(
+        &one,
+        "",
+        "",
+        "routes: {file: routes.yaml, checkInterval: 200ms}",
+    );
+    let start = &reload_lines(&gw, "routing table applied")[0];
+    assert_eq!(
+        (&start["trigger"], &start["generation"], &start["routes"]),
+        (&"start".into(), &1.into(), &1.into()),
+        "{start}"
+    );
+    // SIGHUP with the file as it is: said at info level.
+    gw.signal("HUP");
+    let unchanged = |gw: &Gateway, trigger: &str| {
+        reload_lines(gw, "routing table unchanged")
+            .into_iter()
+            .filter(|l| l["trigger"] == trigger)
+            .collect::<Vec<_>>()
+    };
+    let line = wait_for(Duration::from_secs(10), || unchanged(&gw, "sighup").pop())
+        .unwrap_or_else(|| panic!("{}", gw.logs()));
+    assert_eq!(line["level"], "INFO", "{line}");
+    assert_eq!(
+        (&line["generation"], &line["routes"]),
+        (&1.into(), &1.into())
+    );
+    assert_eq!(line["result"], "unchanged");
+    // The periodic re-read of an unchanged file: debug level only.
+    let line = wait_for(Duration::from_secs(10), || unchanged(&gw, "timer").pop())
+        .unwrap_or_else(|| panic!("{}", gw.logs()));
+    assert_eq!(line["level"], "DEBUG", "{line}");
+
+    gw.write_routes(&two);
+    let line = wait_for(Duration::from_secs(10), || {
+        reload_lines(&gw, "routing table applied")
+            .into_iter()
+            .find(|l| l["generation"] == 2)
+    })
+    .unwrap_or_else(|| panic!("{}", gw.logs()));
+    assert_eq!(
+        (&line["routes"], &line["result"]),
+        (&2.into(), &"applied".into())
+    );
+
+    gw.write_routes("routes: [");
+    let line = wait_for(Duration::from_secs(10), || {
+        reload_lines(&gw, "routing table rejected; keeping the last good table").pop()
+    })
+    .unwrap_or_else(|| panic!("{}", gw.logs()));
+    assert_eq!(line["level"], "ERROR");
+    assert_eq!(
+        (&line["generation"], &line["routes"], &line["result"]),
+        (&2.into(), &2.into(), &"rejected".into()),
+        "the table kept: {line}"
+    );
+    // SIGHUP with the same bad file: still said, at info level, as the rejected version.
+    gw.signal("HUP");
+    let line = wait_for(Duration::from_secs(10), || {
+        unchanged(&gw, "sighup")
+            .into_iter()
+            .find(|l| l["same_as"] == "the version rejected before")
+    })
+    .unwrap_or_else(|| panic!("{}", gw.logs()));
+    assert_eq!(
+        (&line["generation"], &line["routes"]),
+        (&2.into(), &2.into())
+    );
+}
+
+/// A listener's `defaultRoute` missing from the table: the gateway starts, warns and shows
+/// it in `trellis_default_route_missing` at every load, until a table has the route.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_default_route_is_warned_and_counted_at_every_load() {
+    let a: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let without = routes_yaml(&[R {
+        name: "a",
+        sni: &["a.example.com"],
+        backends: &[a],
+    }]);
+    let with = routes_yaml(&[
+        R {
+            name: "a",
+            sni: &["a.example.com"],
+            backends: &[a],
+        },
+        R {
+            name: "fallback",
+            sni: &[],
+            backends: &[a],
+        },
+    ]);
+    let missing = "trellis_default_route_missing{listener=\"tls\"}";
+    let gw = Gateway::start_with(&without, "", "  defaultRoute: fallback");
+    let warnings = |gw: &Gateway| {
+        gw.logs()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|l| {
+                l["level"] == "WARN" && l["listener"] == "tls" && l["default_route"] == "fallback"
+            })
+            .count()
+    };
+    assert_eq!(gw.metric(missing), 1.0, "{}", gw.metrics());
+    assert_eq!(warnings(&gw), 1, "{}", gw.logs());
+    gw.write_routes(&with);
+    gw.wait_metric(missing, |v| v == 0.0);
+    assert!(gw.metrics().contains(&format!("{missing} 0")));
+    assert_eq!(warnings(&gw), 1);
+    // Another table without it: warned again.
+    gw.write_routes(&format!("{without}# v3\n"));
+    gw.wait_metric(missing, |v| v == 1.0);
+    assert_eq!(warnings(&gw), 2, "{}", gw.logs());
+}

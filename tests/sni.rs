@@ -695,3 +695,49 @@ async fn half_close_bound_is_not_the_idle_timeout() {
     );
     gw.wait_metric("trellis_half_closed_connections", |v| v == 0.0);
 }
+
+/// `TRELLIS_ZONE` wins over the file's `zone`: with it set, connections go to the backend in
+/// its zone, not to the one in the file's; set but empty, the file's zone applies.
+#[tokio::test(flavor = "multi_thread")]
+async fn trellis_zone_in_the_environment_wins_over_the_files_zone() {
+    let mut in_file_zone = RawBackend::start(b"FILE", 0).await;
+    let mut in_env_zone = RawBackend::start(b"ENV", 0).await;
+    let routes = format!(
+        "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: RoutingTable
+routes:
+- name: z
+  sni: [z.example.com]
+  backends:
+  - {{address: \"{}\", zone: file-zone}}
+  - {{address: \"{}\", zone: env-zone}}
+",
+        in_file_zone.addr, in_env_zone.addr
+    );
+    let answer = async |gw: &Gateway| {
+        let mut s = TcpStream::connect(gw.tls).await.unwrap();
+        s.write_all(&trellis::wire::tls::testing::client_hello(
+            Some("z.example.com"),
+            &[],
+            0,
+        ))
+        .await
+        .unwrap();
+        read_all(&mut s, Duration::from_secs(10)).await.unwrap()
+    };
+    for (env, expected) in [("env-zone", &b"ENV"[..]), ("", &b"FILE"[..])] {
+        let gw = Gateway::start_env(&routes, "zone: file-zone", &[("TRELLIS_ZONE", env)]);
+        // Fewest active connections would alternate; the zone decides every time.
+        for _ in 0..6 {
+            assert_eq!(answer(&gw).await, expected, "TRELLIS_ZONE={env:?}");
+        }
+        let backend = if env.is_empty() {
+            &mut in_file_zone
+        } else {
+            &mut in_env_zone
+        };
+        for _ in 0..6 {
+            backend.next().await;
+        }
+    }
+}

@@ -129,6 +129,9 @@ pub(crate) struct Metrics {
     pub table_reloads: Family<ResultLabel, Counter>,
     /// `trellis_half_closed_connections`.
     pub half_closed: Gauge,
+    /// `trellis_default_route_missing`: 1 while a listener's `defaultRoute` is not in the
+    /// active table (set at every load).
+    pub default_route_missing: Family<ListenerLabel, Gauge>,
     /// Per-route handles by route name, so a connection resolves them with one lookup.
     route_cache: std::sync::RwLock<std::collections::HashMap<String, std::sync::Arc<RouteMetrics>>>,
     /// The `(route, reason)` label sets of `connect_failures`, so a gone route's can be
@@ -199,6 +202,7 @@ impl Metrics {
             table_generation: Gauge::default(),
             table_reloads: Family::default(),
             half_closed: Gauge::default(),
+            default_route_missing: Family::default(),
             registry: Registry::default(),
             route_cache: Default::default(),
             failure_labels: Default::default(),
@@ -274,6 +278,11 @@ impl Metrics {
                 "routing_table_reloads",
                 "Routing table reloads by result",
                 m.table_reloads.clone(),
+            );
+            r.register(
+                "default_route_missing",
+                "1 while a listener's defaultRoute is not in the active routing table",
+                m.default_route_missing.clone(),
             );
         }
         let build_info = Family::<[(&'static str, &'static str); 1], Gauge>::default();

@@ -355,6 +355,53 @@ pub fn parse(file: &Path, bytes: &[u8]) -> Result<GatewayConfig, ConfigError> {
     }
 }
 
+/// What `trellis check` adds for a gateway configuration: its routing table is loaded from
+/// `routes.file` as the gateway resolves it (relative to the configuration's directory) and
+/// validated, and every listener's `defaultRoute` must be in it. The gateway itself refuses
+/// to start without a valid table, but starts with a missing default route (warning and
+/// counting it at every load): the table may gain the route later, and a restart must not
+/// fail meanwhile. A table's own errors are reported against the table's file.
+pub fn check_routes(
+    file: &Path,
+    config: &GatewayConfig,
+) -> Result<super::routes::LoadedTable, ConfigError> {
+    let registry = crate::route::BackendRegistry::default();
+    let routes = &config.routes_file;
+    let table = match super::routes::load(routes, &registry) {
+        Ok(t) => t,
+        Err(ConfigError::Read { source, .. }) => {
+            let mut errors = Errors::default();
+            errors.push(
+                "routes.file",
+                format!(
+                    "cannot read the routing table {}: {source}",
+                    routes.display()
+                ),
+            );
+            return Err(ConfigError::Invalid {
+                file: file.to_owned(),
+                errors: errors.0,
+            });
+        }
+        Err(e) => return Err(e),
+    };
+    let mut errors = Errors::default();
+    for (i, l) in config.listeners.iter().enumerate() {
+        if let Some(r) = &l.default_route
+            && table.table.by_name(r).is_none()
+        {
+            errors.push(
+                format!("listeners[{i}].defaultRoute"),
+                format!(
+                    "route {r:?} is not in the routing table {}; unmatched connections would be rejected",
+                    routes.display()
+                ),
+            );
+        }
+    }
+    errors.finish(file, table)
+}
+
 /// Validates a decoded configuration; `errors` already holds the unknown fields.
 pub(super) fn validate(
     file: &Path,

@@ -348,12 +348,17 @@ impl AnyFile {
     }
 }
 
-/// Reads and validates any trellis file, as the kind it names.
+/// Reads and validates any trellis file, as the kind it names; a gateway configuration
+/// together with its routing table ([`gateway::check_routes`]).
 pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
     let bytes = read_file(file)?;
     let (raw, errors) = decode::decode(file, &bytes)?;
     match raw {
-        Raw::Gateway(raw) => gateway::validate(file, raw, errors).map(AnyFile::Gateway),
+        Raw::Gateway(raw) => {
+            let config = gateway::validate(file, raw, errors)?;
+            gateway::check_routes(file, &config)?;
+            Ok(AnyFile::Gateway(config))
+        }
         Raw::Node(raw) => node::validate(file, raw, errors).map(AnyFile::Node),
         Raw::Routes(raw) => {
             let registry = crate::route::BackendRegistry::default();

@@ -27,7 +27,7 @@ use crate::net::dial::Direct;
 use crate::net::socket;
 use crate::route::Route;
 use crate::serve::accept::{Admission, accept_loop};
-use crate::serve::drain::Drain;
+use crate::serve::drain::{Drain, DrainTimes};
 use table::Tables;
 
 /// Why the gateway could not start or run.
@@ -36,6 +36,16 @@ pub enum GatewayError {
     /// The routing table could not be loaded at startup.
     #[error("routing table: {0}")]
     Routes(#[from] ConfigError),
+    /// Another process already listens on a listener's or the admin endpoint's address.
+    #[error("cannot bind {what} on {address}: another process already listens there ({source})")]
+    InUse {
+        /// `listener NAME` or `admin`.
+        what: String,
+        /// The address.
+        address: SocketAddr,
+        /// The error (`EADDRINUSE`).
+        source: std::io::Error,
+    },
     /// A listener or the admin endpoint could not be bound.
     #[error("cannot bind {what} on {address}: {source}")]
     Bind {
@@ -49,6 +59,25 @@ pub enum GatewayError {
     /// Signal handlers could not be installed.
     #[error("signal handling: {0}")]
     Signals(std::io::Error),
+}
+
+impl GatewayError {
+    /// A failed bind: [`GatewayError::InUse`] when the address is taken.
+    fn bind(what: String, address: SocketAddr, source: std::io::Error) -> Self {
+        if source.kind() == std::io::ErrorKind::AddrInUse {
+            GatewayError::InUse {
+                what,
+                address,
+                source,
+            }
+        } else {
+            GatewayError::Bind {
+                what,
+                address,
+                source,
+            }
+        }
+    }
 }
 
 /// What every connection task shares.
@@ -69,20 +98,37 @@ pub(crate) struct Shared {
 pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     crate::serve::memory::fix_mmap_threshold();
     let metrics = Arc::new(Metrics::gateway());
-    let tables = Arc::new(Tables::load(&config.routes_file, metrics.clone())?);
+    let mut tables = Tables::load(&config.routes_file, metrics.clone())?;
+    tables.set_default_routes(
+        config
+            .listeners
+            .iter()
+            .filter_map(|l| Some((l.name.clone(), l.default_route.clone()?)))
+            .collect(),
+    );
+    let tables = Arc::new(tables);
     crate::serve::memory::release_free_memory();
     let mut sigterm = signal(SignalKind::terminate()).map_err(GatewayError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(GatewayError::Signals)?;
     let mut sighup = signal(SignalKind::hangup()).map_err(GatewayError::Signals)?;
 
     // Bind everything before serving anything: one SO_REUSEPORT socket per listener and
-    // worker, so each worker thread accepts and serves its own connections.
+    // worker, so each worker thread accepts and serves its own connections. Each address is
+    // claimed first without SO_REUSEPORT, which fails if any other process listens there: an
+    // instance started twice would otherwise share the port with the first.
     let workers = config.workers.max(1);
     let mut per_worker: Vec<Vec<(Arc<ListenerConfig>, std::net::TcpListener)>> =
         (0..workers).map(|_| Vec::new()).collect();
+    let mut claims = Vec::new();
     for l in &config.listeners {
         let l = Arc::new(l.clone());
-        let mut address = l.address;
+        let bind_error = |source: std::io::Error| {
+            GatewayError::bind(format!("listener {}", l.name), l.address, source)
+        };
+        let claim = socket::claim(l.address).map_err(bind_error)?;
+        // Port 0: every worker binds the port the claim got.
+        let address = socket::claimed_addr(l.address, &claim);
+        claims.push(claim);
         for sockets in per_worker.iter_mut() {
             let keepalive = (
                 config.keepalive_downstream.idle,
@@ -90,25 +136,16 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             );
             let sock =
                 socket::bind_std_with(address, socket::LISTEN_BACKLOG, true, Some(keepalive))
-                    .map_err(|source| GatewayError::Bind {
-                        what: format!("listener {}", l.name),
-                        address: l.address,
-                        source,
-                    })?;
-            // Port 0: every worker must share the port the first socket got.
-            address = sock.local_addr().unwrap_or(address);
+                    .map_err(bind_error)?;
             sockets.push((l.clone(), sock));
         }
     }
-    let admin_sock = admin::bind(config.admin).map_err(|source| GatewayError::Bind {
-        what: "admin".into(),
-        address: config.admin,
-        source,
-    })?;
-    let debug_sock = admin::bind(config.debug_address).map_err(|source| GatewayError::Bind {
-        what: "debug endpoint".into(),
-        address: config.debug_address,
-        source,
+    // The listeners listen now: nobody else can claim their addresses.
+    drop(claims);
+    let admin_sock = admin::bind(config.admin)
+        .map_err(|source| GatewayError::bind("admin".into(), config.admin, source))?;
+    let debug_sock = admin::bind(config.debug_address).map_err(|source| {
+        GatewayError::bind("debug endpoint".into(), config.debug_address, source)
     })?;
     let admin_state = Arc::new(AdminState::new(metrics.clone()));
     let json_tables = tables.clone();
@@ -126,7 +163,10 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let (hup_tx, hup_rx) = mpsc::channel(1);
     let watch_task = tokio::spawn(tables.clone().watch(config.routes_check_interval, hup_rx));
 
-    let drain_timeout = config.timeouts.drain;
+    let drain_times = DrainTimes {
+        delay: config.timeouts.drain_delay,
+        timeout: config.timeouts.drain,
+    };
     let dialer = Direct {
         zone: config.zone.clone(),
         connect_timeout: config.timeouts.connect,
@@ -176,9 +216,10 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         }
     }
 
-    // Drain: fail readiness, close listeners, let connections finish until the deadline.
+    // Drain: fail readiness at once, keep accepting for the drain delay, close listeners,
+    // let connections finish until the deadline, cut the rest spread over a window.
     admin_state.set_ready(false);
-    shared.drain.run(drain_timeout).await;
+    shared.drain.run(drain_times).await;
     let _ = exit_tx.send(true);
     let _ = tokio::task::spawn_blocking(move || {
         for t in threads {

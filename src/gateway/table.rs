@@ -57,6 +57,29 @@ impl Reload {
     }
 }
 
+/// What made a reload happen: it decides whether an unchanged file is worth an info line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Trigger {
+    /// SIGHUP: an operator asked, so every outcome is logged at info level or above.
+    Hup,
+    /// A change in the file's directory: the file is read only if its stamp moved.
+    Watch,
+    /// The periodic re-read: an unchanged table is logged at debug level only (every
+    /// `routes.checkInterval` would otherwise add a line).
+    Timer,
+}
+
+impl Trigger {
+    /// The log field.
+    fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Hup => "sighup",
+            Trigger::Watch => "watch",
+            Trigger::Timer => "timer",
+        }
+    }
+}
+
 /// The wall clock, injected so the stamp's racy-window rule is tested without sleeping.
 pub(crate) type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
 
@@ -74,6 +97,9 @@ pub(crate) struct Tables {
     reload_lock: Mutex<ReadState>,
     /// Times the file was read (for tests: a skipped read is the point of [`Stamp`]).
     reads: std::sync::atomic::AtomicU64,
+    /// `(listener, route)` for every listener with a `defaultRoute`: checked against every
+    /// table loaded.
+    default_routes: Vec<(String, String)>,
 }
 
 /// What the last reload attempt learned about the file.
@@ -151,6 +177,14 @@ impl Tables {
             .table_routes
             .set(snapshot.table().routes().len() as i64);
         metrics.reload(Reload::Applied.label());
+        tracing::info!(
+            result = Reload::Applied.label(),
+            trigger = "start",
+            generation = 1,
+            routes = snapshot.table().routes().len(),
+            hash = snapshot.loaded.hash,
+            "routing table applied"
+        );
         let snapshot = Arc::new(snapshot);
         Ok(Tables {
             current: ArcSwap::new(snapshot.clone()),
@@ -164,7 +198,38 @@ impl Tables {
                 read: stamp,
             }),
             reads: 1.into(),
+            default_routes: Vec::new(),
         })
+    }
+
+    /// Names the listeners' default routes (`(listener, route)`), checks them against the
+    /// active table now and against every table applied later: one missing is warned about
+    /// and shown in `trellis_default_route_missing` (unmatched traffic on that listener is
+    /// rejected while it is missing).
+    pub(crate) fn set_default_routes(&mut self, defaults: Vec<(String, String)>) {
+        self.default_routes = defaults;
+        self.check_default_routes(&self.snapshot());
+    }
+
+    fn check_default_routes(&self, snapshot: &Snapshot) {
+        for (listener, route) in &self.default_routes {
+            let missing = snapshot.table().by_name(route).is_none();
+            if missing {
+                tracing::warn!(
+                    listener,
+                    default_route = route,
+                    generation = snapshot.generation,
+                    "the listener's defaultRoute is not in the routing table; unmatched \
+                     connections are rejected"
+                );
+            }
+            self.metrics
+                .default_route_missing
+                .get_or_create(&crate::admin::metrics::ListenerLabel {
+                    listener: listener.clone(),
+                })
+                .set(i64::from(missing));
+        }
     }
 
     /// The table new connections use now.
@@ -186,7 +251,7 @@ impl Tables {
     /// Re-reads the file (as on SIGHUP) and applies it if it changed and is valid.
     #[cfg(test)]
     pub(crate) fn reload(&self) -> Reload {
-        self.reload_with(true)
+        self.reload_with(Trigger::Hup)
     }
 
     /// Like [`Tables::reload`], but the file is not even read when its [`Stamp`] shows it
@@ -194,13 +259,15 @@ impl Tables {
     /// table raises too.
     #[cfg(test)]
     pub(crate) fn reload_if_changed(&self) -> Reload {
-        self.reload_with(false)
+        self.reload_with(Trigger::Watch)
     }
 
-    fn reload_with(&self, force: bool) -> Reload {
+    /// One reload attempt; every outcome is counted and logged with the generation and
+    /// route count in force afterwards.
+    fn reload_with(&self, trigger: Trigger) -> Reload {
         // A poisoned lock still holds a usable state.
         let mut state = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
-        let result = self.try_reload(&mut state, force);
+        let result = self.try_reload(&mut state, trigger);
         self.metrics.reload(result.label());
         // Also on unchanged ticks: a removed route's series go once its last connection has.
         let current = self.snapshot();
@@ -216,11 +283,12 @@ impl Tables {
         result
     }
 
-    fn try_reload(&self, state: &mut ReadState, force: bool) -> Reload {
+    fn try_reload(&self, state: &mut ReadState, trigger: Trigger) -> Reload {
         let started = std::time::Instant::now();
         // Taken before the read: a write after it changes the stamp, so it is read next time.
         let stamp = Stamp::of(&self.file, (self.clock)());
-        if !force && stamp.is_some() && stamp == state.read {
+        if trigger == Trigger::Watch && stamp.is_some() && stamp == state.read {
+            // A file written next to the table; not worth a line.
             return Reload::Unchanged;
         }
         self.reads
@@ -228,7 +296,15 @@ impl Tables {
         let bytes = match crate::config::read_file(&self.file) {
             Ok(b) => b,
             Err(e) => {
-                tracing::error!(error = %e, "routing table not reloaded; keeping the last good table");
+                let current = self.snapshot();
+                tracing::error!(
+                    result = Reload::Rejected.label(),
+                    trigger = trigger.as_str(),
+                    generation = current.generation,
+                    routes = current.table().routes().len(),
+                    error = %e,
+                    "routing table not reloaded; keeping the last good table"
+                );
                 // Kept: an unreadable or oversized file is not re-read (and re-logged) on
                 // every event until its stamp changes.
                 state.read = stamp;
@@ -239,7 +315,36 @@ impl Tables {
         let last_rejected = &mut state.last_rejected;
         let current = self.current.load();
         let hash = routes::content_hash(&bytes);
-        if hash == current.loaded.hash || last_rejected.as_deref() == Some(hash.as_str()) {
+        let same_as = if hash == current.loaded.hash {
+            Some("the active table")
+        } else if last_rejected.as_deref() == Some(hash.as_str()) {
+            Some("the version rejected before")
+        } else {
+            None
+        };
+        if let Some(same_as) = same_as {
+            let (generation, routes) = (current.generation, current.table().routes().len());
+            let trigger = trigger.as_str();
+            let result = Reload::Unchanged.label();
+            if trigger == Trigger::Hup.as_str() {
+                tracing::info!(
+                    result,
+                    trigger,
+                    generation,
+                    routes,
+                    same_as,
+                    "routing table unchanged"
+                );
+            } else {
+                tracing::debug!(
+                    result,
+                    trigger,
+                    generation,
+                    routes,
+                    same_as,
+                    "routing table unchanged"
+                );
+            }
             return Reload::Unchanged;
         }
         // Hashed once: the hash that decided "changed" is the new table's.
@@ -261,16 +366,26 @@ impl Tables {
                 // connections see the table (the old table is freed afterwards).
                 let apply_ms = started.elapsed().as_secs_f64() * 1000.0;
                 tracing::info!(
+                    result = Reload::Applied.label(),
+                    trigger = trigger.as_str(),
                     generation,
                     routes = count,
                     hash,
                     apply_ms,
                     "routing table applied"
                 );
+                self.check_default_routes(&self.snapshot());
                 Reload::Applied
             }
             Err(e) => {
-                tracing::error!(error = %e, "routing table rejected; keeping the last good table");
+                tracing::error!(
+                    result = Reload::Rejected.label(),
+                    trigger = trigger.as_str(),
+                    generation = current.generation,
+                    routes = current.table().routes().len(),
+                    error = %e,
+                    "routing table rejected; keeping the last good table"
+                );
                 *last_rejected = Some(hash);
                 Reload::Rejected
             }
@@ -376,23 +491,23 @@ impl Tables {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         loop {
-            let force = tokio::select! {
+            let trigger = tokio::select! {
                 Some(()) = events.recv() => {
                     // Let a burst of events (write, rename, symlink swap) settle.
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     while events.try_recv().is_ok() {}
-                    false
+                    Trigger::Watch
                 }
                 Some(()) = hup.recv() => {
                     tracing::info!("SIGHUP: re-reading the routing table");
-                    true
+                    Trigger::Hup
                 }
-                _ = tick.tick() => true,
+                _ = tick.tick() => Trigger::Timer,
             };
             // This runs on the control-plane thread, not on a connection worker, so parsing a
             // large table here delays no traffic; staying on one thread also keeps glibc from
             // growing a new heap arena per reload thread.
-            if self.reload_with(force) == Reload::Applied {
+            if self.reload_with(trigger) == Reload::Applied {
                 crate::serve::memory::release_free_memory();
             }
         }

@@ -11,6 +11,7 @@
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use socket2::{Domain, Socket, Type};
@@ -19,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::lograte::LogRate;
 use super::relay::Leg;
 use super::socket;
 use crate::config::node::IpFamily;
@@ -106,6 +108,8 @@ pub(crate) enum DialError {
     Upstream {
         /// What went wrong.
         reason: ConnectFailure,
+        /// The upstream address tried last, if any was.
+        backend: Option<String>,
         /// Details for the debug log.
         detail: String,
     },
@@ -130,6 +134,16 @@ impl DialError {
                 ConnectFailure::Error => "upstream_error",
             },
         }
+    }
+
+    /// The backend tried last (for the access log), if any was.
+    pub(crate) fn backend(&self) -> Option<&str> {
+        match self {
+            DialError::Failed { backend, .. } => Some(backend).filter(|b| !b.is_empty()),
+            DialError::Upstream { backend, .. } => backend.as_ref(),
+            DialError::NoBackends { .. } => None,
+        }
+        .map(String::as_str)
     }
 
     /// Whether the connect budget ran out (a CONNECT client answers `504`, else `502`).
@@ -238,7 +252,7 @@ impl Dialer for Direct {
                         });
                     }
                     Err(reason) => {
-                        tracing::debug!(route = %route.name(), backend = %name, reason = reason.as_str(), "backend connect failed");
+                        log_failure(route.name(), &name, reason, "tcp connect");
                         backend.state.record_failure(std::time::Instant::now());
                         (target.on_failure)(reason);
                         last = (Some(reason), name);
@@ -253,6 +267,22 @@ impl Dialer for Direct {
                 backend: last.1,
             })
         }
+    }
+}
+
+/// Connect-failure lines per backend: one per 10 s, with the count held back in between.
+static FAILURE_LOG: LazyLock<LogRate> =
+    LazyLock::new(|| LogRate::new(Duration::from_secs(10), 1024));
+
+/// Logs a failed attempt on `backend` at warning level, rate limited per backend (the
+/// lines held back are counted in the next; at debug level every one is logged).
+fn log_failure(route: &str, backend: &str, reason: ConnectFailure, detail: &str) {
+    let reason = reason.as_str();
+    match FAILURE_LOG.check(backend, std::time::Instant::now()) {
+        Some(suppressed) => {
+            tracing::warn!(route, backend, reason, detail, suppressed, "connect failed")
+        }
+        None => tracing::debug!(route, backend, reason, detail, "connect failed"),
     }
 }
 
@@ -348,12 +378,18 @@ where
         {
             let start = Instant::now();
             let mut up = self.inner.dial(target).await.map_err(|e| match e {
-                DialError::Failed { reason, .. } => DialError::Upstream {
+                DialError::Failed {
                     reason,
+                    ref backend,
+                    ..
+                } => DialError::Upstream {
+                    reason,
+                    backend: Some(backend.clone()).filter(|b| !b.is_empty()),
                     detail: e.to_string(),
                 },
                 DialError::NoBackends { .. } => DialError::Upstream {
                     reason: ConnectFailure::Resolve,
+                    backend: None,
                     detail: e.to_string(),
                 },
                 e @ DialError::Upstream { .. } => e,
@@ -384,12 +420,27 @@ where
             let early = match tokio::time::timeout(self.handshake_timeout, handshake).await {
                 Ok(Ok(early)) => early,
                 Ok(Err((reason, detail))) => {
+                    let upstream = up.addr.to_string();
+                    log_failure(target.route.name(), &upstream, reason, &detail);
                     (target.on_failure)(reason);
-                    return Err(DialError::Upstream { reason, detail });
+                    return Err(DialError::Upstream {
+                        reason,
+                        backend: Some(upstream),
+                        detail,
+                    });
                 }
                 Err(_) => {
+                    let upstream = up.addr.to_string();
+                    let reason = ConnectFailure::Timeout;
+                    log_failure(
+                        target.route.name(),
+                        &upstream,
+                        reason,
+                        "no tunnel answer in time",
+                    );
                     (target.on_failure)(ConnectFailure::Timeout);
                     return Err(DialError::Upstream {
+                        backend: Some(upstream),
                         reason: ConnectFailure::Timeout,
                         detail: "no CONNECT answer in time".into(),
                     });

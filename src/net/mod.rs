@@ -3,9 +3,11 @@
 //!
 //! Nothing here knows about listeners' routing rules or metrics registries; callers hand in
 //! a route (for backend choice), counters, and the bytes already read (to replay). The only
-//! protocol bytes handled here are a tunnel's own handshake, through the `wire` codecs.
+//! protocol bytes handled here are a tunnel's own handshake, through the `wire` codecs. Log
+//! lines that traffic can repeat (connect failures) go through a rate limit ([`lograte`]).
 
 pub(crate) mod dial;
 pub mod fds;
+pub(crate) mod lograte;
 pub(crate) mod relay;
 pub mod socket;

@@ -92,6 +92,30 @@ pub fn bind_listener(
     Ok(socket.into())
 }
 
+/// Binds `addr` without `SO_REUSEPORT` and without listening, to find out whether another
+/// process already listens there: `SO_REUSEPORT` listeners of the same user would otherwise
+/// share the address with it silently. Any listening socket on the port, of any process and
+/// either family (a dual-stack `[::]` listener covers `0.0.0.0`, a wildcard covers every
+/// address), makes the bind fail with `EADDRINUSE`; connections in `TIME_WAIT` and sockets
+/// bound but not listening do not (`SO_REUSEADDR`). Keep the returned socket until the real
+/// listeners are bound (they may join it: it does not listen) and bind them on its port,
+/// which for port 0 is the one the kernel chose.
+pub fn claim(addr: SocketAddr) -> io::Result<Socket> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    Ok(socket)
+}
+
+/// The port `claim` bound (the kernel's choice for port 0).
+pub fn claimed_addr(addr: SocketAddr, claim: &Socket) -> SocketAddr {
+    claim
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+        .map_or(addr, |a| SocketAddr::new(addr.ip(), a.port()))
+}
+
 /// Maps IPv4-mapped IPv6 addresses to IPv4.
 pub fn normalize(addr: SocketAddr) -> SocketAddr {
     match addr {
@@ -162,5 +186,34 @@ mod tests {
         assert_eq!(s.tcp_keepalive_time().unwrap(), idle);
         assert_eq!(s.tcp_keepalive_interval().unwrap(), Duration::from_secs(17));
         assert!(s.out_of_band_inline().unwrap(), "SO_OOBINLINE inherited");
+    }
+    /// A listener with `SO_REUSEPORT` (another instance) makes the claim fail, for the same
+    /// address, a specific address under its wildcard, and the dual-stack wildcard; a claim
+    /// held does not keep the real listeners off its port.
+    #[test]
+    fn a_claim_fails_where_another_socket_listens() {
+        let other = bind_std("0.0.0.0:0".parse().unwrap(), 16, true).unwrap();
+        let port = other.local_addr().unwrap().port();
+        for addr in ["0.0.0.0", "127.0.0.1", "[::]"] {
+            let addr: SocketAddr = format!("{addr}:{port}").parse().unwrap();
+            let e = claim(addr)
+                .err()
+                .unwrap_or_else(|| panic!("{addr} claimed"));
+            assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "{addr}");
+        }
+        // Port 0: the claim picks the port, and workers' listeners share it while it is held.
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let held = claim(any).unwrap();
+        let addr = claimed_addr(any, &held);
+        assert_ne!(addr.port(), 0);
+        let a = bind_std(addr, 16, true).unwrap();
+        let b = bind_std(addr, 16, true).unwrap();
+        drop(held);
+        assert_eq!(a.local_addr().unwrap(), b.local_addr().unwrap());
+        // Once they listen, a second claim on that port fails.
+        assert_eq!(
+            claim(addr).err().map(|e| e.kind()),
+            Some(io::ErrorKind::AddrInUse)
+        );
     }
 }

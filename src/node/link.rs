@@ -27,6 +27,22 @@ pub(crate) struct LinkError {
     pub source: rtnetlink::Error,
 }
 
+impl LinkError {
+    /// Whether the kernel refused for lack of privilege (`EPERM`, `EACCES`): changing links
+    /// and addresses needs `CAP_NET_ADMIN`.
+    pub(crate) fn is_permission_denied(&self) -> bool {
+        match &self.source {
+            rtnetlink::Error::NetlinkError(e) => [
+                rustix::io::Errno::PERM.raw_os_error(),
+                rustix::io::Errno::ACCESS.raw_os_error(),
+            ]
+            .iter()
+            .any(|&code| e.raw_code() == -code),
+            _ => false,
+        }
+    }
+}
+
 fn err(op: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> LinkError {
     let op = op.into();
     move |source| LinkError { op, source }

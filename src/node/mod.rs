@@ -25,7 +25,7 @@ use crate::net::relay::Limits;
 use crate::net::socket::{self, ListenOptions, normalize};
 use crate::route::{Backend, BackendAddress, BackendRegistry, Route};
 use crate::serve::accept::{Accepted, Admission, accept_loop};
-use crate::serve::drain::Drain;
+use crate::serve::drain::{Drain, DrainTimes};
 use crate::serve::forward::{Relaying, Reply, forward};
 
 /// Listener name in metrics and logs.
@@ -36,6 +36,16 @@ pub const ROUTE: &str = "upstream";
 /// Why the node could not start.
 #[derive(Debug, Error)]
 pub enum NodeError {
+    /// Another process already listens on the listener's or the admin endpoint's address.
+    #[error("cannot bind {what} on {address}: another process already listens there ({source})")]
+    InUse {
+        /// `listener` or `admin`.
+        what: &'static str,
+        /// The address.
+        address: SocketAddr,
+        /// The error (`EADDRINUSE`).
+        source: std::io::Error,
+    },
     /// A listener or the admin endpoint could not be bound.
     #[error("cannot bind {what} on {address}: {source}")]
     Bind {
@@ -54,20 +64,57 @@ pub enum NodeError {
     Signals(std::io::Error),
 }
 
+impl NodeError {
+    /// A failed bind: [`NodeError::InUse`] when the address is taken. The node's listeners
+    /// do not use `SO_REUSEPORT`, so the kernel refuses a second listener itself.
+    fn bind(what: &'static str, address: SocketAddr, source: std::io::Error) -> Self {
+        if source.kind() == std::io::ErrorKind::AddrInUse {
+            NodeError::InUse {
+                what,
+                address,
+                source,
+            }
+        } else {
+            NodeError::Bind {
+                what,
+                address,
+                source,
+            }
+        }
+    }
+}
+
 /// Local readiness: listeners bound, address in place (when managed), not draining.
 #[derive(Default)]
 struct Readiness {
     bound: AtomicBool,
     address: AtomicBool,
     draining: AtomicBool,
+    /// What was last published, to log changes only.
+    published: AtomicBool,
 }
 
 impl Readiness {
+    /// Sets `/ready` from the local state and logs when it changes.
     fn publish(&self, admin: &AdminState) {
-        let ready = self.bound.load(Ordering::SeqCst)
-            && self.address.load(Ordering::SeqCst)
-            && !self.draining.load(Ordering::SeqCst);
+        let (bound, address, draining) = (
+            self.bound.load(Ordering::SeqCst),
+            self.address.load(Ordering::SeqCst),
+            self.draining.load(Ordering::SeqCst),
+        );
+        let ready = bound && address && !draining;
         admin.set_ready(ready);
+        if self.published.swap(ready, Ordering::SeqCst) != ready {
+            if ready {
+                tracing::info!("node ready");
+            } else if !draining {
+                tracing::warn!(
+                    listeners_bound = bound,
+                    address_in_place = address,
+                    "node not ready"
+                );
+            }
+        }
     }
 }
 
@@ -95,11 +142,8 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     let mut sigterm = signal(SignalKind::terminate()).map_err(NodeError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(NodeError::Signals)?;
 
-    let admin_sock = admin::bind(config.admin).map_err(|source| NodeError::Bind {
-        what: "admin",
-        address: config.admin,
-        source,
-    })?;
+    let admin_sock = admin::bind(config.admin)
+        .map_err(|source| NodeError::bind("admin", config.admin, source))?;
     let admin_state = Arc::new(AdminState::new(metrics.clone()));
     // Probes and metrics run on a thread of their own.
     let admin_server =
@@ -147,11 +191,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     for &addr in &config.listen {
         let l = socket::bind_listener(addr, &options)
             .and_then(TcpListener::from_std)
-            .map_err(|source| NodeError::Bind {
-                what: "listener",
-                address: addr,
-                source,
-            })?;
+            .map_err(|source| NodeError::bind("listener", addr, source))?;
         listeners.push(l);
     }
     readiness.bound.store(true, Ordering::SeqCst);
@@ -179,7 +219,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
         let handle = move |accepted| node.clone().handle(accepted);
         accept_tasks.push(tokio::spawn(accept_loop(l, admission, stop, handle)));
     }
-    tracing::info!(upstream = %format!("{}:{}", config.upstream_host, config.upstream_port), "node ready");
+    tracing::info!(upstream = %format!("{}:{}", config.upstream_host, config.upstream_port), "node serving");
 
     tokio::select! {
         _ = sigterm.recv() => tracing::info!("SIGTERM: draining"),
@@ -187,7 +227,13 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     }
     readiness.draining.store(true, Ordering::SeqCst);
     readiness.publish(&admin_state);
-    node.drain.run(config.drain_timeout).await;
+    // No drain delay: the node's clients are local and its address is not behind a load
+    // balancer that needs time to notice.
+    let times = DrainTimes {
+        delay: Duration::ZERO,
+        timeout: config.drain_timeout,
+    };
+    node.drain.run(times).await;
     for t in accept_tasks {
         let _ = t.await;
     }
@@ -209,16 +255,36 @@ async fn manage_link(
 ) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The last failure logged: the same one again (every event and tick) goes to debug.
+    let mut last_error = None;
     loop {
         match manager.reconcile().await {
             Ok(changes) => {
                 if changes != link::Changes::default() {
                     tracing::info!(changes = %changes, link = manager.link(), "address reconciled");
                 }
+                last_error = None;
                 readiness.address.store(true, Ordering::SeqCst);
             }
             Err(e) => {
-                tracing::error!(error = %e, "cannot manage the advertise address");
+                let text = e.to_string();
+                let repeated = last_error.as_ref() == Some(&text);
+                match (e.is_permission_denied(), repeated) {
+                    (_, true) => {
+                        tracing::debug!(error = %e, "cannot manage the advertise address")
+                    }
+                    (true, false) => tracing::error!(
+                        error = %e,
+                        capability = "CAP_NET_ADMIN",
+                        "cannot manage the advertise address: the process lacks the \
+                         CAP_NET_ADMIN capability (needed to add the address and create the \
+                         link); not ready while the address is not in place"
+                    ),
+                    (false, false) => {
+                        tracing::error!(error = %e, "cannot manage the advertise address")
+                    }
+                }
+                last_error = Some(text);
                 let in_place = manager.is_in_place().await.unwrap_or(false);
                 readiness.address.store(in_place, Ordering::SeqCst);
             }

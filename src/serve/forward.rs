@@ -60,9 +60,16 @@ pub(crate) async fn forward<C: Leg, D: Dialer>(
         Ok(up) => up,
         Err(e) => {
             tracing::debug!(route = %route.name(), error = %e, "no backend");
+            // The access log names the backend tried; the client's answer names nothing
+            // (no route, backend or address leaves the process).
+            record.backend = e.backend().map(str::to_owned);
             if reply == Reply::Http {
-                let status = if e.timed_out() { 504 } else { 502 };
-                reject_with(client, &http::response(status, &e.to_string())).await;
+                let (status, detail) = if e.timed_out() {
+                    (504, "backend connection timed out")
+                } else {
+                    (502, "backend unavailable")
+                };
+                reject_with(client, &http::response(status, detail)).await;
             }
             return record.finish(Reason::from(&e), Stats::default());
         }

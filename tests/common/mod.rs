@@ -118,6 +118,26 @@ pub(crate) fn routes_yaml(routes: &[R]) -> String {
     out
 }
 
+/// `extra` (top-level configuration YAML) with `timeouts.drainDelay: 0s` unless it sets a
+/// drain delay: the default of 5 s would hold up every test that stops a gateway. Each
+/// top-level key is written back as one line of JSON (which is YAML).
+pub(crate) fn no_drain_delay(extra: &str) -> String {
+    let parsed: Result<serde_json::Value, _> = serde_saphyr::from_str(extra);
+    let mut map = match parsed {
+        Ok(serde_json::Value::Object(map)) => map,
+        Ok(serde_json::Value::Null) => serde_json::Map::new(),
+        // Not a mapping: the test means to pass it as it is.
+        _ => return extra.to_string(),
+    };
+    let timeouts = map
+        .entry("timeouts")
+        .or_insert_with(|| serde_json::json!({}));
+    if let Some(t) = timeouts.as_object_mut() {
+        t.entry("drainDelay").or_insert_with(|| "0s".into());
+    }
+    map.iter().map(|(k, v)| format!("{k}: {v}\n")).collect()
+}
+
 /// A running gateway process.
 pub(crate) struct Gateway {
     pub child: Child,
@@ -126,6 +146,9 @@ pub(crate) struct Gateway {
     /// The debug endpoint (`/routes`), on the port the gateway got for `127.0.0.1:0`.
     pub debug: SocketAddr,
     pub dir: TestDir,
+    /// Holds the log, outside `dir`: the gateway watches `dir`, and a log written there
+    /// would raise a directory event with every line.
+    pub log_dir: TestDir,
     pub listeners: Vec<(String, SocketAddr)>,
 }
 
@@ -153,6 +176,7 @@ impl Gateway {
             extra,
             routes_source,
             None,
+            &[],
         )
     }
 
@@ -165,6 +189,19 @@ impl Gateway {
             extra,
             "routes: {file: routes.yaml}",
             Some(nofile),
+            &[],
+        )
+    }
+
+    /// Like [`Gateway::start`], with `env` set for the process.
+    pub(crate) fn start_env(routes: &str, extra: &str, env: &[(&str, &str)]) -> Gateway {
+        Self::start_full(
+            routes,
+            &[("tls", "sni", "")],
+            extra,
+            "routes: {file: routes.yaml}",
+            None,
+            env,
         )
     }
 
@@ -181,6 +218,7 @@ impl Gateway {
             extra,
             "routes: {file: routes.yaml}",
             None,
+            &[],
         )
     }
 
@@ -190,6 +228,7 @@ impl Gateway {
         extra: &str,
         routes_source: &str,
         nofile: Option<u64>,
+        env: &[(&str, &str)],
     ) -> Gateway {
         let dir = TestDir::new("gw");
         let mut ports = free_ports(1 + listeners.len()).into_iter();
@@ -211,11 +250,13 @@ kind: GatewayConfiguration
 listeners:
 {listeners_yaml}
 admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
-{extra}
-"
+{}
+",
+            no_drain_delay(extra)
         );
         std::fs::write(dir.path("gateway.yaml"), config).unwrap();
-        let log = std::fs::File::create(dir.path("gateway.log")).unwrap();
+        let log_dir = TestDir::new("gwlog");
+        let log = std::fs::File::create(log_dir.path("gateway.log")).unwrap();
         let mut command = match nofile {
             None => Command::new(BIN),
             Some(n) => {
@@ -229,6 +270,9 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             .args(["--log-format", "json", "gateway", "--config"])
             .arg(dir.path("gateway.yaml"))
             .env("TRELLIS_LOG", "info,trellis=debug")
+            // The zone is the file's unless a test sets it.
+            .env_remove("TRELLIS_ZONE")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -239,6 +283,7 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             admin,
             debug: SocketAddr::from(([127, 0, 0, 1], 0)),
             dir,
+            log_dir,
             listeners: addrs,
         };
         let ready = wait_for(Duration::from_secs(20), || {
@@ -300,7 +345,7 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
     }
 
     pub(crate) fn logs(&self) -> String {
-        std::fs::read_to_string(self.dir.path("gateway.log")).unwrap_or_default()
+        std::fs::read_to_string(self.log_dir.path("gateway.log")).unwrap_or_default()
     }
 
     /// Replaces the routing table atomically (write, rename), as the controller does.

@@ -294,7 +294,7 @@ impl<C: Leg, B: Leg> Relay<'_, C, B> {
         Poll::Pending
     }
 
-    /// Leaves the task's waker with `stop`; `false` if the relay is stopped.
+    /// Leaves the task's waker with `stop`; `false` if the relay is cut.
     fn watch_stop(&mut self, cx: &Context<'_>) -> bool {
         match &self.stop_waker {
             None => match self.stop.register(cx.waker()) {
@@ -314,7 +314,8 @@ impl<C: Leg, B: Leg> Relay<'_, C, B> {
             }
             Some(_) => {}
         }
-        !self.stop.is_stopped()
+        // Registered whenever a waker is kept: `register` answered `None` otherwise.
+        !self.stop_key.is_some_and(|k| self.stop.is_cut(k))
     }
 }
 

@@ -250,6 +250,77 @@ async fn stop_cuts_idle_relays() {
     assert_eq!(later.await.0, End::Drain);
 }
 
+/// `Stop::cut(n)` ends exactly `n` running relays, each in its own task, and leaves the
+/// others running until more are cut or `stop` ends the rest; a relay started between cuts
+/// runs until then too.
+#[tokio::test]
+async fn cut_ends_only_as_many_relays_as_asked() {
+    let stop = std::sync::Arc::new(Stop::default());
+    let (ended_tx, mut ended) = tokio::sync::mpsc::unbounded_channel();
+    let mut outside = Vec::new();
+    let spawn = async |outside: &mut Vec<_>, i: usize| {
+        let (stop, ended_tx) = (stop.clone(), ended_tx.clone());
+        let (client, mut client_in) = pair().await;
+        let (backend, mut backend_in) = pair().await;
+        outside.push((client, backend));
+        tokio::spawn(async move {
+            let meters = Meters::default();
+            let hour = Duration::from_secs(3600);
+            let r = plain(&mut client_in, &mut backend_in, hour, &meters, &stop);
+            let _ = ended_tx.send((i, r.await.0));
+        });
+    };
+    for i in 0..5 {
+        spawn(&mut outside, i).await;
+    }
+    let registered = async |n: usize| {
+        let wait = async {
+            while stop.running() < n {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), wait)
+            .await
+            .unwrap();
+    };
+    registered(5).await;
+    let quiet =
+        |ended: &mut tokio::sync::mpsc::UnboundedReceiver<(usize, End)>| ended.try_recv().is_err();
+    let next = async |ended: &mut tokio::sync::mpsc::UnboundedReceiver<(usize, End)>| {
+        tokio::time::timeout(Duration::from_secs(5), ended.recv())
+            .await
+            .expect("a cut relay ends")
+            .unwrap()
+    };
+    assert_eq!(stop.cut(2), 2);
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..2 {
+        let (i, end) = next(&mut ended).await;
+        assert_eq!(end, End::Drain);
+        assert!(seen.insert(i));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(quiet(&mut ended), "only two were cut");
+    assert_eq!(stop.running(), 3);
+    // One more relay while cutting: it runs until it is cut in turn.
+    spawn(&mut outside, 5).await;
+    registered(4).await;
+    assert_eq!(stop.cut(10), 4, "every running relay, the new one included");
+    for _ in 0..4 {
+        let (i, end) = next(&mut ended).await;
+        assert_eq!(end, End::Drain);
+        assert!(seen.insert(i));
+    }
+    assert_eq!(stop.cut(1), 0);
+    // After a partial cut, `stop` still ends relays started later.
+    spawn(&mut outside, 6).await;
+    registered(1).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(quiet(&mut ended), "started after the cuts: still running");
+    stop.stop();
+    assert_eq!(next(&mut ended).await, (6, End::Drain));
+}
+
 /// A relay first polled by one waker and then awaited by another task is still cut by
 /// `Stop` (the registration follows the waker).
 #[tokio::test]
