@@ -88,14 +88,20 @@ fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::FAILURE);
         }
     };
-    config.limits.max_connections = budget(config.limits.max_connections)?;
+    // Each worker has its own socket per listener and its own event loop.
+    let workers = config.workers.max(1);
+    let fixed = trellis::net::fds::Budget::fixed(workers, config.listeners.len());
+    config.limits.max_connections = budget(config.limits.max_connections, fixed)?;
     // The control plane (signals, admin, table reloads) runs here; connections run on the
     // gateway's own worker threads.
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(trellis::gateway::run(config))?;
+    let result = runtime.block_on(trellis::gateway::run(config));
+    // Blocking tasks still running (a table read, a heap trim) must not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    result?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -108,7 +114,9 @@ fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode
         }
     };
     if !cleanup {
-        config.max_connections = budget(config.max_connections)?;
+        // One event loop (the runtime's I/O driver) and a socket per listen address.
+        let fixed = trellis::net::fds::Budget::fixed(1, config.listen.len());
+        config.max_connections = budget(config.max_connections, fixed)?;
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -116,18 +124,21 @@ fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode
         .thread_name("trellis-node")
         .build()
         .context("starting the async runtime")?;
-    if cleanup {
-        runtime.block_on(trellis::node::cleanup(&config))?;
+    let result = if cleanup {
+        runtime.block_on(trellis::node::cleanup(&config))
     } else {
-        runtime.block_on(trellis::node::run(config))?;
-    }
+        runtime.block_on(trellis::node::run(config))
+    };
+    // Blocking tasks still running (a name lookup of the gateway) must not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    result?;
     Ok(ExitCode::SUCCESS)
 }
 
 /// Divides the open-files limit and returns the connections the process can admit:
 /// `limits.maxConnections`, or fewer when the limit cannot hold them (said at start).
-fn budget(requested: usize) -> anyhow::Result<usize> {
-    let budget = trellis::net::fds::apply(requested);
+fn budget(requested: usize, fixed: u64) -> anyhow::Result<usize> {
+    let budget = trellis::net::fds::apply(requested, fixed);
     if budget.max_connections == 0 {
         anyhow::bail!(
             "the open files limit ({}) leaves no descriptor for connections: it must be above {}",

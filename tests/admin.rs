@@ -222,7 +222,9 @@ fn a_low_open_files_limit_caps_max_connections_and_probes_answer() {
         "limits: {maxConnections: 750000}\ntimeouts: {handshake: 60s}\nworkers: 1",
         nofile,
     );
-    let cap = trellis::net::fds::Budget::plan(nofile, 750_000).max_connections;
+    // One worker with one listener.
+    let fixed = trellis::net::fds::Budget::fixed(1, 1);
+    let cap = trellis::net::fds::Budget::plan(nofile, 750_000, fixed).max_connections;
     let said = log_lines(&gw, "limits.maxConnections lowered");
     assert_eq!(said.len(), 1, "{}", gw.logs());
     assert_eq!(said[0]["nofile"], nofile);

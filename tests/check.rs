@@ -189,7 +189,11 @@ fn gateway_lowers_max_connections_to_what_open_files_hold() {
     let port = busy.local_addr().unwrap().port();
     // The listener's port is taken, so the gateway exits by itself after its start-up checks.
     for (max, warned) in [(1000, true), (50, false)] {
-        busy_gateway(&dir, port, &format!("limits: {{maxConnections: {max}}}\n"));
+        busy_gateway(
+            &dir,
+            port,
+            &format!("limits: {{maxConnections: {max}}}\nworkers: 1\n"),
+        );
         let mut cmd = Command::new(BIN);
         cmd.args(["gateway", "--config"])
             .arg(dir.path("gateway.yaml"))
@@ -216,7 +220,9 @@ fn gateway_lowers_max_connections_to_what_open_files_hold() {
             "maxConnections {max}: {err}"
         );
         if warned {
-            let cap = trellis::net::fds::Budget::plan(512, 1000).max_connections;
+            // One worker with one listener.
+            let fixed = trellis::net::fds::Budget::fixed(1, 1);
+            let cap = trellis::net::fds::Budget::plan(512, 1000, fixed).max_connections;
             assert!(
                 err.contains("nofile=512")
                     && err.contains("requested=1000")

@@ -22,8 +22,16 @@ use serde_json::{Value, json};
 const KUBERNETES_VERSIONS: [&str; 2] = ["1.31.0", "1.35.0"];
 
 /// What the grace period must leave beyond `drainDelay` + `drain`: the connections cut at
-/// the drain deadline are closed over a short window, then the process exits.
-const GRACE_MARGIN: Duration = Duration::from_secs(10);
+/// the drain deadline are closed over a window (a tenth of `drain`, 1 s to 10 s), their
+/// records get 2 s, then the process exits; and some slack for the kubelet.
+fn grace_margin(drain: Duration) -> Duration {
+    let window = if drain.is_zero() {
+        Duration::ZERO
+    } else {
+        (drain / 10).clamp(Duration::from_secs(1), Duration::from_secs(10))
+    };
+    window + Duration::from_secs(2) + Duration::from_secs(3)
+}
 
 const IMAGE: &str = "ghcr.io/gardener/trellis";
 
@@ -254,10 +262,11 @@ fn assert_lifecycle(workload: &Value, config: &Value, default_drain_delay: Durat
         .as_str()
         .map_or(Duration::from_secs(60), duration);
     let grace = Duration::from_secs(pod["terminationGracePeriodSeconds"].as_u64().unwrap());
+    let margin = grace_margin(drain);
     assert!(
-        grace >= drain_delay + drain + GRACE_MARGIN,
+        grace >= drain_delay + drain + margin,
         "terminationGracePeriodSeconds {grace:?} < drainDelay {drain_delay:?} + drain \
-         {drain:?} + {GRACE_MARGIN:?}"
+         {drain:?} + {margin:?}"
     );
     let image = container["image"].as_str().unwrap();
     assert!(image.starts_with(&format!("{IMAGE}:")), "{image}");

@@ -1,4 +1,4 @@
-//! The metrics of SPEC §5, registered once per process: each role registers the families
+//! The metrics trellis exports, registered once per process: each role registers the families
 //! it records ([`Role`]), plus `trellis_build_info` and the standard `process_*` metrics.
 //!
 //! Labels are bounded: listener and route names and fixed reason strings, never raw SNI or

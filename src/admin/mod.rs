@@ -209,6 +209,11 @@ async fn accept_with_room(
     use futures_util::FutureExt;
     let released = spares.is_some_and(|s| lock(s).release_one());
     if !released {
+        // No spare left: evict a held connection only for a connection that is waiting
+        // (poll needs no descriptor), never for the `EMFILE` of an empty queue.
+        if !connection_waiting(listener) {
+            return Some(Err(std::io::Error::from_raw_os_error(libc::EMFILE)));
+        }
         let victim = lock(held).evict();
         match victim {
             Some(victim) => {
@@ -227,6 +232,27 @@ async fn accept_with_room(
         lock(s).refill();
     }
     accepted
+}
+
+/// Whether a connection waits in `listener`'s queue (a zero-timeout `poll`, which takes no
+/// descriptor). An error says yes: then the accept that follows tells.
+fn connection_waiting(listener: &TcpListener) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let mut fds = [PollFd::new(listener, PollFlags::IN)];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match poll(&mut fds, Some(&zero)) {
+        Ok(_) => fds[0].revents().contains(PollFlags::IN),
+        Err(_) => true,
+    }
+}
+
+/// Whether an accept error means the process or the system is out of descriptors, which
+/// closing one of ours can cure (not `ENOMEM` or `ENOBUFS`).
+fn is_descriptor_error(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
 /// A held connection: its task, aborted when it is evicted, and whether its request has
@@ -256,7 +282,21 @@ async fn serve(
     let mut failures = FailureLog::default();
     loop {
         let accepted = match listener.accept().await {
-            Err(e) if is_resource_error(&e) => {
+            Err(e) if is_resource_error(&e) && !is_descriptor_error(&e) => {
+                // Out of memory or buffers: nothing to free here; wait and try again.
+                if let Some(n) = failures.failed(tokio::time::Instant::now()) {
+                    tracing::warn!(
+                        error = %e,
+                        failures = n,
+                        "admin accept failed (one line per {} s, with the failures since the \
+                         last)",
+                        FailureLog::INTERVAL.as_secs()
+                    );
+                }
+                tokio::time::sleep(RETRY).await;
+                continue;
+            }
+            Err(e) if is_descriptor_error(&e) => {
                 match accept_with_room(&listener, spares.as_deref(), &held).await {
                     Some(Err(e)) if is_resource_error(&e) => {
                         if let Some(n) = failures.failed(tokio::time::Instant::now()) {
@@ -328,17 +368,24 @@ async fn read_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
     }
 }
 
-/// Renders `render` on a blocking thread, at most [`MAX_EXPENSIVE`] at once.
+/// Renders `render` on a blocking thread, at most [`MAX_EXPENSIVE`] at once. The permit
+/// goes with the render, not with the request: a request evicted or dropped mid-render
+/// frees its permit only when the render ends, so requests that come and go cannot queue
+/// renders without bound.
 async fn expensive_render(
-    expensive: &Semaphore,
+    expensive: &Arc<Semaphore>,
     endpoint: &Arc<Endpoint>,
     render: fn(&Endpoint) -> String,
 ) -> Option<String> {
-    let _permit = expensive.acquire().await.ok()?;
+    let permit = expensive.clone().acquire_owned().await.ok()?;
     let endpoint = endpoint.clone();
-    tokio::task::spawn_blocking(move || render(&endpoint))
-        .await
-        .ok()
+    tokio::task::spawn_blocking(move || {
+        let body = render(&endpoint);
+        drop(permit);
+        body
+    })
+    .await
+    .ok()
 }
 
 fn render_metrics(endpoint: &Endpoint) -> String {
@@ -360,7 +407,7 @@ const METRICS_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset
 async fn handle(
     mut stream: TcpStream,
     endpoint: &Arc<Endpoint>,
-    expensive: &Semaphore,
+    expensive: &Arc<Semaphore>,
     answering: &AtomicBool,
 ) {
     let Ok(Some(buf)) = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)).await else {

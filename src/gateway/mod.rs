@@ -289,7 +289,13 @@ fn worker(
         // Listeners are closed; connections on this thread finish before the loop stops.
         let _ = exit.wait_for(|e| *e).await;
     });
+    // A name lookup still running on a blocking thread (a slow resolver) must not hold the
+    // process past its drain.
+    runtime.shutdown_timeout(SHUTDOWN_GRACE);
 }
+
+/// How long a stopping event loop waits for its blocking tasks (name lookups).
+const SHUTDOWN_GRACE: Duration = Duration::from_millis(500);
 
 /// Keeps a timer at most [`PACE`] away on this worker's event loop. tokio writes its
 /// wake-up eventfd whenever a new deadline is earlier than every armed one; with this one

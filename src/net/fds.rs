@@ -19,10 +19,14 @@ use tokio::time::Instant;
 pub const SOCKETS_PER_CONNECTION: u64 = 2;
 /// Descriptors a pipe holds (read and write end).
 pub const DESCRIPTORS_PER_PIPE: u64 = 2;
-/// Descriptors set aside for what is not a connection: listening sockets (one per listener
-/// and worker), the event loops' own descriptors, the routing-table watch, name lookups and
-/// logs.
+/// Descriptors set aside for what is not a connection and does not grow with the workers:
+/// the routing-table watch, name lookups, logs, the control plane's event loop. The
+/// listening sockets and the workers' event loops are counted apart ([`Budget::plan`]'s
+/// `fixed`), as they grow with `workers`.
 pub const BASE_RESERVE: u64 = 64;
+/// Descriptors each event loop holds for itself (its epoll instance and its wake-up
+/// eventfd).
+pub const PER_EVENT_LOOP: u64 = 2;
 /// Descriptors set aside for the admin server: its listeners, the connections it holds and
 /// the spare descriptors it keeps to answer probes when everything else is taken.
 pub const ADMIN_RESERVE: u64 = 96;
@@ -38,7 +42,8 @@ const PIPE_SHARE: u64 = 8;
 pub struct Budget {
     /// The open-files limit (soft).
     pub nofile: u64,
-    /// Descriptors set aside ([`BASE_RESERVE`] + [`ADMIN_RESERVE`]).
+    /// Descriptors set aside ([`BASE_RESERVE`] + [`ADMIN_RESERVE`] + the role's listening
+    /// sockets and event loops).
     pub reserve: u64,
     /// Pipes that may be in use at once.
     pub pipes: usize,
@@ -52,9 +57,10 @@ pub struct Budget {
 impl Budget {
     /// Divides `nofile` descriptors: the reserve first, then at most one in [`PIPE_SHARE`] of
     /// the rest for pipes (at most [`MAX_PIPES`]), then [`SOCKETS_PER_CONNECTION`] per
-    /// connection, up to `requested`.
-    pub fn plan(nofile: u64, requested: usize) -> Budget {
-        let reserve = BASE_RESERVE + ADMIN_RESERVE;
+    /// connection, up to `requested`. `fixed` is what the role holds whatever its load: its
+    /// listening sockets and its event loops' own descriptors ([`Budget::fixed`]).
+    pub fn plan(nofile: u64, requested: usize, fixed: u64) -> Budget {
+        let reserve = BASE_RESERVE + ADMIN_RESERVE + fixed;
         let left = nofile.saturating_sub(reserve);
         let pipes = (left / PIPE_SHARE / DESCRIPTORS_PER_PIPE).min(MAX_PIPES as u64);
         let for_sockets = left - pipes * DESCRIPTORS_PER_PIPE;
@@ -66,6 +72,13 @@ impl Budget {
             requested,
             max_connections: (requested as u64).min(fit) as usize,
         }
+    }
+
+    /// What a role with `event_loops` event loops, each with its own socket for each of
+    /// `listeners` listeners (the gateway's `SO_REUSEPORT` sockets per worker), holds
+    /// whatever its load.
+    pub fn fixed(event_loops: usize, listeners: usize) -> u64 {
+        (event_loops as u64).saturating_mul(listeners as u64 + PER_EVENT_LOOP)
     }
 
     /// Whether `maxConnections` had to be lowered.
@@ -84,7 +97,7 @@ impl Budget {
 /// Raises the open-files limit as far as allowed, divides it ([`Budget::plan`]), installs
 /// the pipe budget, and says at start what the process will admit: at info when
 /// `maxConnections` fits, as a warning with the numbers when it is lowered.
-pub fn apply(requested: usize) -> Budget {
+pub fn apply(requested: usize, fixed: u64) -> Budget {
     let nofile = match super::socket::raise_nofile_limit() {
         Ok(n) => n,
         Err(e) => {
@@ -94,7 +107,7 @@ pub fn apply(requested: usize) -> Budget {
                 .unwrap_or(u64::MAX)
         }
     };
-    let budget = Budget::plan(nofile, requested);
+    let budget = Budget::plan(nofile, requested, fixed);
     set_pipe_budget(budget.pipes);
     if budget.capped() {
         tracing::warn!(
@@ -252,28 +265,35 @@ mod tests {
 
     #[test]
     fn the_plan_counts_pipes_and_the_reserve() {
-        // The usual limit cannot hold the SPEC's 750,000 connections at two sockets each.
-        let b = Budget::plan(1_048_576, 750_000);
+        // The usual limit cannot hold the 750,000 connections of a large seed's config at
+        // two sockets each.
+        let b = Budget::plan(1_048_576, 750_000, 0);
         assert!(b.capped());
         assert_eq!(b.pipes, MAX_PIPES);
         assert_eq!(b.max_connections, (1_048_576 - 160 - 2 * 1024) / 2);
         assert!(b.descriptors() <= b.nofile);
         // A limit that holds the request leaves it alone.
-        let b = Budget::plan(1_048_576, 10_000);
+        let b = Budget::plan(1_048_576, 10_000, 0);
         assert!(!b.capped());
         assert_eq!(b.max_connections, 10_000);
         // A low limit: reserve first, an eighth of the rest for pipes.
-        let b = Budget::plan(256, 750_000);
+        let b = Budget::plan(256, 750_000, 0);
         assert_eq!((b.reserve, b.pipes, b.max_connections), (160, 6, 42));
         assert!(b.descriptors() <= 256);
         // Below the reserve, nothing is admitted.
-        assert_eq!(Budget::plan(100, 10).max_connections, 0);
+        assert_eq!(Budget::plan(100, 10, 0).max_connections, 0);
+        // Every worker's listening sockets and event loop come out of the limit: 64
+        // workers with 3 listeners hold 320 descriptors before the first connection.
+        assert_eq!(Budget::fixed(64, 3), 320);
+        let b = Budget::plan(1_048_576, 750_000, Budget::fixed(64, 3));
+        assert_eq!(b.reserve, 160 + 320);
+        assert_eq!(b.max_connections, (1_048_576 - 480 - 2 * 1024) / 2);
     }
 
     #[test]
     fn every_plan_fits_under_its_limit() {
         for nofile in (0..5000).chain([65_536, 1_048_576, u64::from(u32::MAX)]) {
-            let b = Budget::plan(nofile, usize::MAX);
+            let b = Budget::plan(nofile, usize::MAX, Budget::fixed(64, 3));
             assert!(
                 b.descriptors() <= nofile.max(b.reserve),
                 "{nofile}: {b:?} needs {}",

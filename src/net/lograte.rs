@@ -57,10 +57,11 @@ impl LogRate {
             return self.step(last, now);
         }
         if keys.each.len() >= self.max_keys {
-            // Full: forget keys that are due and have nothing to report.
+            // Full: forget every key that is due. One with lines held back loses their count
+            // (its next line says 0): a key that stopped failing must not keep its slot for
+            // good, or after enough of them every new key would share the overflow line.
             let interval = self.interval;
-            keys.each
-                .retain(|_, l| l.suppressed > 0 || now.duration_since(l.at) < interval);
+            keys.each.retain(|_, l| now.duration_since(l.at) < interval);
         }
         if keys.each.len() < self.max_keys {
             keys.each.insert(key.to_owned(), Last::new(now));
@@ -117,10 +118,14 @@ mod tests {
         // Full: the next new keys share one line per interval.
         assert_eq!(rate.check("c", t0), Some(0));
         assert_eq!(rate.check("d", t0), None);
-        // Once due, a key with nothing held back makes room (b); one with lines held back
-        // (a) stays until it has reported them.
+        // Once due, every key makes room, with lines held back (a) or not (b): keys that
+        // stopped failing cannot fill the map for good.
         let later = t0 + Duration::from_secs(6);
         assert_eq!(rate.check("e", later), Some(0));
+        assert_eq!(rate.check("f", later), Some(0));
+        // "a" was forgotten with its held-back line; it starts over on the overflow
+        // allowance now that "e" and "f" fill the map, whose line reports "d"'s.
         assert_eq!(rate.check("a", later), Some(1));
+        assert_eq!(rate.check("g", later), None);
     }
 }
