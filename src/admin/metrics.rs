@@ -24,7 +24,8 @@ pub(crate) struct ListenerLabel {
 pub(crate) struct OutcomeLabels {
     /// Listener name.
     pub listener: String,
-    /// `routed`, `no_route`, `not_tls`, `bad_request`, `timeout`, `limited`, `closed_early`.
+    /// `routed`, `no_route`, `not_tls`, `bad_request`, `timeout`, `limited`, `denied`,
+    /// `closed_early`.
     pub outcome: &'static str,
 }
 

@@ -1,4 +1,4 @@
-//! CIDR blocks for `trustedSources`, matched after normalising IPv4-mapped IPv6 addresses.
+//! CIDR blocks for `trustedSources` and `allowedSourceRanges`, matched after normalising IPv4-mapped IPv6 addresses.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -31,6 +31,16 @@ impl Cidr {
             None => max,
         };
         Ok(Cidr { addr, prefix })
+    }
+
+    /// The network address as written (IPv4-mapped IPv6 as IPv4; host bits kept).
+    pub fn addr(&self) -> IpAddr {
+        self.addr
+    }
+
+    /// The prefix length.
+    pub fn prefix(&self) -> u8 {
+        self.prefix
     }
 
     /// Whether `ip` (IPv4-mapped IPv6 counts as IPv4) is in this network.

@@ -7,9 +7,12 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use super::cidr::Cidr;
 use super::decode::{Kind, Raw};
 use super::{ConfigError, Errors, at};
-use crate::route::{Backend, BackendAddress, BackendRegistry, Route, RouteTimeouts, RoutingTable};
+use crate::route::{
+    Backend, BackendAddress, BackendRegistry, Route, RouteTimeouts, RoutingTable, SourceRanges,
+};
 
 mapping_only!(RawRoutingTable, RawRoute, RawBackend, RawRouteTimeouts);
 
@@ -56,6 +59,11 @@ pub struct RawRoute {
     /// Close connections after this long (e.g. `24h`).
     #[serde(default)]
     pub max_connection_duration: Option<String>,
+    /// Admit only clients in these networks (`IP/prefix` or a bare IP): the PROXY source
+    /// when a trusted load balancer sent one, else the peer. Left out: every client. An
+    /// empty list is an error (it would admit nobody).
+    #[serde(default)]
+    pub allowed_source_ranges: Option<Vec<String>>,
 }
 
 /// One backend as written.
@@ -283,6 +291,10 @@ fn validate_route(
         .max_connection_duration
         .as_deref()
         .and_then(|v| positive(errors, &at(path, "maxConnectionDuration"), v));
+    let allowed_sources = raw
+        .allowed_source_ranges
+        .as_deref()
+        .and_then(|list| source_ranges(path, list, errors));
     match Route::new(
         &raw.name,
         &sni,
@@ -293,6 +305,7 @@ fn validate_route(
         Ok(mut route) => {
             route.timeouts = timeouts;
             route.max_connection_duration = max_connection_duration;
+            route.allowed_sources = allowed_sources;
             Some(route)
         }
         Err(e) => {
@@ -300,6 +313,29 @@ fn validate_route(
             None
         }
     }
+}
+
+/// `allowedSourceRanges`, or `None` with every problem recorded in `errors`.
+fn source_ranges(path: RoutePath, list: &[String], errors: &mut Errors) -> Option<SourceRanges> {
+    let mut ok = true;
+    let networks: Vec<_> = list
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| match Cidr::parse(s) {
+            Ok(c) => Some((c.addr(), c.prefix())),
+            Err(e) => {
+                ok = false;
+                errors.push(format!("{path}.allowedSourceRanges[{i}]"), e);
+                None
+            }
+        })
+        .collect();
+    if !ok {
+        return None;
+    }
+    SourceRanges::new(networks)
+        .map_err(|e| errors.push(at(path, "allowedSourceRanges"), e.to_string()))
+        .ok()
 }
 
 /// The shared string for `zone` (a table names a handful of zones, tens of thousands of times).
@@ -431,6 +467,46 @@ mod tests {
             );
         }
         assert_eq!(check(&doc).unwrap().table.routes().len(), 21_000);
+    }
+
+    #[test]
+    fn allowed_source_ranges() {
+        let t = check(&format!(
+            "{HEAD}routes:
+- name: a
+  backends: [{{address: \"1.2.3.4:1\"}}]
+  allowedSourceRanges: [\"203.0.113.0/24\", 198.51.100.7, \"2001:db8::/32\"]
+- name: b
+  backends: [{{address: \"1.2.3.4:1\"}}]
+"
+        ))
+        .unwrap();
+        let (a, b) = (&t.table.routes()[0], &t.table.routes()[1]);
+        let ip = |s: &str| s.parse().unwrap();
+        assert!(a.admits(ip("203.0.113.200")));
+        assert!(a.admits(ip("198.51.100.7")));
+        assert!(!a.admits(ip("198.51.100.8")));
+        assert!(a.admits(ip("2001:db8::5")));
+        assert!(!a.admits(ip("127.0.0.1")));
+        // Left out: every client.
+        assert!(b.allowed_sources.is_none());
+        assert!(b.admits(ip("127.0.0.1")) && b.admits(ip("::1")));
+
+        let err = check(&format!(
+            "{HEAD}routes:
+- {{name: a, backends: [{{address: \"1.2.3.4:1\"}}], allowedSourceRanges: []}}
+- {{name: b, backends: [{{address: \"1.2.3.4:1\"}}], allowedSourceRanges: [\"10.0.0.0/33\", nope, \"::/0\"]}}
+"
+        ))
+        .unwrap_err();
+        for needle in [
+            "routes[0].allowedSourceRanges: an empty list would admit no client",
+            "routes[1].allowedSourceRanges[0]: invalid prefix length",
+            "routes[1].allowedSourceRanges[1]: invalid IP address",
+        ] {
+            assert!(err.contains(needle), "{needle} not in {err}");
+        }
+        assert!(!err.contains("allowedSourceRanges[2]"), "{err}");
     }
 
     #[test]

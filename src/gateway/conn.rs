@@ -3,6 +3,7 @@
 //! counts as the client), then the listener's own protocol. Everything before routing runs
 //! under one handshake deadline, with bounded buffers.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use tokio::net::TcpStream;
@@ -30,6 +31,10 @@ pub(super) struct Conn {
     pub record: ConnRecord,
     /// Keeps the connection counted.
     pub guard: ConnGuard,
+    /// The client address routes' `allowedSourceRanges` are matched against: the PROXY
+    /// source from a trusted load balancer, else the peer. Never a listener's own header
+    /// (`proxy-destination`), whose source the client writes itself.
+    pub source: IpAddr,
 }
 
 /// Why a stage could not read what it needs.
@@ -125,6 +130,13 @@ impl Conn {
         record.reject(outcome, detail);
     }
 
+    /// Refuses a client that `route` does not admit: counts `denied`, logs, closes.
+    #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
+    pub(super) fn deny(self: Box<Self>, route: Arc<Route>) {
+        let Conn { record, .. } = *self;
+        record.deny(route);
+    }
+
     /// Forwards the connection to `route`: dial, reply, replay what was read, relay, record.
     pub(super) async fn forward(
         self: Box<Self>,
@@ -181,6 +193,7 @@ pub(super) async fn serve(
         deadline,
         record,
         guard,
+        source: peer.ip(),
     });
 
     let mode = config.proxy_protocol.mode_for(peer.ip());
@@ -203,8 +216,11 @@ pub(super) async fn serve(
         }
     }
 
+    // Set here, before the listener's own protocol: what a client writes after this point
+    // (a `proxy-destination` header) never decides which routes admit it.
+    conn.source = conn.record.client.ip();
     let per_source = shared.config.limits.max_connections_per_source;
-    let client = conn.record.client.ip();
+    let client = conn.source;
     if !conn.guard.limit_source(client, per_source) {
         return conn.reject(Outcome::Limited, "per-source connection limit");
     }

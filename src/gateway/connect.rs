@@ -3,10 +3,11 @@
 //! The route is chosen by the value of the listener's destination header (compared exactly,
 //! header name case-insensitive); the request target is ignored. `200` is sent only once the
 //! backend connection is up; bytes the client sent after the request head are relayed. Every
-//! error answers a status and closes.
+//! error answers a status and closes (`403` for a client outside the route's
+//! `allowedSourceRanges`).
 
-use super::Shared;
 use super::conn::{Conn, ReadError};
+use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
@@ -55,16 +56,24 @@ pub(super) async fn handle(
     }
     conn.record.target = destination.clone();
 
-    let route = super::pick_route(shared, config, |t| {
+    let pick = super::pick_route(shared, config, conn.source, |t| {
         destination.as_deref().and_then(|d| t.by_destination(d))
     });
-    let Some(route) = route else {
-        let detail = match &destination {
-            Some(_) => "unknown destination",
-            None => "missing destination header",
-        };
-        conn.reject_with(&http::response(403, detail)).await;
-        return conn.reject(Outcome::NoRoute, detail);
+    let route = match pick {
+        Pick::Route(route) => route,
+        Pick::Denied(route) => {
+            conn.reject_with(&http::response(403, "client address not allowed"))
+                .await;
+            return conn.deny(route);
+        }
+        Pick::NoRoute => {
+            let detail = match &destination {
+                Some(_) => "unknown destination",
+                None => "missing destination header",
+            };
+            conn.reject_with(&http::response(403, detail)).await;
+            return conn.reject(Outcome::NoRoute, detail);
+        }
     };
     conn.forward(&route, Reply::Http, shared).await;
 }

@@ -312,21 +312,38 @@ async fn pacemaker() {
 /// How far ahead the pacemaker's timer is.
 const PACE: Duration = Duration::from_secs(1);
 
+/// What routing decided for a connection.
+pub(crate) enum Pick {
+    /// Forward on this route (the connection's snapshot of it).
+    Route(Arc<Route>),
+    /// The route matched (or is the listener's default), but its `allowedSourceRanges` do
+    /// not include the client: close and count `denied`.
+    Denied(Arc<Route>),
+    /// No route and no default route.
+    NoRoute,
+}
+
 /// The route a connection takes: `lookup` in the current table snapshot, else the listener's
-/// `defaultRoute`. The returned `Arc` is the connection's snapshot of the route.
+/// `defaultRoute`; then whether that route admits `source`, the client address the gateway
+/// trusts (the PROXY source from a trusted load balancer, else the peer). The returned `Arc`
+/// is the connection's snapshot of the route.
 pub(crate) fn pick_route(
     shared: &Shared,
     listener: &ListenerConfig,
+    source: std::net::IpAddr,
     lookup: impl FnOnce(&crate::route::RoutingTable) -> Option<&Arc<Route>>,
-) -> Option<Arc<Route>> {
+) -> Pick {
     let snapshot = shared.tables.snapshot();
     let table = snapshot.table();
-    lookup(table)
-        .or_else(|| {
-            listener
-                .default_route
-                .as_deref()
-                .and_then(|r| table.by_name(r))
-        })
-        .cloned()
+    let route = lookup(table).or_else(|| {
+        listener
+            .default_route
+            .as_deref()
+            .and_then(|r| table.by_name(r))
+    });
+    match route {
+        Some(r) if r.admits(source) => Pick::Route(r.clone()),
+        Some(r) => Pick::Denied(r.clone()),
+        None => Pick::NoRoute,
+    }
 }

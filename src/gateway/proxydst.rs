@@ -1,10 +1,12 @@
 //! `proxy-destination` listener (GEP-08): every connection starts with a PROXY v1/v2 header
 //! whose destination address:port selects the route; the bytes after it (the client's own
 //! TLS) are relayed unchanged. `LOCAL`/`UNKNOWN` headers and unknown destinations are
-//! rejected and counted.
+//! rejected and counted. Routes' `allowedSourceRanges` are matched against the peer (or a
+//! trusted load balancer's PROXY source), never against this header's source, which the
+//! client writes itself.
 
-use super::Shared;
 use super::conn::{Conn, header_result, proxy_stage_error};
+use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
 use crate::net::socket::normalize;
 use crate::serve::forward::Reply;
@@ -38,9 +40,14 @@ pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared:
     };
     conn.record.target = Some(destination.to_string());
 
-    let route = super::pick_route(shared, config, |t| t.by_proxy_destination(&destination));
-    let Some(route) = route else {
-        return conn.reject(Outcome::NoRoute, "unknown PROXY destination");
+    // The header's source is the client's own claim: routes admit by `conn.source`.
+    let pick = super::pick_route(shared, config, conn.source, |t| {
+        t.by_proxy_destination(&destination)
+    });
+    let route = match pick {
+        Pick::Route(route) => route,
+        Pick::Denied(route) => return conn.deny(route),
+        Pick::NoRoute => return conn.reject(Outcome::NoRoute, "unknown PROXY destination"),
     };
     conn.forward(&route, Reply::None, shared).await;
 }

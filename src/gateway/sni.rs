@@ -2,10 +2,11 @@
 //!
 //! Reads the ClientHello under the handshake deadline (however it is split over segments and
 //! records), picks the route, connects a backend, replays every byte read, and relays. TLS is
-//! never terminated. Unroutable hellos get a fatal `unrecognized_name` alert.
+//! never terminated. Unroutable hellos get a fatal `unrecognized_name` alert, clients outside the route's
+//! `allowedSourceRanges` an `access_denied` alert.
 
-use super::Shared;
 use super::conn::{Conn, ReadError};
+use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
@@ -44,13 +45,23 @@ pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared:
     conn.record.target = hello.server_name;
 
     // One snapshot of the route for the whole connection.
-    let route = super::pick_route(shared, config, |t| {
+    let pick = super::pick_route(shared, config, conn.source, |t| {
         conn.record.target.as_deref().and_then(|n| t.by_sni(n))
     });
-    let Some(route) = route else {
-        conn.reject_with(&tls::unrecognized_name_alert(record_version))
-            .await;
-        return conn.reject(Outcome::NoRoute, "no route for server name");
+    let route = match pick {
+        Pick::Route(route) => route,
+        Pick::Denied(route) => {
+            // An alert rather than a reset: the client learns it was refused, not why or by
+            // which route.
+            conn.reject_with(&tls::access_denied_alert(record_version))
+                .await;
+            return conn.deny(route);
+        }
+        Pick::NoRoute => {
+            conn.reject_with(&tls::unrecognized_name_alert(record_version))
+                .await;
+            return conn.reject(Outcome::NoRoute, "no route for server name");
+        }
     };
     // Every byte read, the ClientHello included, goes to the backend unchanged.
     conn.forward(&route, Reply::None, shared).await;

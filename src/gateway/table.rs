@@ -421,6 +421,8 @@ impl Tables {
             timeouts: Option<TimeoutsView>,
             #[serde(skip_serializing_if = "Option::is_none")]
             max_connection_duration: Option<String>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            allowed_source_ranges: Option<&'a crate::route::SourceRanges>,
         }
         #[derive(Serialize)]
         struct BackendView<'a> {
@@ -458,6 +460,7 @@ impl Tables {
                     idle: r.timeouts.idle.map(duration_text),
                 }),
                 max_connection_duration: r.max_connection_duration.map(duration_text),
+                allowed_source_ranges: r.allowed_sources.as_ref(),
             })
             .collect();
         let view = View {

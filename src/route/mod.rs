@@ -9,6 +9,7 @@
 
 mod backend;
 mod index;
+mod ranges;
 
 use std::collections::HashMap;
 
@@ -21,6 +22,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
+pub use ranges::{Network, RangesError, SourceRanges};
 
 /// One backend of a route.
 #[derive(Debug, Clone)]
@@ -63,6 +65,8 @@ pub struct Route {
     pub timeouts: RouteTimeouts,
     /// Close connections that have lasted this long.
     pub max_connection_duration: Option<Duration>,
+    /// The only clients admitted (`allowedSourceRanges`); `None` admits every client.
+    pub allowed_sources: Option<SourceRanges>,
 }
 
 /// The keys of one kind of a route, in order.
@@ -141,7 +145,16 @@ impl Route {
             backends: backends.into_boxed_slice(),
             timeouts: RouteTimeouts::default(),
             max_connection_duration: None,
+            allowed_sources: None,
         })
+    }
+
+    /// Whether a client at `ip` may use this route: every client when the route has no
+    /// `allowedSourceRanges`, else only clients inside them (IPv4-mapped IPv6 as IPv4).
+    pub fn admits(&self, ip: std::net::IpAddr) -> bool {
+        self.allowed_sources
+            .as_ref()
+            .is_none_or(|ranges| ranges.contains(ip))
     }
 
     fn key(&self, i: usize) -> &str {

@@ -16,6 +16,7 @@ use crate::admin::Metrics;
 use crate::admin::metrics::{ListenerMetrics, RouteMetrics};
 use crate::net::dial::DialError;
 use crate::net::relay::{End, Stats};
+use crate::route::Route;
 use crate::wire::proxy::ProxyInfo;
 
 /// Why a downstream connection was rejected (metric label `outcome`; the `routed` outcome
@@ -32,6 +33,8 @@ pub(crate) enum Outcome {
     Timeout,
     /// A connection limit (global or per source).
     Limited,
+    /// The route's `allowedSourceRanges` do not include the client.
+    Denied,
     /// The client closed before routing.
     ClosedEarly,
 }
@@ -45,6 +48,7 @@ impl Outcome {
             Outcome::BadRequest => "bad_request",
             Outcome::Timeout => "timeout",
             Outcome::Limited => "limited",
+            Outcome::Denied => "denied",
             Outcome::ClosedEarly => "closed_early",
         }
     }
@@ -120,6 +124,9 @@ pub(crate) struct Record {
     accepted_at: Instant,
     /// The route's handles, once routed (its active gauge is held until the end).
     route: Option<Arc<RouteMetrics>>,
+    /// The route that refused the client, for the access log (its metrics are untouched:
+    /// the refusal counts on the listener).
+    denied_by: Option<Arc<Route>>,
     /// Counts in the listener's active gauge and duration histogram.
     tracked: bool,
     finished: bool,
@@ -146,6 +153,7 @@ impl ConnRecord {
             proxy: None,
             accepted_at,
             route: None,
+            denied_by: None,
             tracked: true,
             finished: false,
         }))
@@ -208,9 +216,23 @@ impl ConnRecord {
         rm
     }
 
-    /// The route's name, once routed.
+    /// The route's name, once routed (or the route that refused the client).
     pub(crate) fn route(&self) -> Option<&str> {
-        self.route.as_deref().map(|r| r.route.as_str())
+        match (&self.route, &self.denied_by) {
+            (Some(r), _) => Some(r.route.as_str()),
+            (None, Some(r)) => Some(r.name()),
+            (None, None) => None,
+        }
+    }
+
+    /// Refuses a client that `route` does not admit: counts outcome `denied` on the
+    /// listener and logs the line with the route's name.
+    pub(crate) fn deny(mut self, route: Arc<Route>) {
+        self.denied_by = Some(route);
+        self.reject(
+            Outcome::Denied,
+            "client not in the route's allowedSourceRanges",
+        );
     }
 
     /// Rejects the connection before routing: counts `outcome` and finishes the record.

@@ -370,9 +370,20 @@ fn parse_alpn(data: &[u8]) -> Result<Vec<String>, Reject> {
 
 /// A fatal `unrecognized_name` alert (RFC 6066 §3) in one plaintext record.
 pub fn unrecognized_name_alert(record_version: u16) -> [u8; 7] {
+    fatal_alert(record_version, 112)
+}
+
+/// A fatal `access_denied` alert (RFC 8446 §6.2: access control refused the peer) in one
+/// plaintext record.
+pub fn access_denied_alert(record_version: u16) -> [u8; 7] {
+    fatal_alert(record_version, 49)
+}
+
+/// A fatal alert with `description` in one plaintext record.
+fn fatal_alert(record_version: u16, description: u8) -> [u8; 7] {
     let v = record_version.to_be_bytes();
-    // Alert record: type 21, version, length 2, level fatal (2), description 112.
-    [21, v[0], v[1], 0, 2, 2, 112]
+    // Alert record: type 21, version, length 2, level fatal (2), description.
+    [21, v[0], v[1], 0, 2, 2, description]
 }
 
 /// Test helpers that build ClientHellos; also used by integration tests and benches.
@@ -611,5 +622,6 @@ mod tests {
     #[test]
     fn alert_bytes() {
         assert_eq!(unrecognized_name_alert(0x0301), [21, 3, 1, 0, 2, 2, 112]);
+        assert_eq!(access_denied_alert(0x0303), [21, 3, 3, 0, 2, 2, 49]);
     }
 }

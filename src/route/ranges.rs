@@ -1,0 +1,202 @@
+//! A route's `allowedSourceRanges`: the client networks it admits, matched per connection
+//! without allocating (masks precomputed, IPv4 and IPv6 kept apart). No I/O.
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use serde::Serialize;
+
+/// The networks a route admits clients from. Never empty: a route that admits everyone
+/// has none ([`Route::allowed_sources`](super::Route) is `None`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceRanges {
+    /// IPv4 networks as (network, mask), the network already masked.
+    v4: Box<[(u32, u32)]>,
+    /// IPv6 networks as (network, mask), the network already masked.
+    v6: Box<[(u128, u128)]>,
+}
+
+/// Why ranges cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RangesError {
+    /// The list is empty: it would admit nobody, which is more likely a mistake than meant.
+    #[error(
+        "an empty list would admit no client; leave the field out to admit every client, or list the networks to admit"
+    )]
+    Empty,
+    /// A prefix length longer than the address.
+    #[error("prefix length {prefix} is longer than the address of {addr}")]
+    Prefix {
+        /// The address.
+        addr: IpAddr,
+        /// The prefix length.
+        prefix: u8,
+    },
+}
+
+impl SourceRanges {
+    /// Ranges from (address, prefix length) pairs; an IPv4-mapped IPv6 network (`::ffff:a.b.c.d/n`,
+    /// n ≥ 96) is kept as the IPv4 network it names, as clients are matched normalised.
+    pub fn new(networks: impl IntoIterator<Item = (IpAddr, u8)>) -> Result<Self, RangesError> {
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
+        for (addr, prefix) in networks {
+            let mapped = match addr {
+                IpAddr::V6(a) if prefix >= 96 => a.to_ipv4_mapped().map(|v4| (v4, prefix - 96)),
+                IpAddr::V4(a) => Some((a, prefix)),
+                IpAddr::V6(_) => None,
+            };
+            match (mapped, addr) {
+                (Some((a, prefix)), _) if prefix <= 32 => {
+                    let mask = mask32(prefix);
+                    v4.push((u32::from(a) & mask, mask));
+                }
+                (None, IpAddr::V6(a)) if prefix <= 128 => {
+                    let mask = mask128(prefix);
+                    v6.push((u128::from(a) & mask, mask));
+                }
+                _ => return Err(RangesError::Prefix { addr, prefix }),
+            }
+        }
+        if v4.is_empty() && v6.is_empty() {
+            return Err(RangesError::Empty);
+        }
+        Ok(SourceRanges {
+            v4: v4.into_boxed_slice(),
+            v6: v6.into_boxed_slice(),
+        })
+    }
+
+    /// Whether `ip` is in one of the networks; an IPv4-mapped IPv6 address counts as the
+    /// IPv4 address it carries.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        match ip {
+            IpAddr::V4(a) => {
+                let a = u32::from(a);
+                self.v4.iter().any(|&(net, mask)| a & mask == net)
+            }
+            IpAddr::V6(a) => {
+                let a = u128::from(a);
+                self.v6.iter().any(|&(net, mask)| a & mask == net)
+            }
+        }
+    }
+
+    /// The networks as `IP/prefix`, IPv4 first.
+    pub fn networks(&self) -> impl Iterator<Item = Network> + '_ {
+        let v4 = self.v4.iter().map(|&(net, mask)| Network {
+            addr: IpAddr::V4(Ipv4Addr::from(net)),
+            prefix: mask.leading_ones() as u8,
+        });
+        let v6 = self.v6.iter().map(|&(net, mask)| Network {
+            addr: IpAddr::V6(Ipv6Addr::from(net)),
+            prefix: mask.leading_ones() as u8,
+        });
+        v4.chain(v6)
+    }
+}
+
+impl Serialize for SourceRanges {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.networks().map(|n| n.to_string()))
+    }
+}
+
+/// One network of [`SourceRanges`], for display.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Network {
+    /// The network address (host bits zero).
+    pub addr: IpAddr,
+    /// The prefix length.
+    pub prefix: u8,
+}
+
+impl fmt::Display for Network {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// The IPv4 mask of a prefix length (at most 32).
+fn mask32(prefix: u8) -> u32 {
+    u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0)
+}
+
+/// The IPv6 mask of a prefix length (at most 128).
+fn mask128(prefix: u8) -> u128 {
+    u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranges(list: &[(&str, u8)]) -> SourceRanges {
+        SourceRanges::new(list.iter().map(|&(a, p)| (a.parse().unwrap(), p))).unwrap()
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn matches_v4_v6_and_mapped_clients() {
+        let r = ranges(&[("203.0.113.7", 24), ("2001:db8::", 32)]);
+        assert!(r.contains(ip("203.0.113.0")));
+        assert!(r.contains(ip("203.0.113.255")));
+        assert!(r.contains(ip("::ffff:203.0.113.9")));
+        assert!(!r.contains(ip("203.0.114.1")));
+        assert!(!r.contains(ip("203.0.112.255")));
+        assert!(r.contains(ip("2001:db8:ffff::1")));
+        assert!(!r.contains(ip("2001:db9::1")));
+        // A v4 network never admits a v6 client with the same bits, nor the reverse.
+        assert!(!r.contains(ip("::cb00:7101")));
+        assert!(!ranges(&[("::", 96)]).contains(ip("203.0.113.1")));
+        // Host bits in the network are ignored; shown masked.
+        assert_eq!(
+            r.networks().map(|n| n.to_string()).collect::<Vec<_>>(),
+            ["203.0.113.0/24", "2001:db8::/32"]
+        );
+    }
+
+    #[test]
+    fn bounds_of_prefix_lengths() {
+        let everyone = ranges(&[("0.0.0.0", 0)]);
+        assert!(everyone.contains(ip("255.255.255.255")));
+        assert!(everyone.contains(ip("::ffff:1.2.3.4")));
+        assert!(!everyone.contains(ip("::1")));
+        let host = ranges(&[("127.0.0.1", 32), ("::1", 128)]);
+        assert!(host.contains(ip("127.0.0.1")));
+        assert!(!host.contains(ip("127.0.0.2")));
+        assert!(host.contains(ip("::1")));
+        assert!(!host.contains(ip("::2")));
+        assert!(ranges(&[("::", 0)]).contains(ip("2001:db8::1")));
+        // A mapped network is its IPv4 network.
+        let mapped = ranges(&[("::ffff:10.0.0.0", 104)]);
+        assert!(mapped.contains(ip("10.255.0.1")));
+        assert!(!mapped.contains(ip("11.0.0.1")));
+        assert_eq!(mapped.networks().next().unwrap().to_string(), "10.0.0.0/8");
+    }
+
+    #[test]
+    fn rejects_empty_and_overlong() {
+        assert_eq!(SourceRanges::new([]), Err(RangesError::Empty));
+        assert!(matches!(
+            SourceRanges::new([(ip("10.0.0.0"), 33)]),
+            Err(RangesError::Prefix { .. })
+        ));
+        assert!(SourceRanges::new([(ip("::"), 129)]).is_err());
+    }
+
+    #[test]
+    fn serializes_as_cidr_strings() {
+        let r = ranges(&[("10.1.0.0", 16), ("fd00::", 8)]);
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"["10.1.0.0/16","fd00::/8"]"#
+        );
+    }
+}
