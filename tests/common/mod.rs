@@ -206,7 +206,8 @@ impl Gateway {
     }
 
     /// Starts with the given listeners: (name, protocol, extra listener fields as YAML lines
-    /// indented by two spaces). `tls` is the first listener's address.
+    /// indented by two spaces). `tls` is the first listener's address. A listener whose
+    /// name starts with `v6` listens on `[::1]`, every other one on `127.0.0.1`.
     pub(crate) fn start_listeners(
         routes: &str,
         listeners: &[(&str, &str, &str)],
@@ -238,7 +239,10 @@ impl Gateway {
         let mut addrs = Vec::new();
         let mut listeners_yaml = String::new();
         for (name, protocol, more) in listeners {
-            let addr = next_addr();
+            let mut addr = next_addr();
+            if name.starts_with("v6") {
+                addr.set_ip(std::net::Ipv6Addr::LOCALHOST.into());
+            }
             listeners_yaml +=
                 &format!("- name: {name}\n  address: \"{addr}\"\n  protocol: {protocol}\n{more}\n");
             addrs.push((name.to_string(), addr));
