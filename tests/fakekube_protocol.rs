@@ -626,8 +626,20 @@ async fn faults_500_and_dropped_connections() {
     assert!(!w.ended_cleanly(), "a dropped watch must not look finished");
     let mut w = RawWatch::open(&kube, "/api/v1/configmaps?watch=true").await;
     w.until("ADDED").await;
+    // An idle keep-alive connection that has been answered once.
+    let mut idle = TcpStream::connect(kube.addr()).await.unwrap();
+    idle.write_all(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    assert!(idle.read(&mut buf).await.unwrap() > 0);
     kube.restart();
     assert!(w.next().await.is_none() && !w.ended_cleanly());
+    let closed = timeout(Duration::from_secs(5), idle.read(&mut buf)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "a restart closes idle connections too"
+    );
     assert!(
         kube.get("v1", "ConfigMap", "a", "one").is_some(),
         "a restart keeps the objects"
