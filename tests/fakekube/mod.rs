@@ -520,74 +520,76 @@ async fn resource(
             Err(_) => serde_saphyr::from_slice(&body).map_err(|e| bad(e.to_string())),
         }
     };
-    let result =
-        match (&method, name) {
-            (&Method::GET, None) if matches!(field("watch"), "1" | "true") => {
-                return watch(shared, rid, version, ns, selector, q);
-            }
-            (&Method::GET, None) => list(shared, rid, version, ns, &selector, q),
-            (&Method::GET, Some(name)) => lock(&shared.store)
-                .get(rid, ns, name)
-                .cloned()
-                .ok_or_else(|| {
-                    ApiError::new(
-                        404,
-                        "NotFound",
-                        format!("{} \"{name}\" not found", RESOURCES[rid].plural),
-                    )
-                }),
-            (&Method::POST, None) => match parse(false) {
-                Ok(obj) => match write(shared, |s| s.create(rid, ns, obj)) {
-                    Ok(obj) => return full(StatusCode::CREATED, &at_version(obj, rid, version)),
-                    Err(e) => Err(e),
-                },
-                Err(e) => Err(e),
+    let created = |(obj, new): (Value, bool)| {
+        (
+            if new {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
             },
-            (&Method::PUT, Some(name)) => {
-                parse(false).and_then(|obj| write(shared, |s| s.update(rid, ns, name, obj)))
-            }
-            (&Method::DELETE, Some(name)) => write(shared, |s| s.delete(rid, ns, name)),
-            (&Method::PATCH, Some(name))
-                if content_type.starts_with("application/apply-patch+yaml") =>
-            {
-                let Some(manager) = q.get("fieldManager").filter(|m| !m.is_empty()) else {
-                    return error(&ApiError::new(
-                        422,
-                        "Invalid",
-                        "fieldManager: Required value: is required for apply patch",
-                    ));
-                };
-                let force = field("force") == "true";
-                match parse(true)
-                    .and_then(|p| write(shared, |s| s.apply(rid, ns, name, p, manager, force)))
-                {
-                    Ok((obj, true)) => {
-                        return full(StatusCode::CREATED, &at_version(obj, rid, version));
-                    }
-                    Ok((obj, false)) => Ok(obj),
-                    Err(e) => Err(e),
+            obj,
+        )
+    };
+    let result = match (&method, name) {
+        (&Method::GET, None) if matches!(field("watch"), "1" | "true") => {
+            return watch(shared, rid, version, ns, selector, q);
+        }
+        (&Method::GET, None) => {
+            list(shared, rid, version, ns, &selector, q).map(|l| (StatusCode::OK, l))
+        }
+        (&Method::GET, Some(name)) => lock(&shared.store)
+            .get(rid, ns, name)
+            .cloned()
+            .map(|o| (StatusCode::OK, o))
+            .ok_or_else(|| ApiError::not_found(rid, name)),
+        (&Method::POST, None) => parse(false)
+            .and_then(|obj| write(shared, |s| s.create(rid, ns, obj)))
+            .map(|o| (StatusCode::CREATED, o)),
+        (&Method::PUT, Some(name)) => parse(false)
+            .and_then(|obj| write(shared, |s| s.update(rid, ns, name, obj)))
+            .map(|o| (StatusCode::OK, o)),
+        (&Method::DELETE, Some(name)) => {
+            write(shared, |s| s.delete(rid, ns, name)).map(|o| (StatusCode::OK, o))
+        }
+        (&Method::PATCH, Some(name))
+            if content_type.starts_with("application/apply-patch+yaml") =>
+        {
+            match q.get("fieldManager").filter(|m| !m.is_empty()) {
+                None => Err(ApiError::new(
+                    422,
+                    "Invalid",
+                    "fieldManager: Required value: is required for apply patch",
+                )),
+                Some(manager) => {
+                    let force = field("force") == "true";
+                    parse(true)
+                        .and_then(|p| write(shared, |s| s.apply(rid, ns, name, p, manager, force)))
+                        .map(created)
                 }
             }
-            (&Method::PATCH, Some(name))
-                if content_type.starts_with("application/merge-patch+json")
-                    || content_type.starts_with("application/strategic-merge-patch+json") =>
-            {
-                // Strategic merge patch is served as a merge patch: lists are replaced whole.
-                parse(false).and_then(|p| write(shared, |s| s.merge_patch(rid, ns, name, &p)))
-            }
-            (&Method::PATCH, _) => Err(ApiError::new(
-                415,
-                "UnsupportedMediaType",
-                format!("the body of the request was in an unknown format: {content_type}"),
-            )),
-            _ => Err(ApiError::new(
-                405,
-                "MethodNotAllowed",
-                "the server does not allow this method on the requested resource",
-            )),
-        };
+        }
+        // Strategic merge patch is served as a merge patch: lists are replaced whole.
+        (&Method::PATCH, Some(name))
+            if content_type.starts_with("application/merge-patch+json")
+                || content_type.starts_with("application/strategic-merge-patch+json") =>
+        {
+            parse(false)
+                .and_then(|p| write(shared, |s| s.merge_patch(rid, ns, name, &p)))
+                .map(|o| (StatusCode::OK, o))
+        }
+        (&Method::PATCH, _) => Err(ApiError::new(
+            415,
+            "UnsupportedMediaType",
+            format!("unknown patch type: {content_type}"),
+        )),
+        _ => Err(ApiError::new(
+            405,
+            "MethodNotAllowed",
+            "the server does not allow this method on the requested resource",
+        )),
+    };
     match result {
-        Ok(obj) => ok(&at_version(obj, rid, version)),
+        Ok((status, obj)) => full(status, &at_version(obj, rid, version)),
         Err(e) => error(&e),
     }
 }

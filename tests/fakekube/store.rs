@@ -101,7 +101,7 @@ impl ApiError {
     pub(crate) fn gone(message: impl Into<String>) -> ApiError {
         ApiError::new(410, "Expired", message)
     }
-    fn not_found(rid: Rid, name: &str) -> ApiError {
+    pub(crate) fn not_found(rid: Rid, name: &str) -> ApiError {
         let r = &RESOURCES[rid];
         let what = if r.group.is_empty() {
             r.plural.to_string()
