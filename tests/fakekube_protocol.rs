@@ -720,6 +720,16 @@ async fn single_objects_answer_with_status_errors() {
         (status, parse(&again)["reason"].as_str()),
         (409, Some("AlreadyExists"))
     );
+    let (status, _) = http(
+        &kube,
+        "POST",
+        "/api/v1/namespaces/b/configmaps",
+        "application/json",
+        &body,
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 400, "the body's namespace must match the URL's");
 
     let mut stale = parse(&created);
     stale["data"]["k"] = json!("w");

@@ -717,16 +717,19 @@ fn watch(
     let gone_as_status = *lock(&shared.gone_as_status);
     let bookmark_every = *lock(&shared.bookmark_every);
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, io::Error>>(64);
-    let (version, ns, shared) = (version.to_string(), ns.to_string(), shared.clone());
-    let bookmark = move |rv: u64, end: bool| {
-        let mut meta = json!({"resourceVersion": rv.to_string()});
-        if end {
-            meta["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+    let (ns, shared) = (ns.to_string(), shared.clone());
+    let r = &RESOURCES[rid];
+    let api_version = Value::String(group_version(r.group, version));
+    let bookmark = {
+        let api_version = api_version.clone();
+        move |rv: u64, end: bool| {
+            let mut meta = json!({"resourceVersion": rv.to_string()});
+            if end {
+                meta["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+            }
+            json!({"kind": r.kind, "apiVersion": api_version, "metadata": meta})
         }
-        let r = &RESOURCES[rid];
-        json!({"kind": r.kind, "apiVersion": group_version(r.group, &version), "metadata": meta})
     };
-    let (version2, ns2) = (bookmark(0, false)["apiVersion"].clone(), ns.clone());
     let gone = |last: u64, compacted: u64| {
         ApiError::gone(format!("too old resource version: {last} ({compacted})")).status()
     };
@@ -737,7 +740,7 @@ fn watch(
             rv if rv.is_empty() || rv == "0" || initial_events => {
                 for (_, obj) in store.list(rid, &ns).filter(|(_, o)| sel.matches(o)) {
                     let mut obj = obj.clone();
-                    obj["apiVersion"] = version2.clone();
+                    obj["apiVersion"] = api_version.clone();
                     first.push(event_line("ADDED", &obj));
                 }
                 if initial_events && bookmarks {
@@ -783,12 +786,12 @@ fn watch(
                         .iter()
                         .filter(|e| {
                             e.rid == rid
-                                && (ns2.is_empty() || e.object["metadata"]["namespace"] == *ns2)
+                                && (ns.is_empty() || e.object["metadata"]["namespace"] == *ns)
                         })
                         .filter_map(|e| sel.view(e).map(|kind| (kind, e)))
                         .map(|(kind, e)| {
                             let mut obj = e.object.clone();
-                            obj["apiVersion"] = version2.clone();
+                            obj["apiVersion"] = api_version.clone();
                             event_line(kind.as_str(), &obj)
                         })
                         .collect();

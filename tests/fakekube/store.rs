@@ -235,10 +235,13 @@ impl Store {
         let name = meta(obj, "name").filter(|n| !n.is_empty());
         let name =
             name.ok_or_else(|| ApiError::new(422, "Invalid", "metadata.name: Required value"))?;
-        let ns = if r.namespaced {
-            meta(obj, "namespace").unwrap_or_else(|| ns.to_string())
-        } else {
-            String::new()
+        let ns = match meta(obj, "namespace") {
+            _ if !r.namespaced => String::new(),
+            Some(body) if !ns.is_empty() && body != ns => {
+                let msg = "the namespace of the object does not match the namespace of the URL";
+                return Err(ApiError::new(400, "BadRequest", msg));
+            }
+            body => body.unwrap_or_else(|| ns.to_string()),
         };
         if r.namespaced && ns.is_empty() {
             return Err(ApiError::new(
