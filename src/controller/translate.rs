@@ -403,6 +403,9 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         match winner {
             Some((host, route, owner, kind)) if host == c.host => {
                 if *route != c.route {
+                    // The route keeps what else it has (its CONNECT keys, other names).
+                    sni.entry(c.route.clone())
+                        .or_insert((BTreeSet::new(), c.owner));
                     report.skip(
                         Reason::Conflict,
                         format!("{} {}", c.kind, c.owner.key()),
@@ -597,7 +600,6 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             report.skip(Reason::Conflict, object, "an older route has the same name");
             continue;
         }
-        let mut lost = false;
         for list in [&mut route.destinations, &mut route.proxy_destinations] {
             list.retain(|k| match keys.get(k) {
                 Some(holder) => {
@@ -606,7 +608,6 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                         object.clone(),
                         format!("{k:?} is held by the older route {holder}"),
                     );
-                    lost = true;
                     false
                 }
                 None => {
@@ -618,7 +619,8 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         let keyless = route.sni.is_empty()
             && route.destinations.is_empty()
             && route.proxy_destinations.is_empty();
-        if lost && keyless {
+        if keyless && route.name != FALLBACK_ROUTE {
+            // Every key it had went to older routes (already reported).
             continue;
         }
         routes.push(route);
@@ -776,5 +778,850 @@ impl<'a> Index<'a> {
             .get(&(namespace.to_owned(), service.to_owned()))
             .and_then(|(_, d)| *d)
             .map(crate::config::duration_text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::model::{
+        BackendRef, DestinationRule, Endpoint, EnvoyFilter, Namespace, Server, ServicePort,
+        TlsRoute, TlsRouteObject, VirtualService,
+    };
+
+    fn meta(ns: &str, name: &str, created: &str) -> Meta {
+        Meta {
+            name: name.into(),
+            namespace: ns.into(),
+            uid: format!("uid-{ns}-{name}"),
+            created: Some(created.into()),
+        }
+    }
+
+    fn default_selector() -> BTreeMap<String, String> {
+        crate::config::controller::ControllerConfig::default().selector
+    }
+
+    fn target() -> Target {
+        Target {
+            selector: default_selector(),
+            parent_refs: vec![("infra".into(), "public".into())],
+            fallback: Some("istio-ingressgateway.istio-ingress.svc.cluster.local:443".into()),
+        }
+    }
+
+    fn gateway(
+        ns: &str,
+        name: &str,
+        selector: BTreeMap<String, String>,
+        protocol: &str,
+        mode: &str,
+    ) -> Gateway {
+        Gateway {
+            meta: meta(ns, name, "2024-01-01T00:00:00Z"),
+            selector,
+            servers: vec![Server {
+                port: 443,
+                protocol: protocol.into(),
+                tls_mode: Some(mode.into()),
+            }],
+        }
+    }
+
+    fn endpoint(ip: &str, zone: &str) -> Endpoint {
+        Endpoint {
+            addresses: vec![ip.into()],
+            ready: Some(true),
+            terminating: None,
+            zone: Some(zone.into()),
+        }
+    }
+
+    fn service(ns: &str, name: &str, ip: &str, ports: &[(&str, u16)]) -> Service {
+        Service {
+            meta: meta(ns, name, "2024-01-01T00:00:00Z"),
+            cluster_ips: vec![ip.into()],
+            ports: ports
+                .iter()
+                .map(|(n, p)| ServicePort {
+                    name: (*n).into(),
+                    port: *p,
+                })
+                .collect(),
+        }
+    }
+
+    fn slice(
+        ns: &str,
+        service: &str,
+        family: &str,
+        ports: &[(&str, u16)],
+        endpoints: Vec<Endpoint>,
+    ) -> EndpointSlice {
+        EndpointSlice {
+            meta: meta(ns, &format!("{service}-{family}"), "2024-01-01T00:00:00Z"),
+            service: service.into(),
+            address_type: family.into(),
+            ports: ports.iter().map(|(n, p)| ((*n).into(), Some(*p))).collect(),
+            endpoints,
+        }
+    }
+
+    /// What gardenlet writes for one shoot with passthrough SNI: Gateway, VirtualService and
+    /// DestinationRule `kube-apiserver`, the Services and EndpointSlices.
+    fn shoot(s: &mut Snapshot, ns: &str, created: &str, hosts: &[&str], octet: u8) {
+        s.namespaces.push(Namespace {
+            meta: meta("", ns, created),
+            deleting: false,
+        });
+        s.gateways.push(gateway(
+            ns,
+            "kube-apiserver",
+            default_selector(),
+            "TLS",
+            "PASSTHROUGH",
+        ));
+        s.virtual_services.push(VirtualService {
+            meta: meta(ns, "kube-apiserver", created),
+            gateways: vec!["kube-apiserver".into()],
+            tls: vec![TlsRoute {
+                sni_hosts: hosts.iter().map(|h| h.to_string()).collect(),
+                destinations: vec![Destination {
+                    host: format!("kube-apiserver.{ns}.svc.cluster.local"),
+                    port: Some(443),
+                }],
+            }],
+            http_destinations: Vec::new(),
+        });
+        s.destination_rules.push(DestinationRule {
+            meta: meta(ns, "kube-apiserver", created),
+            host: format!("kube-apiserver.{ns}.svc.cluster.local"),
+            max_connection_duration: Some(std::time::Duration::from_secs(86400)),
+        });
+        s.services.push(service(
+            ns,
+            "kube-apiserver",
+            &format!("10.0.0.{octet}"),
+            &[("kube-apiserver", 443)],
+        ));
+        s.endpoint_slices.push(slice(
+            ns,
+            "kube-apiserver",
+            "IPv4",
+            &[("kube-apiserver", 443)],
+            vec![
+                endpoint(&format!("100.64.{octet}.1"), "a"),
+                endpoint(&format!("100.64.{octet}.2"), "b"),
+            ],
+        ));
+        s.services.push(service(
+            ns,
+            "vpn-seed-server",
+            &format!("10.0.1.{octet}"),
+            &[("vpn-seed-server", 1194), ("http-proxy", 9443)],
+        ));
+        s.endpoint_slices.push(slice(
+            ns,
+            "vpn-seed-server",
+            "IPv4",
+            &[("http-proxy", 9443), ("vpn-seed-server", 1194)],
+            vec![endpoint(&format!("100.64.{octet}.9"), "a")],
+        ));
+    }
+
+    fn route<'a>(t: &'a Table, name: &str) -> &'a RouteDoc {
+        t.routes
+            .iter()
+            .find(|r| r.name == name)
+            .unwrap_or_else(|| panic!("no route {name} in {:#?}", t.routes))
+    }
+
+    fn names(t: &Table) -> Vec<&str> {
+        t.routes.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    fn addresses(r: &RouteDoc) -> Vec<&str> {
+        r.backends.iter().map(|b| b.address.as_str()).collect()
+    }
+
+    /// The produced document is a table the gateway loads.
+    fn loads(t: &Table) {
+        let json = crate::controller::to_json(t);
+        crate::config::routes::parse(
+            std::path::Path::new("rendered.json"),
+            json.as_bytes(),
+            &crate::route::BackendRegistry::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{json}"));
+    }
+
+    #[test]
+    fn a_passthrough_shoot_is_routed_by_sni_and_connect() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.dev.example.com", "API.a.internal.example.com."],
+            7,
+        );
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--a",
+                "shoot--dev--a--vpn-seed-server"
+            ]
+        );
+        let r = route(&t, "shoot--dev--a");
+        assert_eq!(
+            r.sni,
+            ["api.a.dev.example.com", "api.a.internal.example.com"]
+        );
+        assert_eq!(
+            r.destinations,
+            ["outbound|443||kube-apiserver.shoot--dev--a.svc.cluster.local"]
+        );
+        assert_eq!(r.proxy_destinations, ["240.0.0.7:443"]);
+        assert_eq!(addresses(r), ["100.64.7.1:443", "100.64.7.2:443"]);
+        assert_eq!(r.backends[1].zone.as_deref(), Some("b"));
+        assert_eq!(r.max_connection_duration.as_deref(), Some("86400s"));
+        let vpn = route(&t, "shoot--dev--a--vpn-seed-server");
+        assert_eq!(
+            vpn.destinations,
+            ["outbound|1194||vpn-seed-server.shoot--dev--a.svc.cluster.local"]
+        );
+        // The port named like the Service's 1194 port, not the slice's first one.
+        assert_eq!(addresses(vpn), ["100.64.7.9:1194"]);
+        assert!(vpn.sni.is_empty() && vpn.proxy_destinations.is_empty());
+        let fallback = route(&t, FALLBACK_ROUTE);
+        assert_eq!(
+            addresses(fallback),
+            ["istio-ingressgateway.istio-ingress.svc.cluster.local:443"]
+        );
+        assert!(fallback.sni.is_empty() && fallback.destinations.is_empty());
+        assert_eq!(report.routes, 3);
+        assert_eq!(report.skipped, BTreeMap::new());
+        assert_eq!(report.objects["EndpointSlice"], 2);
+    }
+
+    #[test]
+    fn only_gateways_the_target_selects_are_served() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--zonal",
+            "2024-01-01T00:00:00Z",
+            &["api.zonal.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--exposed",
+            "2024-01-01T00:00:00Z",
+            &["api.exposed.example.com"],
+            2,
+        );
+        let mut zonal = default_selector();
+        zonal.insert("istio".into(), "ingressgateway--zone--eu-1a".into());
+        let mut exposed = default_selector();
+        exposed.remove("istio");
+        exposed.insert("gardener.cloud/role".into(), "exposureclass-handler".into());
+        exposed.insert(
+            "handler.exposureclass.gardener.cloud/name".into(),
+            "internet".into(),
+        );
+        s.gateways[0].selector = zonal.clone();
+        s.gateways[1].selector = exposed.clone();
+        let (t, _) = translate(&s, &target());
+        assert_eq!(
+            names(&t),
+            ["fallback"],
+            "the default gateway routes neither"
+        );
+        let (t, _) = translate(
+            &s,
+            &Target {
+                selector: zonal,
+                ..target()
+            },
+        );
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--zonal",
+                "shoot--dev--zonal--vpn-seed-server"
+            ]
+        );
+        let (t, _) = translate(
+            &s,
+            &Target {
+                selector: exposed,
+                ..target()
+            },
+        );
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--exposed",
+                "shoot--dev--exposed--vpn-seed-server"
+            ]
+        );
+    }
+
+    #[test]
+    fn gateways_are_found_by_name_or_namespace_and_name() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        s.gateways[0].meta.namespace = "istio-ingress".into();
+        let (t, _) = translate(&s, &target());
+        assert_eq!(
+            names(&t),
+            ["fallback"],
+            "a bare name is in the VirtualService's namespace"
+        );
+        s.virtual_services[0].gateways = vec!["istio-ingress/kube-apiserver".into()];
+        let (t, _) = translate(&s, &target());
+        assert_eq!(route(&t, "shoot--dev--a").sni, ["api.a.example.com"]);
+    }
+
+    #[test]
+    fn only_passthrough_servers_route_by_sni() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        s.gateways[0].servers[0].tls_mode = Some("SIMPLE".into());
+        let (t, _) = translate(&s, &target());
+        assert_eq!(names(&t), ["fallback"]);
+    }
+
+    #[test]
+    fn only_ready_endpoints_are_backends_ipv4_and_ipv6() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        let eps = &mut s.endpoint_slices[0].endpoints;
+        eps[0].ready = Some(false); // not ready: out
+        eps[1].ready = None; // absent: ready
+        eps.push(Endpoint {
+            terminating: Some(true), // terminating: out, even if ready
+            ..endpoint("100.64.1.3", "a")
+        });
+        s.endpoint_slices.push(slice(
+            "shoot--dev--a",
+            "kube-apiserver",
+            "IPv6",
+            &[("kube-apiserver", 443)],
+            vec![
+                endpoint("fd00::2", "b"),
+                Endpoint {
+                    ready: Some(false),
+                    ..endpoint("fd00::1", "a")
+                },
+            ],
+        ));
+        s.endpoint_slices.push(slice(
+            "shoot--dev--a",
+            "kube-apiserver",
+            "FQDN",
+            &[("kube-apiserver", 443)],
+            vec![endpoint("api.example.com", "b")],
+        ));
+        let (t, _) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            addresses(route(&t, "shoot--dev--a")),
+            ["100.64.1.2:443", "[fd00::2]:443"]
+        );
+    }
+
+    #[test]
+    fn a_route_without_ready_endpoints_is_left_out_and_counted() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        for e in &mut s.endpoint_slices[0].endpoints {
+            e.ready = Some(false);
+        }
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(names(&t), ["fallback", "shoot--dev--a--vpn-seed-server"]);
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::NoEndpoints, 1)]));
+        assert_eq!(
+            report.skips[0].object,
+            "Service shoot--dev--a/kube-apiserver"
+        );
+    }
+
+    #[test]
+    fn ha_vpn_servers_each_get_a_route() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        s.services.retain(|svc| svc.meta.name != "vpn-seed-server");
+        s.endpoint_slices.retain(|e| e.service != "vpn-seed-server");
+        for (i, name) in [
+            "vpn-seed-server-0",
+            "vpn-seed-server-1",
+            "vpn-seed-server-x",
+            "vpn-seed-server-",
+        ]
+        .iter()
+        .enumerate()
+        {
+            s.services.push(service(
+                "shoot--dev--a",
+                name,
+                "10.0.2.1",
+                &[("vpn-seed-server", 1194)],
+            ));
+            s.endpoint_slices.push(slice(
+                "shoot--dev--a",
+                name,
+                "IPv4",
+                &[("vpn-seed-server", 1194)],
+                vec![endpoint(&format!("100.64.9.{i}"), "a")],
+            ));
+        }
+        let (t, _) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--a",
+                "shoot--dev--a--vpn-seed-server-0",
+                "shoot--dev--a--vpn-seed-server-1"
+            ]
+        );
+        assert_eq!(
+            route(&t, "shoot--dev--a--vpn-seed-server-1").destinations,
+            ["outbound|1194||vpn-seed-server-1.shoot--dev--a.svc.cluster.local"]
+        );
+        assert_eq!(
+            addresses(route(&t, "shoot--dev--a--vpn-seed-server-1")),
+            ["100.64.9.1:1194"]
+        );
+    }
+
+    /// An L7 shoot: Gateway HTTPS/OPTIONAL_MUTUAL, VirtualService with `http:` routes, and the
+    /// EnvoyFilter `<ns>-istio-tls-termination` in the gateway's namespace.
+    fn l7(s: &mut Snapshot, ns: &str, octet: u8, by_filter: bool, by_gateway: bool) {
+        shoot(
+            s,
+            ns,
+            "2024-01-01T00:00:00Z",
+            &[&format!("api.{octet}.example.com")],
+            octet,
+        );
+        let vs = s
+            .virtual_services
+            .iter_mut()
+            .find(|v| v.meta.namespace == ns)
+            .unwrap();
+        if by_gateway {
+            let gw = s
+                .gateways
+                .iter_mut()
+                .find(|g| g.meta.namespace == ns)
+                .unwrap();
+            *gw = gateway(
+                ns,
+                "kube-apiserver",
+                default_selector(),
+                "HTTPS",
+                "OPTIONAL_MUTUAL",
+            );
+            vs.http_destinations = std::mem::take(&mut vs.tls)[0].destinations.clone();
+        }
+        if by_filter {
+            s.envoy_filters.push(EnvoyFilter {
+                meta: meta(
+                    "istio-ingress",
+                    &format!("{ns}-istio-tls-termination"),
+                    "2024-01-01T00:00:00Z",
+                ),
+            });
+        }
+    }
+
+    #[test]
+    fn l7_shoots_fall_through_to_the_fallback() {
+        for (by_filter, by_gateway) in [(true, true), (true, false), (false, true)] {
+            let mut s = Snapshot::default();
+            l7(&mut s, "shoot--dev--l7", 3, by_filter, by_gateway);
+            shoot(
+                &mut s,
+                "shoot--dev--a",
+                "2024-01-01T00:00:00Z",
+                &["api.a.example.com"],
+                1,
+            );
+            let (t, report) = translate(&s, &target());
+            loads(&t);
+            let case = format!("filter {by_filter}, gateway {by_gateway}");
+            assert_eq!(
+                names(&t),
+                [
+                    "fallback",
+                    "shoot--dev--a",
+                    "shoot--dev--a--vpn-seed-server"
+                ],
+                "{case}"
+            );
+            let fallback = route(&t, FALLBACK_ROUTE);
+            assert_eq!(
+                fallback.destinations,
+                [
+                    "outbound|1194||vpn-seed-server.shoot--dev--l7.svc.cluster.local",
+                    "outbound|443||kube-apiserver.shoot--dev--l7.svc.cluster.local",
+                ],
+                "{case}"
+            );
+            assert_eq!(fallback.proxy_destinations, ["240.0.0.3:443"], "{case}");
+            assert_eq!(report.skipped, BTreeMap::from([(Reason::L7, 1)]), "{case}");
+            // Without a fallback, nothing of it is routed.
+            let (t, report) = translate(
+                &s,
+                &Target {
+                    fallback: None,
+                    ..target()
+                },
+            );
+            loads(&t);
+            assert_eq!(
+                names(&t),
+                ["shoot--dev--a", "shoot--dev--a--vpn-seed-server"],
+                "{case}"
+            );
+            assert_eq!(report.skipped, BTreeMap::from([(Reason::L7, 1)]), "{case}");
+        }
+    }
+
+    #[test]
+    fn an_l7_filter_for_a_shoot_on_another_gateway_is_not_counted_here() {
+        let mut s = Snapshot::default();
+        l7(&mut s, "shoot--dev--l7", 3, true, false);
+        let mut zonal = default_selector();
+        zonal.insert("istio".into(), "ingressgateway--zone--eu-1a".into());
+        s.gateways[0].selector = zonal;
+        let (t, report) = translate(&s, &target());
+        assert_eq!(names(&t), ["fallback"]);
+        assert!(route(&t, FALLBACK_ROUTE).destinations.is_empty());
+        assert_eq!(report.skipped, BTreeMap::new());
+    }
+
+    #[test]
+    fn https_hosts_that_are_not_shoot_api_servers_are_ignored() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        // Plutono in the shoot namespace, the seed's API server ingress in garden.
+        for (ns, name, host) in [
+            (
+                "shoot--dev--a",
+                "plutono",
+                "plutono.shoot--dev--a.svc.cluster.local",
+            ),
+            (
+                "garden",
+                "kube-apiserver-ingress",
+                "kubernetes.default.svc.cluster.local",
+            ),
+        ] {
+            s.gateways
+                .push(gateway(ns, name, default_selector(), "HTTPS", "SIMPLE"));
+            s.virtual_services.push(VirtualService {
+                meta: meta(ns, name, "2024-01-01T00:00:00Z"),
+                gateways: vec![name.into()],
+                tls: Vec::new(),
+                http_destinations: vec![Destination {
+                    host: host.into(),
+                    port: Some(443),
+                }],
+            });
+        }
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--a",
+                "shoot--dev--a--vpn-seed-server"
+            ]
+        );
+        assert!(
+            route(&t, FALLBACK_ROUTE).destinations.is_empty(),
+            "shoot--dev--a is not L7"
+        );
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Https, 2)]));
+    }
+
+    #[test]
+    fn the_oldest_claim_of_a_server_name_wins() {
+        for reversed in [false, true] {
+            let mut s = Snapshot::default();
+            shoot(
+                &mut s,
+                "shoot--dev--new",
+                "2024-02-01T00:00:00Z",
+                &["api.shared.example.com", "api.new.example.com"],
+                1,
+            );
+            shoot(
+                &mut s,
+                "shoot--dev--old",
+                "2024-01-01T00:00:00Z",
+                &["API.shared.example.com"],
+                2,
+            );
+            if reversed {
+                s.virtual_services.reverse();
+            }
+            let (t, report) = translate(&s, &target());
+            loads(&t);
+            assert_eq!(route(&t, "shoot--dev--old").sni, ["api.shared.example.com"]);
+            assert_eq!(route(&t, "shoot--dev--new").sni, ["api.new.example.com"]);
+            assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+            assert_eq!(
+                report.skips[0].object,
+                "VirtualService shoot--dev--new/kube-apiserver"
+            );
+        }
+        // Same creation time: namespace, then name, decides.
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--b",
+            "2024-01-01T00:00:00Z",
+            &["api.shared.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--a",
+            "2024-01-01T00:00:00Z",
+            &["api.shared.example.com"],
+            2,
+        );
+        let (t, _) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(route(&t, "shoot--a").sni, ["api.shared.example.com"]);
+        // The loser keeps its CONNECT keys.
+        let b = route(&t, "shoot--b");
+        assert!(b.sni.is_empty());
+        assert_eq!(
+            b.destinations,
+            ["outbound|443||kube-apiserver.shoot--b.svc.cluster.local"]
+        );
+        route(&t, "shoot--b--vpn-seed-server");
+    }
+
+    #[test]
+    fn a_proxy_destination_two_services_share_goes_to_the_older() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--b",
+            "2024-02-01T00:00:00Z",
+            &["api.b.example.com"],
+            2,
+        );
+        // 10.0.0.1 and 100.0.0.1 both become 240.0.0.1.
+        s.services
+            .iter_mut()
+            .find(|x| x.meta.namespace == "shoot--dev--b" && x.meta.name == "kube-apiserver")
+            .unwrap()
+            .cluster_ips = vec!["100.0.0.1".into()];
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            route(&t, "shoot--dev--a").proxy_destinations,
+            ["240.0.0.1:443"]
+        );
+        assert!(route(&t, "shoot--dev--b").proxy_destinations.is_empty());
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+    }
+
+    #[test]
+    fn namespaces_being_deleted_are_skipped() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--gone",
+            "2024-01-01T00:00:00Z",
+            &["api.gone.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            2,
+        );
+        s.namespaces[0].deleting = true;
+        let (t, report) = translate(&s, &target());
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--a",
+                "shoot--dev--a--vpn-seed-server"
+            ]
+        );
+        assert_eq!(
+            report.skipped,
+            BTreeMap::from([(Reason::NamespaceDeleting, 1)])
+        );
+    }
+
+    #[test]
+    fn the_destination_rule_of_the_host_sets_the_maximum_duration() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--b",
+            "2024-01-01T00:00:00Z",
+            &["api.b.example.com"],
+            2,
+        );
+        // A short host is relative to the rule's namespace; b's rule is for another host.
+        s.destination_rules[0].host = "kube-apiserver".into();
+        s.destination_rules[0].max_connection_duration = Some(std::time::Duration::from_secs(3600));
+        s.destination_rules[1].host = "kube-apiserver-mtls.shoot--dev--b.svc.cluster.local".into();
+        let (t, _) = translate(&s, &target());
+        assert_eq!(
+            route(&t, "shoot--dev--a")
+                .max_connection_duration
+                .as_deref(),
+            Some("3600s")
+        );
+        assert_eq!(route(&t, "shoot--dev--b").max_connection_duration, None);
+    }
+
+    #[test]
+    fn tls_routes_of_the_targets_parents_are_routed() {
+        let mut s = Snapshot::default();
+        s.services.push(service(
+            "apps",
+            "web",
+            "10.0.3.1",
+            &[("https", 8443), ("http", 80)],
+        ));
+        s.endpoint_slices.push(slice(
+            "apps",
+            "web",
+            "IPv4",
+            &[("http", 8080), ("https", 8443)],
+            vec![endpoint("100.64.3.1", "a")],
+        ));
+        for (name, parent, backend_ns) in [
+            ("web", "public", "apps"),
+            ("private", "internal", "apps"),
+            ("cross", "public", "other"),
+        ] {
+            s.tls_routes.push(TlsRouteObject {
+                meta: meta("apps", name, "2024-01-01T00:00:00Z"),
+                hostnames: vec![format!("{name}.apps.example.com")],
+                parents: vec![("infra".into(), parent.into())],
+                backends: vec![BackendRef {
+                    other_kind: String::new(),
+                    name: "web".into(),
+                    namespace: backend_ns.into(),
+                    port: Some(8443),
+                }],
+            });
+        }
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(names(&t), ["apps--web", "fallback"]);
+        let r = route(&t, "apps--web");
+        assert_eq!(r.sni, ["web.apps.example.com"]);
+        assert_eq!(addresses(r), ["100.64.3.1:8443"]);
+        assert!(r.destinations.is_empty() && r.proxy_destinations.is_empty());
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Unsupported, 1)]));
+    }
+
+    #[test]
+    fn the_output_does_not_depend_on_input_order() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--b",
+            "2024-01-01T00:00:00Z",
+            &["api.b.example.com", "*.b.example.com"],
+            2,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com", "api.b.example.com"],
+            1,
+        );
+        let (first, _) = translate(&s, &target());
+        s.virtual_services.reverse();
+        s.services.reverse();
+        s.endpoint_slices.reverse();
+        s.gateways.reverse();
+        for e in &mut s.endpoint_slices {
+            e.endpoints.reverse();
+        }
+        let (second, _) = translate(&s, &target());
+        assert_eq!(
+            crate::controller::to_json(&first),
+            crate::controller::to_json(&second)
+        );
     }
 }
