@@ -1454,6 +1454,71 @@ mod tests {
     }
 
     #[test]
+    fn an_older_tls_route_keeps_its_name_against_a_younger_virtual_service() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-02-01T00:00:00Z",
+            &["api.a.example.com", "web.apps.example.com"],
+            1,
+        );
+        s.services
+            .push(service("apps", "web", "10.0.3.1", &[("https", 8443)]));
+        s.endpoint_slices.push(slice(
+            "apps",
+            "web",
+            "IPv4",
+            &[("https", 8443)],
+            vec![endpoint("100.64.3.1", "a")],
+        ));
+        s.tls_routes.push(TlsRouteObject {
+            meta: meta("apps", "web", "2024-01-01T00:00:00Z"),
+            hostnames: vec!["web.apps.example.com".into()],
+            parents: vec![("infra".into(), "public".into())],
+            backends: vec![BackendRef {
+                other_kind: String::new(),
+                name: "web".into(),
+                namespace: "apps".into(),
+                port: Some(8443),
+            }],
+        });
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(route(&t, "apps--web").sni, ["web.apps.example.com"]);
+        assert_eq!(route(&t, "shoot--dev--a").sni, ["api.a.example.com"]);
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+    }
+
+    #[test]
+    fn a_virtual_service_in_a_namespace_being_deleted_is_skipped() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        // A second VirtualService, in a namespace being deleted, for a's API server.
+        let mut vs = s.virtual_services[0].clone();
+        vs.meta = meta("leaving", "kube-apiserver", "2023-01-01T00:00:00Z");
+        vs.gateways = vec!["shoot--dev--a/kube-apiserver".into()];
+        vs.tls[0].sni_hosts = vec!["api.leaving.example.com".into()];
+        s.virtual_services.push(vs);
+        s.namespaces.push(Namespace {
+            meta: meta("", "leaving", "2023-01-01T00:00:00Z"),
+            deleting: true,
+        });
+        let (t, report) = translate(&s, &target());
+        assert_eq!(route(&t, "shoot--dev--a").sni, ["api.a.example.com"]);
+        assert_eq!(
+            report.skipped,
+            BTreeMap::from([(Reason::NamespaceDeleting, 1)])
+        );
+    }
+
+    #[test]
     fn a_proxy_destination_two_services_share_goes_to_the_older() {
         let mut s = Snapshot::default();
         shoot(
@@ -1484,6 +1549,50 @@ mod tests {
         );
         assert!(route(&t, "shoot--dev--b").proxy_destinations.is_empty());
         assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+    }
+
+    /// A route is as old as the oldest object claiming a name for it (here b's wildcard
+    /// VirtualService, whose name sorts last).
+    #[test]
+    fn a_route_is_as_old_as_its_oldest_claim() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-15T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--b",
+            "2024-02-01T00:00:00Z",
+            &["api.b.example.com"],
+            2,
+        );
+        let mut wildcard = s.virtual_services[1].clone();
+        wildcard.meta = meta(
+            "shoot--dev--b",
+            "kube-apiserver-wildcard",
+            "2024-01-01T00:00:00Z",
+        );
+        wildcard.tls[0].sni_hosts = vec!["z.b.example.com".into()];
+        s.virtual_services.push(wildcard);
+        s.services
+            .iter_mut()
+            .find(|x| x.meta.namespace == "shoot--dev--a" && x.meta.name == "kube-apiserver")
+            .unwrap()
+            .cluster_ips = vec!["100.0.0.2".into()];
+        let (t, _) = translate(&s, &target());
+        assert_eq!(
+            route(&t, "shoot--dev--b").sni,
+            ["api.b.example.com", "z.b.example.com"]
+        );
+        assert_eq!(
+            route(&t, "shoot--dev--b").proxy_destinations,
+            ["240.0.0.2:443"]
+        );
+        assert!(route(&t, "shoot--dev--a").proxy_destinations.is_empty());
     }
 
     #[test]
