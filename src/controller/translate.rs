@@ -312,15 +312,17 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                 }
             }
         }
-        let mut https = false;
-        for d in &vs.http_destinations {
-            match route_key(d, ns) {
-                Some(k) if k.service == KUBE_APISERVER.0 => {
-                    l7.insert(k.namespace);
-                }
-                _ => https = true,
-            }
-        }
+        // HTTP to a shoot's API server (besides its connection-upgrade Service) makes the
+        // shoot L7; HTTP to anything else is one of Gardener's own HTTPS hosts.
+        let api_servers: Vec<String> = vs
+            .http_destinations
+            .iter()
+            .filter_map(|d| route_key(d, ns))
+            .filter(|k| k.service == KUBE_APISERVER.0)
+            .map(|k| k.namespace)
+            .collect();
+        let https = api_servers.is_empty() && !vs.http_destinations.is_empty();
+        l7.extend(api_servers);
         if https {
             report.skip(
                 Reason::Https,
@@ -1262,7 +1264,13 @@ mod tests {
                 "HTTPS",
                 "OPTIONAL_MUTUAL",
             );
-            vs.http_destinations = std::mem::take(&mut vs.tls)[0].destinations.clone();
+            // Gardener's connection-upgrade route comes first.
+            vs.http_destinations = vec![Destination {
+                host: format!("kube-apiserver-connection-upgrade.{ns}.svc.cluster.local"),
+                port: Some(443),
+            }];
+            vs.http_destinations
+                .extend(std::mem::take(&mut vs.tls)[0].destinations.clone());
         }
         if by_filter {
             s.envoy_filters.push(EnvoyFilter {
