@@ -40,11 +40,30 @@ enum Command {
         #[arg(long)]
         cleanup: bool,
     },
+    /// The controller: the seed's objects -> routing tables.
+    Controller {
+        #[command(subcommand)]
+        command: ControllerCommand,
+    },
     /// Validate trellis config and routing table files; exit 1 if any is invalid.
     Check {
         /// Files to check.
         #[arg(required = true)]
         files: Vec<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum ControllerCommand {
+    /// Render the routing table from manifest files offline: the table (JSON) on stdout,
+    /// what was skipped and why on stderr.
+    Render {
+        /// Directory of `*.yaml`, `*.yml` and `*.json` files (multi-document, `kind: List`).
+        #[arg(long)]
+        manifests: PathBuf,
+        /// ControllerConfiguration file (default: the seed's default gateway, no fallback).
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
 }
 
@@ -77,6 +96,32 @@ fn check(files: &[PathBuf]) -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+fn render(manifests: &std::path::Path, config_file: Option<&std::path::Path>) -> ExitCode {
+    let config = match config_file.map(trellis::config::controller::load) {
+        None => trellis::config::controller::ControllerConfig::default(),
+        Some(Ok(c)) => c,
+        Some(Err(e)) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match trellis::controller::render(manifests, &config) {
+        Ok((table, report)) => {
+            print!("{table}");
+            // The report is data for whoever reads it next (a script, a diff): JSON.
+            match serde_json::to_string_pretty(&report) {
+                Ok(r) => eprintln!("{r}"),
+                Err(e) => eprintln!("report: {e}"),
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -154,6 +199,9 @@ fn main() -> ExitCode {
     init_logging(cli.log_format);
     let result = match &cli.command {
         Command::Check { files } => Ok(check(files)),
+        Command::Controller {
+            command: ControllerCommand::Render { manifests, config },
+        } => Ok(render(manifests, config.as_deref())),
         Command::Gateway { config } => gateway(config),
         Command::Node { config, cleanup } => node(config, *cleanup),
     };

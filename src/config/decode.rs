@@ -17,7 +17,7 @@ use serde::de::value::{MapAccessDeserializer, StrDeserializer, StringDeserialize
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_saphyr::MessageFormatter as _;
 
-use super::{ConfigError, Derived, Errors, FieldError, gateway, node, routes};
+use super::{ConfigError, Derived, Errors, FieldError, controller, gateway, node, routes};
 
 /// The kinds of file this build reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,11 +28,13 @@ pub(crate) enum Kind {
     Routes,
     /// `NodeConfiguration`.
     Node,
+    /// `ControllerConfiguration`.
+    Controller,
 }
 
 impl Kind {
     /// Every kind, in the order error messages list them.
-    pub(crate) const ALL: [Kind; 3] = [Kind::Gateway, Kind::Routes, Kind::Node];
+    pub(crate) const ALL: [Kind; 4] = [Kind::Gateway, Kind::Routes, Kind::Node, Kind::Controller];
 
     /// The `kind` as written in files.
     pub(crate) fn as_str(self) -> &'static str {
@@ -40,6 +42,7 @@ impl Kind {
             Kind::Gateway => gateway::KIND,
             Kind::Routes => routes::KIND,
             Kind::Node => node::KIND,
+            Kind::Controller => controller::KIND,
         }
     }
 
@@ -56,6 +59,8 @@ pub(crate) enum Raw {
     Routes(routes::RawRoutingTable),
     /// `kind: NodeConfiguration`.
     Node(node::RawNode),
+    /// `kind: ControllerConfiguration`.
+    Controller(controller::RawController),
 }
 
 impl Raw {
@@ -65,6 +70,7 @@ impl Raw {
             Raw::Gateway(_) => Kind::Gateway,
             Raw::Routes(_) => Kind::Routes,
             Raw::Node(_) => Kind::Node,
+            Raw::Controller(_) => Kind::Controller,
         }
     }
 }
@@ -92,6 +98,10 @@ pub(crate) fn decode(file: &Path, bytes: &[u8]) -> Result<(Raw, Errors), ConfigE
         Outcome::KindLate(Kind::Node) => {
             let (raw, unknown) = run(file, text, json, PhantomData)?;
             (Raw::Node(raw), unknown)
+        }
+        Outcome::KindLate(Kind::Controller) => {
+            let (raw, unknown) = run(file, text, json, PhantomData)?;
+            (Raw::Controller(raw), unknown)
         }
         Outcome::UnknownKind(kind) => {
             let kinds: Vec<_> = Kind::ALL.iter().map(|k| k.as_str()).collect();
@@ -455,6 +465,7 @@ fn decode_rest<'de, A: MapAccess<'de>>(kind: Kind, rest: Prefixed<A>) -> Result<
         Kind::Gateway => Raw::Gateway(Derived::derived(d)?),
         Kind::Routes => Raw::Routes(Derived::derived(d)?),
         Kind::Node => Raw::Node(Derived::derived(d)?),
+        Kind::Controller => Raw::Controller(Derived::derived(d)?),
     })
 }
 

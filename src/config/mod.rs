@@ -35,6 +35,7 @@ macro_rules! mapping_only {
 }
 
 pub mod cidr;
+pub mod controller;
 mod decode;
 pub mod gateway;
 pub mod node;
@@ -335,6 +336,8 @@ pub enum AnyFile {
     Routes(routes::LoadedTable),
     /// `kind: NodeConfiguration`.
     Node(node::NodeConfig),
+    /// `kind: ControllerConfiguration`.
+    Controller(controller::ControllerConfig),
 }
 
 impl AnyFile {
@@ -344,6 +347,7 @@ impl AnyFile {
             AnyFile::Gateway(_) => gateway::KIND,
             AnyFile::Routes(_) => routes::KIND,
             AnyFile::Node(_) => node::KIND,
+            AnyFile::Controller(_) => controller::KIND,
         }
     }
 }
@@ -360,6 +364,7 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
             Ok(AnyFile::Gateway(config))
         }
         Raw::Node(raw) => node::validate(file, raw, errors).map(AnyFile::Node),
+        Raw::Controller(raw) => controller::validate(file, raw, errors).map(AnyFile::Controller),
         Raw::Routes(raw) => {
             let registry = crate::route::BackendRegistry::default();
             let hash = routes::content_hash(&bytes);
@@ -400,7 +405,7 @@ mod tests {
         std::fs::write(&file, format!("apiVersion: {API_VERSION}\nkind: Shoot\n")).unwrap();
         let err = check_file(&file).unwrap_err().to_string();
         std::fs::remove_file(&file).unwrap();
-        for kind in [gateway::KIND, routes::KIND, node::KIND] {
+        for kind in [gateway::KIND, routes::KIND, node::KIND, controller::KIND] {
             assert!(err.contains(kind), "{kind} not in {err}");
         }
     }
@@ -554,6 +559,7 @@ mod tests {
         let examples = [
             ("gateway", gateway.as_str()),
             ("node", include_str!("../../config/node.yaml")),
+            ("controller", include_str!("../../config/controller.yaml")),
             ("routes", routes),
         ];
         let mut refused = 0;

@@ -1,0 +1,279 @@
+//! `kind: ControllerConfiguration`: the controller's raw schema and validated
+//! [`ControllerConfig`]: which gateway it renders for, the fallback backend, the output.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::decode::{Kind, Raw};
+use super::{ConfigError, Errors};
+use crate::route::BackendAddress;
+
+mapping_only!(RawController, RawTarget, RawFallback, RawOutput);
+
+/// The `kind` of controller configuration files.
+pub const KIND: &str = "ControllerConfiguration";
+
+/// The `spec.selector` of the Istio Gateways gardenlet writes for the seed's default ingress
+/// gateway (gardenlet's default `app`/`istio` labels plus `istio-role: seed`).
+pub const DEFAULT_SELECTOR: [(&str, &str); 3] = [
+    ("app", "istio-ingressgateway"),
+    ("istio", "ingressgateway"),
+    ("istio-role", "seed"),
+];
+
+/// A controller configuration file as written.
+#[derive(Debug, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawController {
+    /// Always `trellis.gardener.cloud/v1alpha1`.
+    pub api_version: String,
+    /// Always `ControllerConfiguration`.
+    pub kind: String,
+    /// Kubeconfig file of the seed; in-cluster configuration when absent.
+    #[serde(default)]
+    pub kubeconfig: Option<String>,
+    /// The gateway the table is rendered for (default: the seed's default ingress gateway).
+    #[serde(default)]
+    pub gateway: Option<RawTarget>,
+    /// Where everything trellis does not route itself goes (the Envoy gateway's Service).
+    #[serde(default)]
+    pub fallback: Option<RawFallback>,
+    /// Where the table is written.
+    #[serde(default)]
+    pub output: Option<RawOutput>,
+}
+
+/// The gateway the table is rendered for, as written.
+#[derive(Debug, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawTarget {
+    /// The labels of the gateway workload trellis stands in for: an Istio `Gateway` is served
+    /// when every label of its `spec.selector` is among them (Istio's own rule). Zonal
+    /// gateways (`istio: ingressgateway--zone--<zone>`) and exposure-class gateways
+    /// (`handler.exposureclass.gardener.cloud/name: <handler>`) each get their own table.
+    #[serde(default, deserialize_with = "labels")]
+    pub selector: Option<BTreeMap<String, String>>,
+    /// Gateway API `Gateway`s (`namespace/name`) whose `TLSRoute`s this gateway serves.
+    #[serde(default)]
+    pub parent_refs: Vec<String>,
+}
+
+/// A mapping of label keys to values, said so in errors (serde's own message for a map is
+/// "expected a map"; every other mapping in trellis' files is "a mapping").
+fn labels<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<BTreeMap<String, String>>, D::Error> {
+    struct Labels;
+    impl<'de> serde::de::Visitor<'de> for Labels {
+        type Value = BTreeMap<String, String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a mapping")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some((k, v)) = map.next_entry()? {
+                out.insert(k, v);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_any(Labels).map(Some)
+}
+
+/// The fallback backend as written.
+#[derive(Debug, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawFallback {
+    /// `IP:port` or `DNS-name:port` of the fallback (e.g. the Envoy gateway's Service).
+    pub address: String,
+}
+
+/// The output as written.
+#[derive(Debug, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawOutput {
+    /// A routing table file, replaced atomically on change.
+    #[serde(default)]
+    pub file: Option<String>,
+}
+
+/// A validated controller configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControllerConfig {
+    /// Kubeconfig file; in-cluster configuration when `None`.
+    pub kubeconfig: Option<PathBuf>,
+    /// Labels of the gateway workload: Gateways whose selector is a subset are served.
+    pub selector: BTreeMap<String, String>,
+    /// Gateway API parents (`namespace`, `name`) whose TLSRoutes are served.
+    pub parent_refs: Vec<(String, String)>,
+    /// The fallback backend, if any.
+    pub fallback: Option<BackendAddress>,
+    /// Where the table goes.
+    pub output: Output,
+}
+
+/// Where the rendered table goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    /// Not configured (`render` prints the table).
+    None,
+    /// A file, replaced atomically.
+    File(PathBuf),
+}
+
+impl Default for ControllerConfig {
+    /// The seed's default ingress gateway, no fallback, no output.
+    fn default() -> Self {
+        ControllerConfig {
+            kubeconfig: None,
+            selector: DEFAULT_SELECTOR
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            parent_refs: Vec::new(),
+            fallback: None,
+            output: Output::None,
+        }
+    }
+}
+
+/// Reads and validates a controller configuration file.
+pub fn load(file: &Path) -> Result<ControllerConfig, ConfigError> {
+    parse(file, &super::read_file(file)?)
+}
+
+/// Parses and validates the bytes of a controller configuration file.
+pub fn parse(file: &Path, bytes: &[u8]) -> Result<ControllerConfig, ConfigError> {
+    match super::decode::decode(file, bytes)? {
+        (Raw::Controller(raw), errors) => validate(file, raw, errors),
+        (other, _) => Err(super::decode::wrong_kind(
+            file,
+            other.kind(),
+            Kind::Controller,
+            "'trellis controller'",
+        )),
+    }
+}
+
+/// Validates a decoded configuration; `errors` already holds the unknown fields.
+pub(super) fn validate(
+    file: &Path,
+    raw: RawController,
+    mut errors: Errors,
+) -> Result<ControllerConfig, ConfigError> {
+    super::check_api_version(&mut errors, &raw.api_version);
+    let mut config = ControllerConfig {
+        kubeconfig: raw.kubeconfig.map(PathBuf::from),
+        ..ControllerConfig::default()
+    };
+    if let Some(target) = raw.gateway {
+        if let Some(selector) = target.selector {
+            if selector.is_empty() {
+                errors.push("gateway.selector", "must name at least one label");
+            }
+            if selector.keys().any(String::is_empty) {
+                errors.push("gateway.selector", "a label key may not be empty");
+            }
+            config.selector = selector;
+        }
+        for (i, parent) in target.parent_refs.iter().enumerate() {
+            match parent.split_once('/') {
+                Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                    config.parent_refs.push((ns.to_owned(), name.to_owned()));
+                }
+                _ => errors.push(
+                    format!("gateway.parentRefs[{i}]"),
+                    format!("expected NAMESPACE/NAME, got {parent:?}"),
+                ),
+            }
+        }
+    }
+    if let Some(fallback) = raw.fallback {
+        match BackendAddress::parse(&fallback.address) {
+            Ok(address) => config.fallback = Some(address),
+            Err(e) => errors.push("fallback.address", format!("{e}: {:?}", fallback.address)),
+        }
+    }
+    if let Some(output) = raw.output {
+        match output.file {
+            Some(f) if f.is_empty() => errors.push("output.file", "must not be empty"),
+            Some(f) => {
+                // Relative to the configuration file, like a gateway's `routes.file`.
+                let dir = file.parent().unwrap_or(Path::new(""));
+                config.output = Output::File(dir.join(f));
+            }
+            None => errors.push("output", "name where the table goes: `file`"),
+        }
+    }
+    errors.finish(file, config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(yaml: &str) -> Result<ControllerConfig, String> {
+        parse(Path::new("/etc/trellis/controller.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
+    }
+
+    const HEAD: &str =
+        "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: ControllerConfiguration\n";
+
+    #[test]
+    fn defaults_are_the_seed_default_gateway() {
+        let c = check(HEAD).unwrap();
+        assert_eq!(c, ControllerConfig::default());
+        assert_eq!(
+            c.selector.get("istio").map(String::as_str),
+            Some("ingressgateway")
+        );
+        assert_eq!(c.fallback, None);
+    }
+
+    #[test]
+    fn reads_every_field() {
+        let c = check(&format!(
+            "{HEAD}kubeconfig: /k
+gateway:
+  selector: {{istio: ingressgateway--zone--eu-1a}}
+  parentRefs: [infra/public]
+fallback: {{address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}}
+output: {{file: routes.json}}
+"
+        ))
+        .unwrap();
+        assert_eq!(c.kubeconfig, Some(PathBuf::from("/k")));
+        assert_eq!(c.selector.len(), 1);
+        assert_eq!(c.parent_refs, [("infra".into(), "public".into())]);
+        assert_eq!(
+            c.fallback.unwrap().to_string(),
+            "istio-ingressgateway.istio-ingress.svc.cluster.local:443"
+        );
+        assert_eq!(c.output, Output::File("/etc/trellis/routes.json".into()));
+    }
+
+    #[test]
+    fn reports_every_error_with_path() {
+        let err = check(&format!(
+            "{HEAD}gateway: {{selector: {{}}, parentRefs: [nope], extra: 1}}
+fallback: {{address: nope}}
+output: {{}}
+"
+        ))
+        .unwrap_err();
+        for needle in [
+            "gateway.selector: must name at least one label",
+            "gateway.parentRefs[0]: expected NAMESPACE/NAME",
+            "fallback.address: expected HOST:PORT",
+            "output: name where the table goes",
+            "gateway.extra: unknown field `extra`",
+        ] {
+            assert!(err.contains(needle), "{needle} not in {err}");
+        }
+    }
+}

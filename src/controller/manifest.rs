@@ -1,0 +1,390 @@
+//! Manifests on disk -> [`Snapshot`]: what `trellis controller render --manifests DIR` reads.
+//!
+//! Every `*.yaml`, `*.yml` and `*.json` file in a directory (not its subdirectories), each
+//! YAML file with any number of documents, `kind: List` (as `kubectl get -o yaml` writes)
+//! unpacked. Objects of the kinds translation reads are projected; everything else is
+//! skipped. A field of an unexpected type reads as absent: these are the API server's
+//! objects, not trellis' own files, so nothing here rejects them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use thiserror::Error;
+
+use super::model::{
+    BackendRef, Destination, DestinationRule, Endpoint, EndpointSlice, EnvoyFilter, Gateway, Meta,
+    Namespace, Server, Service, ServicePort, Snapshot, TlsRoute, TlsRouteObject, VirtualService,
+};
+
+/// Why a manifest directory could not be read.
+#[derive(Debug, Error)]
+pub enum ManifestError {
+    /// The directory or a file in it could not be read.
+    #[error("{}: {source}", path.display())]
+    Read {
+        /// The directory or file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A file is not valid YAML or JSON.
+    #[error("{}: {message}", file.display())]
+    Parse {
+        /// The file.
+        file: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+}
+
+/// Reads every manifest file in `dir` (sorted by name) into one snapshot.
+pub fn read_dir(dir: &Path) -> Result<Snapshot, ManifestError> {
+    let read_err = |path: &Path| {
+        let path = path.to_owned();
+        move |source| ManifestError::Read { path, source }
+    };
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(read_err(dir))? {
+        let path = entry.map_err(read_err(dir))?.path();
+        let manifest = matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("yaml" | "yml" | "json")
+        );
+        if manifest && path.is_file() {
+            files.push(path);
+        }
+    }
+    files.sort();
+    let mut snapshot = Snapshot::default();
+    for file in files {
+        let bytes = crate::config::read_file(&file).map_err(|e| ManifestError::Parse {
+            file: file.clone(),
+            message: e.to_string(),
+        })?;
+        for doc in documents(&file, &bytes)? {
+            add(&mut snapshot, &doc);
+        }
+    }
+    Ok(snapshot)
+}
+
+/// The documents of one file: a JSON document, or every document of a YAML stream.
+pub fn documents(file: &Path, bytes: &[u8]) -> Result<Vec<Value>, ManifestError> {
+    let parse_err = |message: String| ManifestError::Parse {
+        file: file.to_owned(),
+        message,
+    };
+    let text = std::str::from_utf8(bytes).map_err(|_| parse_err("not UTF-8 text".into()))?;
+    if text.trim_start().starts_with('{') {
+        return serde_json::from_str(text)
+            .map(|v| vec![v])
+            .map_err(|e| parse_err(e.to_string()));
+    }
+    serde_saphyr::from_multiple_with_options::<Value>(text, crate::config::yaml_options())
+        .map_err(|e| parse_err(e.to_string()))
+}
+
+/// Adds one document (an object or a `List` of them) to the snapshot.
+pub fn add(snapshot: &mut Snapshot, doc: &Value) {
+    let api_version = text(doc, "/apiVersion");
+    let kind = text(doc, "/kind");
+    if let Some(items) = doc.get("items").and_then(Value::as_array)
+        && kind.ends_with("List")
+    {
+        for item in items {
+            add(snapshot, item);
+        }
+        return;
+    }
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    match (group, kind) {
+        ("networking.istio.io", "Gateway") if istio_version(version) => {
+            snapshot.gateways.push(gateway(doc))
+        }
+        ("networking.istio.io", "VirtualService") if istio_version(version) => {
+            snapshot.virtual_services.push(virtual_service(doc))
+        }
+        ("networking.istio.io", "DestinationRule") if istio_version(version) => {
+            snapshot.destination_rules.push(destination_rule(doc))
+        }
+        ("networking.istio.io", "EnvoyFilter") if istio_version(version) => {
+            snapshot.envoy_filters.push(EnvoyFilter { meta: meta(doc) })
+        }
+        ("", "Service") if version == "v1" => snapshot.services.push(service(doc)),
+        ("", "Namespace") if version == "v1" => snapshot.namespaces.push(Namespace {
+            meta: meta(doc),
+            deleting: doc
+                .pointer("/metadata/deletionTimestamp")
+                .is_some_and(|v| !v.is_null()),
+        }),
+        ("discovery.k8s.io", "EndpointSlice") if version == "v1" => {
+            snapshot.endpoint_slices.push(endpoint_slice(doc))
+        }
+        ("gateway.networking.k8s.io", "TLSRoute")
+            if matches!(version, "v1" | "v1alpha2" | "v1alpha3") =>
+        {
+            snapshot.tls_routes.push(tls_route(doc))
+        }
+        _ => {}
+    }
+}
+
+fn istio_version(version: &str) -> bool {
+    matches!(version, "v1" | "v1beta1" | "v1alpha3")
+}
+
+fn text<'a>(v: &'a Value, pointer: &str) -> &'a str {
+    v.pointer(pointer).and_then(Value::as_str).unwrap_or("")
+}
+
+fn array<'a>(v: &'a Value, pointer: &str) -> &'a [Value] {
+    v.pointer(pointer)
+        .and_then(Value::as_array)
+        .map_or(&[], Vec::as_slice)
+}
+
+fn strings(v: &Value, pointer: &str) -> Vec<String> {
+    array(v, pointer)
+        .iter()
+        .filter_map(|s| s.as_str().map(str::to_owned))
+        .collect()
+}
+
+fn number(v: &Value, pointer: &str) -> Option<u64> {
+    v.pointer(pointer).and_then(Value::as_u64)
+}
+
+fn labels(v: &Value, pointer: &str) -> BTreeMap<String, String> {
+    v.pointer(pointer)
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn meta(doc: &Value) -> Meta {
+    Meta {
+        name: text(doc, "/metadata/name").to_owned(),
+        namespace: text(doc, "/metadata/namespace").to_owned(),
+        uid: text(doc, "/metadata/uid").to_owned(),
+        created: doc
+            .pointer("/metadata/creationTimestamp")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+    }
+}
+
+fn gateway(doc: &Value) -> Gateway {
+    Gateway {
+        meta: meta(doc),
+        selector: labels(doc, "/spec/selector"),
+        servers: array(doc, "/spec/servers")
+            .iter()
+            .map(|s| Server {
+                port: number(s, "/port/number")
+                    .and_then(|n| u32::try_from(n).ok())
+                    .unwrap_or(0),
+                protocol: text(s, "/port/protocol").to_ascii_uppercase(),
+                tls_mode: s
+                    .pointer("/tls/mode")
+                    .and_then(Value::as_str)
+                    .map(str::to_ascii_uppercase),
+            })
+            .collect(),
+    }
+}
+
+fn destination(route: &Value) -> Option<Destination> {
+    let host = route.pointer("/destination/host")?.as_str()?.to_owned();
+    let port = number(route, "/destination/port/number").and_then(|n| u32::try_from(n).ok());
+    Some(Destination { host, port })
+}
+
+fn virtual_service(doc: &Value) -> VirtualService {
+    VirtualService {
+        meta: meta(doc),
+        gateways: strings(doc, "/spec/gateways"),
+        tls: array(doc, "/spec/tls")
+            .iter()
+            .map(|t| TlsRoute {
+                sni_hosts: array(t, "/match")
+                    .iter()
+                    .flat_map(|m| strings(m, "/sniHosts"))
+                    .collect(),
+                destinations: array(t, "/route").iter().filter_map(destination).collect(),
+            })
+            .collect(),
+        http_destinations: array(doc, "/spec/http")
+            .iter()
+            .flat_map(|h| array(h, "/route").iter().filter_map(destination))
+            .collect(),
+    }
+}
+
+fn destination_rule(doc: &Value) -> DestinationRule {
+    DestinationRule {
+        meta: meta(doc),
+        host: text(doc, "/spec/host").to_owned(),
+        max_connection_duration: doc
+            .pointer("/spec/trafficPolicy/connectionPool/tcp/maxConnectionDuration")
+            .and_then(Value::as_str)
+            .and_then(|d| crate::config::parse_duration(d).ok())
+            .filter(|d| !d.is_zero()),
+    }
+}
+
+fn service(doc: &Value) -> Service {
+    let mut cluster_ips = strings(doc, "/spec/clusterIPs");
+    if cluster_ips.is_empty() {
+        cluster_ips = doc
+            .pointer("/spec/clusterIP")
+            .and_then(Value::as_str)
+            .map(|ip| vec![ip.to_owned()])
+            .unwrap_or_default();
+    }
+    cluster_ips.retain(|ip| ip != "None" && !ip.is_empty());
+    Service {
+        meta: meta(doc),
+        cluster_ips,
+        ports: array(doc, "/spec/ports")
+            .iter()
+            .filter_map(|p| {
+                Some(ServicePort {
+                    name: text(p, "/name").to_owned(),
+                    port: u16::try_from(number(p, "/port")?).ok()?,
+                })
+            })
+            .collect(),
+    }
+}
+
+fn endpoint_slice(doc: &Value) -> EndpointSlice {
+    EndpointSlice {
+        meta: meta(doc),
+        service: text(doc, "/metadata/labels/kubernetes.io~1service-name").to_owned(),
+        address_type: text(doc, "/addressType").to_owned(),
+        ports: array(doc, "/ports")
+            .iter()
+            .map(|p| {
+                (
+                    text(p, "/name").to_owned(),
+                    number(p, "/port").and_then(|n| u16::try_from(n).ok()),
+                )
+            })
+            .collect(),
+        endpoints: array(doc, "/endpoints")
+            .iter()
+            .map(|e| Endpoint {
+                addresses: strings(e, "/addresses"),
+                ready: e.pointer("/conditions/ready").and_then(Value::as_bool),
+                terminating: e
+                    .pointer("/conditions/terminating")
+                    .and_then(Value::as_bool),
+                zone: e
+                    .pointer("/zone")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned),
+            })
+            .collect(),
+    }
+}
+
+fn tls_route(doc: &Value) -> TlsRouteObject {
+    let meta = meta(doc);
+    let parents = array(doc, "/spec/parentRefs")
+        .iter()
+        .filter(|p| {
+            matches!(text(p, "/group"), "" | "gateway.networking.k8s.io")
+                && matches!(text(p, "/kind"), "" | "Gateway")
+        })
+        .map(|p| {
+            let ns = match text(p, "/namespace") {
+                "" => meta.namespace.clone(),
+                ns => ns.to_owned(),
+            };
+            (ns, text(p, "/name").to_owned())
+        })
+        .collect();
+    let backends = array(doc, "/spec/rules")
+        .iter()
+        .flat_map(|r| array(r, "/backendRefs"))
+        .map(|b| {
+            let group = text(b, "/group");
+            let kind = text(b, "/kind");
+            BackendRef {
+                other_kind: if group.is_empty() && matches!(kind, "" | "Service") {
+                    String::new()
+                } else {
+                    format!("{group}/{kind}")
+                },
+                name: text(b, "/name").to_owned(),
+                namespace: match text(b, "/namespace") {
+                    "" => meta.namespace.clone(),
+                    ns => ns.to_owned(),
+                },
+                port: number(b, "/port").and_then(|n| u32::try_from(n).ok()),
+            }
+        })
+        .collect();
+    TlsRouteObject {
+        hostnames: strings(doc, "/spec/hostnames"),
+        parents,
+        backends,
+        meta,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_and_document_streams_are_unpacked() {
+        let yaml = "apiVersion: v1
+kind: List
+items:
+- {apiVersion: v1, kind: Namespace, metadata: {name: a, deletionTimestamp: '2024-01-01T00:00:00Z'}}
+- {apiVersion: v1, kind: ConfigMap, metadata: {name: ignored}}
+---
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: b}
+";
+        let mut s = Snapshot::default();
+        for doc in documents(Path::new("x.yaml"), yaml.as_bytes()).unwrap() {
+            add(&mut s, &doc);
+        }
+        let names: Vec<_> = s
+            .namespaces
+            .iter()
+            .map(|n| (n.meta.name.as_str(), n.deleting))
+            .collect();
+        assert_eq!(names, [("a", true), ("b", false)]);
+        assert_eq!(s.counts().iter().map(|c| c.1).sum::<usize>(), 2);
+    }
+
+    #[test]
+    fn unknown_versions_are_not_read() {
+        let mut s = Snapshot::default();
+        for v in ["networking.istio.io/v2", "discovery.k8s.io/v1beta1"] {
+            for kind in ["Gateway", "EndpointSlice"] {
+                add(
+                    &mut s,
+                    &serde_json::json!({"apiVersion": v, "kind": kind, "metadata": {"name": "x"}}),
+                );
+            }
+        }
+        assert_eq!(s, Snapshot::default());
+    }
+
+    #[test]
+    fn a_bad_file_is_named() {
+        let err = documents(Path::new("bad.yaml"), b"a: [").unwrap_err();
+        assert!(err.to_string().starts_with("bad.yaml: "), "{err}");
+    }
+}

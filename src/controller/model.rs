@@ -1,0 +1,247 @@
+//! Compact typed projections of the seed's objects: exactly what translation reads from
+//! each kind, nothing else. The manifest reader ([`super::manifest`]) fills them from YAML;
+//! a watch fills the same types from the API. This module does no I/O.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// What every projection keeps of `metadata`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Meta {
+    /// `metadata.name`.
+    pub name: String,
+    /// `metadata.namespace` (empty for cluster-scoped objects).
+    pub namespace: String,
+    /// `metadata.uid`.
+    pub uid: String,
+    /// `metadata.creationTimestamp` as the API writes it (RFC 3339, UTC, whole seconds:
+    /// `2024-05-01T10:00:00Z`), so that text order is time order; `None` when absent.
+    pub created: Option<String>,
+}
+
+impl Meta {
+    /// The order "oldest object first": creation time (objects without one last), then
+    /// namespace and name, then uid. Conflicts keep the first.
+    pub fn age(&self) -> (bool, &str, &str, &str, &str) {
+        (
+            self.created.is_none(),
+            self.created.as_deref().unwrap_or(""),
+            &self.namespace,
+            &self.name,
+            &self.uid,
+        )
+    }
+
+    /// `namespace/name`, for reports.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// An Istio `Gateway` (`networking.istio.io/v1` or `v1beta1`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Gateway {
+    /// Metadata.
+    pub meta: Meta,
+    /// `spec.selector`: the gateway workloads it applies to.
+    pub selector: BTreeMap<String, String>,
+    /// `spec.servers`.
+    pub servers: Vec<Server>,
+}
+
+/// One `spec.servers[]` entry of a Gateway.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Server {
+    /// `port.number`.
+    pub port: u32,
+    /// `port.protocol`, upper case (`TLS`, `HTTPS`, `HTTP`, `TCP`).
+    pub protocol: String,
+    /// `tls.mode`, upper case (`PASSTHROUGH`, `SIMPLE`, `OPTIONAL_MUTUAL`, …), if any.
+    pub tls_mode: Option<String>,
+}
+
+impl Server {
+    /// TLS passed through unterminated: what trellis routes by SNI.
+    pub fn is_passthrough(&self) -> bool {
+        self.protocol == "TLS" && self.tls_mode.as_deref() == Some("PASSTHROUGH")
+    }
+}
+
+/// An Istio `VirtualService` (`networking.istio.io/v1` or `v1beta1`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VirtualService {
+    /// Metadata.
+    pub meta: Meta,
+    /// `spec.gateways`: `name` (same namespace) or `namespace/name`.
+    pub gateways: Vec<String>,
+    /// `spec.tls[]`: SNI routes.
+    pub tls: Vec<TlsRoute>,
+    /// Destinations of `spec.http[].route[]` (TLS-terminated traffic).
+    pub http_destinations: Vec<Destination>,
+}
+
+/// One `spec.tls[]` entry of a VirtualService.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsRoute {
+    /// Every `match[].sniHosts` entry.
+    pub sni_hosts: Vec<String>,
+    /// `route[].destination`.
+    pub destinations: Vec<Destination>,
+}
+
+/// A `destination` of a VirtualService route.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Destination {
+    /// `host`: a Service name, short (`svc`, `svc.ns`) or full (`svc.ns.svc.cluster.local`).
+    pub host: String,
+    /// `port.number`, if given.
+    pub port: Option<u32>,
+}
+
+/// An Istio `DestinationRule`: the traffic policy for one host.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DestinationRule {
+    /// Metadata.
+    pub meta: Meta,
+    /// `spec.host`.
+    pub host: String,
+    /// `spec.trafficPolicy.connectionPool.tcp.maxConnectionDuration`.
+    pub max_connection_duration: Option<Duration>,
+}
+
+/// An Istio `EnvoyFilter`: only its name matters (`<namespace>-istio-tls-termination` marks a
+/// shoot whose API server Istio exposes with TLS termination).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EnvoyFilter {
+    /// Metadata.
+    pub meta: Meta,
+}
+
+/// A core `Service`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Service {
+    /// Metadata.
+    pub meta: Meta,
+    /// `spec.clusterIPs` (or `spec.clusterIP`), `None` entries left out.
+    pub cluster_ips: Vec<String>,
+    /// `spec.ports`.
+    pub ports: Vec<ServicePort>,
+}
+
+/// One `spec.ports[]` entry of a Service.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServicePort {
+    /// `name` (EndpointSlice ports carry the same name); empty when unnamed.
+    pub name: String,
+    /// `port`.
+    pub port: u16,
+}
+
+/// A `discovery.k8s.io/v1` `EndpointSlice`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EndpointSlice {
+    /// Metadata.
+    pub meta: Meta,
+    /// The `kubernetes.io/service-name` label.
+    pub service: String,
+    /// `addressType`: `IPv4`, `IPv6` or `FQDN`.
+    pub address_type: String,
+    /// `ports[]`: name (empty when unnamed) and port number.
+    pub ports: Vec<(String, Option<u16>)>,
+    /// `endpoints[]`.
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// One endpoint of an EndpointSlice.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Endpoint {
+    /// `addresses` (the first is the one to use).
+    pub addresses: Vec<String>,
+    /// `conditions.ready` (absent means ready).
+    pub ready: Option<bool>,
+    /// `conditions.terminating` (absent means not terminating).
+    pub terminating: Option<bool>,
+    /// `zone`.
+    pub zone: Option<String>,
+}
+
+impl Endpoint {
+    /// Ready to take new connections, as the API defines it: `ready` true or absent, and
+    /// not `terminating`.
+    pub fn is_ready(&self) -> bool {
+        self.ready != Some(false) && self.terminating != Some(true)
+    }
+}
+
+/// A `Namespace`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Namespace {
+    /// Metadata.
+    pub meta: Meta,
+    /// `metadata.deletionTimestamp` is set.
+    pub deleting: bool,
+}
+
+/// A Gateway API `TLSRoute` (`gateway.networking.k8s.io/v1`, also `v1alpha2`/`v1alpha3`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsRouteObject {
+    /// Metadata.
+    pub meta: Meta,
+    /// `spec.hostnames`.
+    pub hostnames: Vec<String>,
+    /// `spec.parentRefs` that name a Gateway API `Gateway`: (namespace, name), the
+    /// namespace defaulted to the route's.
+    pub parents: Vec<(String, String)>,
+    /// Every `spec.rules[].backendRefs[]`.
+    pub backends: Vec<BackendRef>,
+}
+
+/// A `backendRefs[]` entry of a TLSRoute.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackendRef {
+    /// `group`/`kind` other than core `Service` (empty for a Service).
+    pub other_kind: String,
+    /// `name`.
+    pub name: String,
+    /// `namespace`, defaulted to the route's.
+    pub namespace: String,
+    /// `port`.
+    pub port: Option<u32>,
+}
+
+/// Every object translation reads, as the stores hold them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Istio Gateways.
+    pub gateways: Vec<Gateway>,
+    /// Istio VirtualServices.
+    pub virtual_services: Vec<VirtualService>,
+    /// Istio DestinationRules.
+    pub destination_rules: Vec<DestinationRule>,
+    /// Istio EnvoyFilters (names only).
+    pub envoy_filters: Vec<EnvoyFilter>,
+    /// Services.
+    pub services: Vec<Service>,
+    /// EndpointSlices.
+    pub endpoint_slices: Vec<EndpointSlice>,
+    /// Namespaces.
+    pub namespaces: Vec<Namespace>,
+    /// Gateway API TLSRoutes.
+    pub tls_routes: Vec<TlsRouteObject>,
+}
+
+impl Snapshot {
+    /// Objects per kind, in a fixed order: what the report and the metrics count.
+    pub fn counts(&self) -> [(&'static str, usize); 8] {
+        [
+            ("Gateway", self.gateways.len()),
+            ("VirtualService", self.virtual_services.len()),
+            ("DestinationRule", self.destination_rules.len()),
+            ("EnvoyFilter", self.envoy_filters.len()),
+            ("Service", self.services.len()),
+            ("EndpointSlice", self.endpoint_slices.len()),
+            ("Namespace", self.namespaces.len()),
+            ("TLSRoute", self.tls_routes.len()),
+        ]
+    }
+}

@@ -1,0 +1,1744 @@
+//! Snapshot -> routing table: a pure function of the objects and the target gateway.
+//!
+//! What gardenlet writes per shoot namespace becomes routes:
+//! - **SNI**: a `VirtualService` bound (`spec.gateways`: `name` or `namespace/name`) to an
+//!   Istio `Gateway` that the target serves (every label of the Gateway's `spec.selector` is
+//!   one of the target's labels) and that has a TLS passthrough server (`protocol: TLS`,
+//!   `tls.mode: PASSTHROUGH`): its `tls[].match[].sniHosts` route to `route[].destination`,
+//!   a Service (`svc`, or `svc.ns.svc.cluster.local`) and port. Gateway API `TLSRoute`s
+//!   attached to one of the target's parents route their `hostnames` to their backend.
+//! - **Backends**: the Service's EndpointSlices (label `kubernetes.io/service-name`), the
+//!   port whose name is the Service port's, every ready endpoint (`ready` true or absent,
+//!   not `terminating`; IPv4 and IPv6) with its zone.
+//! - **DestinationRule** of the destination host: `maxConnectionDuration`. Its TCP keepalive
+//!   has no place in a route (the gateway's `keepalive.upstream` holds it for every route).
+//! - **CONNECT**: the `kube-apiserver` route of a namespace carries
+//!   `outbound|443||kube-apiserver.<ns>.svc.cluster.local` and, as `proxyDestinations`, the
+//!   Service's IPv4 ClusterIP with its first octet replaced by 240, port 443. A namespace
+//!   routed on the target also gets a route per `vpn-seed-server[-N]` Service, port 1194,
+//!   keyed `outbound|1194||vpn-seed-server[-N].<ns>.svc.cluster.local`.
+//! - **L7 shoots** (Istio terminates their TLS: a `<ns>-istio-tls-termination` EnvoyFilter,
+//!   or a served VirtualService that sends HTTP to `kube-apiserver.<ns>`) are not routed by
+//!   SNI; their CONNECT and PROXY keys go to the fallback route.
+//! - **Fallback**: a route named [`FALLBACK_ROUTE`] with the fallback backend, the `sni`
+//!   listener's `defaultRoute`. Other HTTPS hosts (Gardener's plutono, prometheus, the garden
+//!   `kube-apiserver-ingress`) are left to it and counted as `https`.
+//! - **Conflicts**: two routes claiming one key (server name, destination, PROXY destination,
+//!   route name): the oldest object wins (creation time, then namespace, name, uid); the
+//!   other loses that key and is counted as `conflict`. Claims are settled before endpoints
+//!   are looked at, so a restarting pod never hands a name to another namespace.
+//! - Namespaces being deleted are skipped (`namespace_deleting`); a route without a ready
+//!   endpoint is left out (`no_endpoints`): a route must have a backend, and its server names
+//!   fall through to the fallback, which may still reach it.
+//!
+//! The output is ordered by route name, each list sorted: the same snapshot gives the same
+//! bytes. Nothing here does I/O.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use serde::Serialize;
+
+use super::model::{Destination, EndpointSlice, Gateway, Meta, Service, Snapshot};
+use crate::config::controller::ControllerConfig;
+
+/// Name of the route that takes everything trellis does not route itself.
+pub const FALLBACK_ROUTE: &str = "fallback";
+
+/// The cluster domain of Service host names (Gardener's seeds use the default).
+const CLUSTER_DOMAIN: &str = "svc.cluster.local";
+
+/// The shoot API server's Service and port.
+const KUBE_APISERVER: (&str, u16) = ("kube-apiserver", 443);
+
+/// The VPN server's Service name (HA: `-0`, `-1`, …) and OpenVPN port.
+const VPN_SEED_SERVER: (&str, u16) = ("vpn-seed-server", 1194);
+
+/// Suffix of the EnvoyFilter that marks a namespace's API server as TLS-terminated by Istio.
+const TLS_TERMINATION_FILTER: &str = "-istio-tls-termination";
+
+/// The gateway a table is rendered for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Target {
+    /// Labels of the gateway workload: an Istio Gateway whose selector is a subset is served.
+    pub selector: BTreeMap<String, String>,
+    /// Gateway API parents (namespace, name) whose TLSRoutes are served.
+    pub parent_refs: Vec<(String, String)>,
+    /// The fallback backend (`host:port`), if any.
+    pub fallback: Option<String>,
+}
+
+impl Target {
+    /// The target a controller configuration names.
+    pub fn from_config(config: &ControllerConfig) -> Target {
+        Target {
+            selector: config.selector.clone(),
+            parent_refs: config.parent_refs.clone(),
+            fallback: config.fallback.as_ref().map(|f| f.to_string()),
+        }
+    }
+
+    /// Whether this gateway serves `gateway` (Istio's rule: the selector is a subset of the
+    /// workload's labels).
+    pub fn serves(&self, gateway: &Gateway) -> bool {
+        gateway
+            .selector
+            .iter()
+            .all(|(k, v)| self.selector.get(k) == Some(v))
+    }
+}
+
+/// A routing table document, serialised as the gateway reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Table {
+    /// Always `trellis.gardener.cloud/v1alpha1`.
+    pub api_version: &'static str,
+    /// Always `RoutingTable`.
+    pub kind: &'static str,
+    /// Routes, ordered by name.
+    pub routes: Vec<RouteDoc>,
+}
+
+/// One route of a [`Table`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RouteDoc {
+    /// Unique name.
+    pub name: String,
+    /// TLS server names, sorted.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub sni: Vec<String>,
+    /// CONNECT destination header values, sorted.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub destinations: Vec<String>,
+    /// PROXY header destinations, sorted.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub proxy_destinations: Vec<String>,
+    /// Backends, sorted by address.
+    pub backends: Vec<BackendDoc>,
+    /// From the DestinationRule, e.g. `86400s`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connection_duration: Option<String>,
+}
+
+/// One backend of a [`RouteDoc`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BackendDoc {
+    /// `IP:port` (`[IPv6]:port`) or `host:port`.
+    pub address: String,
+    /// The endpoint's zone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+}
+
+/// Why something was not routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// Istio terminates the shoot's TLS; it falls through to the fallback.
+    L7,
+    /// Another, older object claims the same key.
+    Conflict,
+    /// The destination has no ready endpoint.
+    NoEndpoints,
+    /// The namespace is being deleted.
+    NamespaceDeleting,
+    /// The destination Service or its port does not exist.
+    NoService,
+    /// An HTTPS host that is not a shoot API server (left to the fallback).
+    Https,
+    /// A shape trellis does not translate (several destinations, a host outside the cluster,
+    /// a cross-namespace or non-Service backend).
+    Unsupported,
+}
+
+impl Reason {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::L7 => "l7",
+            Reason::Conflict => "conflict",
+            Reason::NoEndpoints => "no_endpoints",
+            Reason::NamespaceDeleting => "namespace_deleting",
+            Reason::NoService => "no_service",
+            Reason::Https => "https",
+            Reason::Unsupported => "unsupported",
+        }
+    }
+}
+
+/// One thing not routed, with the object it comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Skip {
+    /// Why.
+    pub reason: Reason,
+    /// `Kind namespace/name` of the object.
+    pub object: String,
+    /// What exactly.
+    pub detail: String,
+}
+
+/// What a translation saw and left out: for logs and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Report {
+    /// Objects in the snapshot, per kind.
+    pub objects: BTreeMap<&'static str, usize>,
+    /// Routes rendered (the fallback included).
+    pub routes: usize,
+    /// Skips per reason.
+    pub skipped: BTreeMap<Reason, usize>,
+    /// Every skip, in the order found.
+    pub skips: Vec<Skip>,
+}
+
+impl Report {
+    fn skip(&mut self, reason: Reason, object: String, detail: impl Into<String>) {
+        *self.skipped.entry(reason).or_default() += 1;
+        self.skips.push(Skip {
+            reason,
+            object,
+            detail: detail.into(),
+        });
+    }
+}
+
+/// A route being built: the Service and port it leads to.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct RouteKey {
+    namespace: String,
+    service: String,
+    port: Option<u32>,
+}
+
+/// An owned [`Meta::age`]: the order in which routes keep contested keys.
+type Age = (bool, String, String, String, String);
+
+/// A server name claimed for a route by an object.
+struct Claim<'a> {
+    host: String,
+    route: RouteKey,
+    owner: &'a Meta,
+    kind: &'static str,
+}
+
+/// Renders the routing table for `target` from `snapshot`.
+pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
+    let mut report = Report {
+        objects: snapshot.counts().into_iter().collect(),
+        ..Report::default()
+    };
+    let deleting: BTreeSet<&str> = snapshot
+        .namespaces
+        .iter()
+        .filter(|n| n.deleting)
+        .map(|n| n.meta.name.as_str())
+        .collect();
+    let mut deleting_seen = BTreeSet::new();
+    let mut skip_deleting = |report: &mut Report, ns: &str| {
+        if deleting_seen.insert(ns.to_owned()) {
+            report.skip(
+                Reason::NamespaceDeleting,
+                format!("Namespace {ns}"),
+                "the namespace is being deleted",
+            );
+        }
+    };
+    let gateways: BTreeMap<(&str, &str), &Gateway> = snapshot
+        .gateways
+        .iter()
+        .filter(|g| target.serves(g))
+        .map(|g| ((g.meta.namespace.as_str(), g.meta.name.as_str()), g))
+        .collect();
+
+    // Claims of server names, and the namespaces whose API server Istio terminates.
+    let mut claims: Vec<Claim<'_>> = Vec::new();
+    let mut l7: BTreeSet<String> = BTreeSet::new();
+    let mut vs_sorted: Vec<_> = snapshot.virtual_services.iter().collect();
+    vs_sorted.sort_by(|a, b| a.meta.age().cmp(&b.meta.age()));
+    for vs in vs_sorted {
+        let ns = vs.meta.namespace.as_str();
+        let bound: Vec<&Gateway> = vs
+            .gateways
+            .iter()
+            .filter_map(|g| {
+                let (gns, name) = g.split_once('/').unwrap_or((ns, g));
+                gateways.get(&(gns, name)).copied()
+            })
+            .collect();
+        if bound.is_empty() {
+            continue;
+        }
+        let object = format!("VirtualService {}", vs.meta.key());
+        if deleting.contains(ns) {
+            skip_deleting(&mut report, ns);
+            continue;
+        }
+        let passthrough = bound
+            .iter()
+            .any(|g| g.servers.iter().any(|s| s.is_passthrough()));
+        if passthrough {
+            for tls in &vs.tls {
+                let [destination] = tls.destinations.as_slice() else {
+                    report.skip(
+                        Reason::Unsupported,
+                        object.clone(),
+                        format!("{} destinations; one is supported", tls.destinations.len()),
+                    );
+                    continue;
+                };
+                let Some(route) = route_key(destination, ns) else {
+                    report.skip(
+                        Reason::Unsupported,
+                        object.clone(),
+                        format!(
+                            "host {:?} is not a Service of this cluster",
+                            destination.host
+                        ),
+                    );
+                    continue;
+                };
+                if deleting.contains(route.namespace.as_str()) {
+                    skip_deleting(&mut report, &route.namespace);
+                    continue;
+                }
+                for host in &tls.sni_hosts {
+                    claims.push(Claim {
+                        host: normalize(host),
+                        route: route.clone(),
+                        owner: &vs.meta,
+                        kind: "VirtualService",
+                    });
+                }
+            }
+        }
+        // HTTP to a shoot's API server (besides its connection-upgrade Service) makes the
+        // shoot L7; HTTP to anything else is one of Gardener's own HTTPS hosts.
+        let api_servers: Vec<String> = vs
+            .http_destinations
+            .iter()
+            .filter_map(|d| route_key(d, ns))
+            .filter(|k| k.service == KUBE_APISERVER.0)
+            .map(|k| k.namespace)
+            .collect();
+        let https = api_servers.is_empty() && !vs.http_destinations.is_empty();
+        l7.extend(api_servers);
+        if https {
+            report.skip(
+                Reason::Https,
+                object,
+                "TLS terminated by Istio, left to the fallback",
+            );
+        }
+    }
+    let mut tls_sorted: Vec<_> = snapshot
+        .tls_routes
+        .iter()
+        .filter(|r| r.parents.iter().any(|p| target.parent_refs.contains(p)))
+        .collect();
+    tls_sorted.sort_by(|a, b| a.meta.age().cmp(&b.meta.age()));
+    for r in tls_sorted {
+        let ns = r.meta.namespace.as_str();
+        let object = format!("TLSRoute {}", r.meta.key());
+        if deleting.contains(ns) {
+            skip_deleting(&mut report, ns);
+            continue;
+        }
+        let [backend] = r.backends.as_slice() else {
+            let n = r.backends.len();
+            report.skip(
+                Reason::Unsupported,
+                object,
+                format!("{n} backendRefs; one is supported"),
+            );
+            continue;
+        };
+        if !backend.other_kind.is_empty() || backend.namespace != ns {
+            report.skip(
+                Reason::Unsupported,
+                object,
+                "backendRefs to another namespace or kind than a Service (ReferenceGrants are not read)",
+            );
+            continue;
+        }
+        for host in &r.hostnames {
+            claims.push(Claim {
+                host: normalize(host),
+                route: RouteKey {
+                    namespace: ns.to_owned(),
+                    service: backend.name.clone(),
+                    port: backend.port,
+                },
+                owner: &r.meta,
+                kind: "TLSRoute",
+            });
+        }
+    }
+
+    // Namespaces on this gateway: L7 ones by an HTTP route here, or by their EnvoyFilter
+    // when they have a passthrough claim here (a shoot switching to TLS termination).
+    let filters: BTreeSet<&str> = snapshot
+        .envoy_filters
+        .iter()
+        .filter_map(|f| f.meta.name.strip_suffix(TLS_TERMINATION_FILTER))
+        .collect();
+    let claimed: BTreeSet<String> = claims.iter().map(|c| c.route.namespace.clone()).collect();
+    for ns in &claimed {
+        if filters.contains(ns.as_str()) {
+            l7.insert(ns.clone());
+        }
+    }
+    l7.retain(|ns| {
+        let keep = !deleting.contains(ns.as_str());
+        if !keep {
+            skip_deleting(&mut report, ns);
+        }
+        keep
+    });
+    claims.retain(|c| !l7.contains(&c.route.namespace));
+
+    // Each server name goes to the route of its oldest claim.
+    claims.sort_by(|a, b| (&a.host, a.owner.age()).cmp(&(&b.host, b.owner.age())));
+    let mut sni: BTreeMap<RouteKey, (BTreeSet<String>, &Meta)> = BTreeMap::new();
+    let mut winner: Option<(&str, &RouteKey, &Meta, &str)> = None;
+    for c in &claims {
+        match winner {
+            Some((host, route, owner, kind)) if host == c.host => {
+                if *route != c.route {
+                    // The route keeps what else it has (its CONNECT keys, other names).
+                    sni.entry(c.route.clone())
+                        .or_insert((BTreeSet::new(), c.owner));
+                    report.skip(
+                        Reason::Conflict,
+                        format!("{} {}", c.kind, c.owner.key()),
+                        format!(
+                            "server name {:?} is claimed by the older {kind} {}",
+                            c.host,
+                            owner.key()
+                        ),
+                    );
+                    continue;
+                }
+            }
+            _ => winner = Some((&c.host, &c.route, c.owner, c.kind)),
+        }
+        let entry = sni
+            .entry(c.route.clone())
+            .or_insert((BTreeSet::new(), c.owner));
+        entry.0.insert(c.host.clone());
+        if c.owner.age() < entry.1.age() {
+            entry.1 = c.owner;
+        }
+    }
+
+    let index = Index::new(snapshot);
+    // Routes with their owner (the oldest object behind them), before key conflicts.
+    let mut built: Vec<(RouteDoc, Age)> = Vec::new();
+    let age = |m: &Meta| {
+        let (none, t, ns, name, uid) = m.age();
+        (
+            none,
+            t.to_owned(),
+            ns.to_owned(),
+            name.to_owned(),
+            uid.to_owned(),
+        )
+    };
+    let fallback_keys =
+        |index: &Index<'_>, ns: &str, keys: &mut (BTreeSet<String>, BTreeSet<String>)| {
+            keys.0
+                .insert(connect_key(KUBE_APISERVER.0, ns, KUBE_APISERVER.1));
+            if let Some(svc) = index.services.get(&(ns, KUBE_APISERVER.0)) {
+                keys.1.extend(proxy_destination(svc));
+            }
+            for svc in index.vpn_services(ns) {
+                keys.0
+                    .insert(connect_key(&svc.meta.name, ns, VPN_SEED_SERVER.1));
+            }
+        };
+    let mut fallback = (BTreeSet::new(), BTreeSet::new());
+    for ns in &l7 {
+        let detail = if target.fallback.is_some() {
+            "Istio terminates its TLS: not routed by SNI, CONNECT to the fallback"
+        } else {
+            "Istio terminates its TLS: not routed by SNI; no fallback, CONNECT not routed"
+        };
+        report.skip(Reason::L7, format!("Namespace {ns}"), detail);
+        fallback_keys(&index, ns, &mut fallback);
+    }
+    if let Some(address) = &target.fallback {
+        built.push((
+            RouteDoc {
+                name: FALLBACK_ROUTE.to_owned(),
+                sni: Vec::new(),
+                destinations: fallback.0.into_iter().collect(),
+                proxy_destinations: fallback.1.into_iter().collect(),
+                backends: vec![BackendDoc {
+                    address: address.clone(),
+                    zone: None,
+                }],
+                max_connection_duration: None,
+            },
+            // The fallback is set up by the operator: it wins every key it holds.
+            (
+                false,
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+            ),
+        ));
+    }
+    let multi_port: BTreeSet<(String, String)> = {
+        let mut seen = BTreeSet::new();
+        let mut multi = BTreeSet::new();
+        for k in sni.keys() {
+            if !seen.insert((k.namespace.clone(), k.service.clone())) {
+                multi.insert((k.namespace.clone(), k.service.clone()));
+            }
+        }
+        multi
+    };
+    let mut routed_namespaces = BTreeSet::new();
+    for (key, (hosts, owner)) in &sni {
+        routed_namespaces.insert(key.namespace.clone());
+        let object = format!("Service {}/{}", key.namespace, key.service);
+        let Some(service) = index
+            .services
+            .get(&(key.namespace.as_str(), key.service.as_str()))
+        else {
+            report.skip(Reason::NoService, object, "the Service does not exist");
+            continue;
+        };
+        let port = match key.port {
+            Some(p) => service.ports.iter().find(|sp| u32::from(sp.port) == p),
+            None if service.ports.len() == 1 => service.ports.first(),
+            None => None,
+        };
+        let Some(port) = port else {
+            let detail = match key.port {
+                Some(p) => format!("the Service has no port {p}"),
+                None => "no destination port, and the Service has several".to_owned(),
+            };
+            report.skip(Reason::NoService, object, detail);
+            continue;
+        };
+        let backends = index.backends(service, &port.name);
+        if backends.is_empty() {
+            report.skip(
+                Reason::NoEndpoints,
+                object,
+                format!("no ready endpoint for port {}", port.port),
+            );
+            continue;
+        }
+        let kube_apiserver = (key.service.as_str(), port.port) == KUBE_APISERVER;
+        let name = if kube_apiserver {
+            key.namespace.clone()
+        } else if multi_port.contains(&(key.namespace.clone(), key.service.clone())) {
+            format!("{}--{}--{}", key.namespace, key.service, port.port)
+        } else {
+            format!("{}--{}", key.namespace, key.service)
+        };
+        let (destinations, proxy_destinations) = if kube_apiserver {
+            (
+                vec![connect_key(&key.service, &key.namespace, port.port)],
+                proxy_destination(service).into_iter().collect(),
+            )
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        built.push((
+            RouteDoc {
+                name,
+                sni: hosts.iter().cloned().collect(),
+                destinations,
+                proxy_destinations,
+                backends,
+                max_connection_duration: index
+                    .max_connection_duration(&key.namespace, &key.service),
+            },
+            age(owner),
+        ));
+    }
+    for ns in &routed_namespaces {
+        for service in index.vpn_services(ns) {
+            let object = format!("Service {}", service.meta.key());
+            let Some(port) = service.ports.iter().find(|p| p.port == VPN_SEED_SERVER.1) else {
+                report.skip(Reason::NoService, object, "the Service has no port 1194");
+                continue;
+            };
+            let backends = index.backends(service, &port.name);
+            if backends.is_empty() {
+                report.skip(
+                    Reason::NoEndpoints,
+                    object,
+                    "no ready endpoint for port 1194",
+                );
+                continue;
+            }
+            built.push((
+                RouteDoc {
+                    name: format!("{ns}--{}", service.meta.name),
+                    sni: Vec::new(),
+                    destinations: vec![connect_key(&service.meta.name, ns, port.port)],
+                    proxy_destinations: Vec::new(),
+                    backends,
+                    max_connection_duration: index.max_connection_duration(ns, &service.meta.name),
+                },
+                age(&service.meta),
+            ));
+        }
+    }
+
+    // Route names and CONNECT/PROXY keys: the oldest route keeps each.
+    built.sort_by(|a, b| (&a.1, &a.0.name).cmp(&(&b.1, &b.0.name)));
+    let mut names = BTreeSet::new();
+    let mut keys: BTreeMap<String, String> = BTreeMap::new();
+    let mut routes = Vec::new();
+    for (mut route, _) in built {
+        let object = format!("route {}", route.name);
+        if !names.insert(route.name.clone()) {
+            report.skip(Reason::Conflict, object, "an older route has the same name");
+            continue;
+        }
+        for list in [&mut route.destinations, &mut route.proxy_destinations] {
+            list.retain(|k| match keys.get(k) {
+                Some(holder) => {
+                    report.skip(
+                        Reason::Conflict,
+                        object.clone(),
+                        format!("{k:?} is held by the older route {holder}"),
+                    );
+                    false
+                }
+                None => {
+                    keys.insert(k.clone(), route.name.clone());
+                    true
+                }
+            });
+        }
+        let keyless = route.sni.is_empty()
+            && route.destinations.is_empty()
+            && route.proxy_destinations.is_empty();
+        if keyless && route.name != FALLBACK_ROUTE {
+            // Every key it had went to older routes (already reported).
+            continue;
+        }
+        routes.push(route);
+    }
+    routes.sort_by(|a, b| a.name.cmp(&b.name));
+    report.routes = routes.len();
+    (
+        Table {
+            api_version: crate::config::API_VERSION,
+            kind: crate::config::routes::KIND,
+            routes,
+        },
+        report,
+    )
+}
+
+/// The Istio cluster name a CONNECT client sends.
+fn connect_key(service: &str, namespace: &str, port: u16) -> String {
+    format!("outbound|{port}||{service}.{namespace}.{CLUSTER_DOMAIN}")
+}
+
+/// GEP-08's address for a kube-apiserver Service: its IPv4 ClusterIP, first octet 240.
+fn proxy_destination(service: &Service) -> Option<String> {
+    let ip = service
+        .cluster_ips
+        .iter()
+        .find_map(|ip| ip.parse::<Ipv4Addr>().ok())?;
+    let [_, b, c, d] = ip.octets();
+    Some(SocketAddr::from((Ipv4Addr::new(240, b, c, d), KUBE_APISERVER.1)).to_string())
+}
+
+/// The Service a destination names, relative to the namespace of the object naming it.
+fn route_key(destination: &Destination, namespace: &str) -> Option<RouteKey> {
+    let host = destination.host.trim_end_matches('.');
+    let (service, namespace) = match host.strip_suffix(CLUSTER_DOMAIN) {
+        Some(rest) => rest.strip_suffix('.')?.split_once('.')?,
+        None if !host.contains('.') => (host, namespace),
+        None => return None,
+    };
+    if service.is_empty() || namespace.is_empty() || namespace.contains('.') {
+        return None;
+    }
+    Some(RouteKey {
+        namespace: namespace.to_owned(),
+        service: service.to_owned(),
+        port: destination.port,
+    })
+}
+
+/// Server names compare case-insensitively, without a trailing dot.
+fn normalize(host: &str) -> String {
+    host.trim_end_matches('.').to_ascii_lowercase()
+}
+
+/// Lookups by namespace and name.
+struct Index<'a> {
+    services: BTreeMap<(&'a str, &'a str), &'a Service>,
+    slices: BTreeMap<(&'a str, &'a str), Vec<&'a EndpointSlice>>,
+    /// The oldest DestinationRule per Service (namespace, name).
+    max_duration: BTreeMap<(String, String), (&'a Meta, Option<std::time::Duration>)>,
+}
+
+impl<'a> Index<'a> {
+    fn new(snapshot: &'a Snapshot) -> Self {
+        let services = snapshot
+            .services
+            .iter()
+            .map(|s| ((s.meta.namespace.as_str(), s.meta.name.as_str()), s))
+            .collect();
+        let mut slices: BTreeMap<_, Vec<_>> = BTreeMap::new();
+        for s in &snapshot.endpoint_slices {
+            slices
+                .entry((s.meta.namespace.as_str(), s.service.as_str()))
+                .or_default()
+                .push(s);
+        }
+        let mut max_duration: BTreeMap<_, (&Meta, _)> = BTreeMap::new();
+        for dr in &snapshot.destination_rules {
+            let host = Destination {
+                host: dr.host.clone(),
+                port: None,
+            };
+            let Some(key) = route_key(&host, &dr.meta.namespace) else {
+                continue;
+            };
+            let entry = max_duration
+                .entry((key.namespace, key.service))
+                .or_insert((&dr.meta, dr.max_connection_duration));
+            if dr.meta.age() < entry.0.age() {
+                *entry = (&dr.meta, dr.max_connection_duration);
+            }
+        }
+        Index {
+            services,
+            slices,
+            max_duration,
+        }
+    }
+
+    /// `vpn-seed-server` and `vpn-seed-server-<N>` in `namespace`.
+    fn vpn_services(&self, namespace: &str) -> Vec<&'a Service> {
+        self.services
+            .range((namespace, "")..)
+            .take_while(move |((ns, _), _)| *ns == namespace)
+            .filter(|((_, name), _)| {
+                name.strip_prefix(VPN_SEED_SERVER.0).is_some_and(|rest| {
+                    rest.is_empty()
+                        || rest
+                            .strip_prefix('-')
+                            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                })
+            })
+            .map(|(_, s)| *s)
+            .collect()
+    }
+
+    /// Every ready endpoint of the Service's port named `port_name`, sorted and unique.
+    fn backends(&self, service: &Service, port_name: &str) -> Vec<BackendDoc> {
+        let key = (service.meta.namespace.as_str(), service.meta.name.as_str());
+        let mut out: BTreeMap<SocketAddr, Option<String>> = BTreeMap::new();
+        for slice in self.slices.get(&key).into_iter().flatten() {
+            if !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
+                continue;
+            }
+            let Some(port) = slice
+                .ports
+                .iter()
+                .find(|(name, _)| name == port_name)
+                .and_then(|(_, p)| *p)
+            else {
+                continue;
+            };
+            for endpoint in slice.endpoints.iter().filter(|e| e.is_ready()) {
+                let Some(ip) = endpoint
+                    .addresses
+                    .first()
+                    .and_then(|a| a.parse::<IpAddr>().ok())
+                else {
+                    continue;
+                };
+                out.entry(SocketAddr::new(ip, port))
+                    .or_insert_with(|| endpoint.zone.clone());
+            }
+        }
+        out.into_iter()
+            .map(|(address, zone)| BackendDoc {
+                address: address.to_string(),
+                zone,
+            })
+            .collect()
+    }
+
+    fn max_connection_duration(&self, namespace: &str, service: &str) -> Option<String> {
+        self.max_duration
+            .get(&(namespace.to_owned(), service.to_owned()))
+            .and_then(|(_, d)| *d)
+            .map(crate::config::duration_text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::model::{
+        BackendRef, DestinationRule, Endpoint, EnvoyFilter, Namespace, Server, ServicePort,
+        TlsRoute, TlsRouteObject, VirtualService,
+    };
+
+    fn meta(ns: &str, name: &str, created: &str) -> Meta {
+        Meta {
+            name: name.into(),
+            namespace: ns.into(),
+            uid: format!("uid-{ns}-{name}"),
+            created: Some(created.into()),
+        }
+    }
+
+    fn default_selector() -> BTreeMap<String, String> {
+        crate::config::controller::ControllerConfig::default().selector
+    }
+
+    fn target() -> Target {
+        Target {
+            selector: default_selector(),
+            parent_refs: vec![("infra".into(), "public".into())],
+            fallback: Some("istio-ingressgateway.istio-ingress.svc.cluster.local:443".into()),
+        }
+    }
+
+    fn gateway(
+        ns: &str,
+        name: &str,
+        selector: BTreeMap<String, String>,
+        protocol: &str,
+        mode: &str,
+    ) -> Gateway {
+        Gateway {
+            meta: meta(ns, name, "2024-01-01T00:00:00Z"),
+            selector,
+            servers: vec![Server {
+                port: 443,
+                protocol: protocol.into(),
+                tls_mode: Some(mode.into()),
+            }],
+        }
+    }
+
+    fn endpoint(ip: &str, zone: &str) -> Endpoint {
+        Endpoint {
+            addresses: vec![ip.into()],
+            ready: Some(true),
+            terminating: None,
+            zone: Some(zone.into()),
+        }
+    }
+
+    fn service(ns: &str, name: &str, ip: &str, ports: &[(&str, u16)]) -> Service {
+        Service {
+            meta: meta(ns, name, "2024-01-01T00:00:00Z"),
+            cluster_ips: vec![ip.into()],
+            ports: ports
+                .iter()
+                .map(|(n, p)| ServicePort {
+                    name: (*n).into(),
+                    port: *p,
+                })
+                .collect(),
+        }
+    }
+
+    fn slice(
+        ns: &str,
+        service: &str,
+        family: &str,
+        ports: &[(&str, u16)],
+        endpoints: Vec<Endpoint>,
+    ) -> EndpointSlice {
+        EndpointSlice {
+            meta: meta(ns, &format!("{service}-{family}"), "2024-01-01T00:00:00Z"),
+            service: service.into(),
+            address_type: family.into(),
+            ports: ports.iter().map(|(n, p)| ((*n).into(), Some(*p))).collect(),
+            endpoints,
+        }
+    }
+
+    /// What gardenlet writes for one shoot with passthrough SNI: Gateway, VirtualService and
+    /// DestinationRule `kube-apiserver`, the Services and EndpointSlices.
+    fn shoot(s: &mut Snapshot, ns: &str, created: &str, hosts: &[&str], octet: u8) {
+        s.namespaces.push(Namespace {
+            meta: meta("", ns, created),
+            deleting: false,
+        });
+        s.gateways.push(gateway(
+            ns,
+            "kube-apiserver",
+            default_selector(),
+            "TLS",
+            "PASSTHROUGH",
+        ));
+        s.virtual_services.push(VirtualService {
+            meta: meta(ns, "kube-apiserver", created),
+            gateways: vec!["kube-apiserver".into()],
+            tls: vec![TlsRoute {
+                sni_hosts: hosts.iter().map(|h| h.to_string()).collect(),
+                destinations: vec![Destination {
+                    host: format!("kube-apiserver.{ns}.svc.cluster.local"),
+                    port: Some(443),
+                }],
+            }],
+            http_destinations: Vec::new(),
+        });
+        s.destination_rules.push(DestinationRule {
+            meta: meta(ns, "kube-apiserver", created),
+            host: format!("kube-apiserver.{ns}.svc.cluster.local"),
+            max_connection_duration: Some(std::time::Duration::from_secs(86400)),
+        });
+        s.services.push(service(
+            ns,
+            "kube-apiserver",
+            &format!("10.0.0.{octet}"),
+            &[("kube-apiserver", 443)],
+        ));
+        s.endpoint_slices.push(slice(
+            ns,
+            "kube-apiserver",
+            "IPv4",
+            &[("kube-apiserver", 443)],
+            vec![
+                endpoint(&format!("100.64.{octet}.1"), "a"),
+                endpoint(&format!("100.64.{octet}.2"), "b"),
+            ],
+        ));
+        s.services.push(service(
+            ns,
+            "vpn-seed-server",
+            &format!("10.0.1.{octet}"),
+            &[("vpn-seed-server", 1194), ("http-proxy", 9443)],
+        ));
+        s.endpoint_slices.push(slice(
+            ns,
+            "vpn-seed-server",
+            "IPv4",
+            &[("http-proxy", 9443), ("vpn-seed-server", 1194)],
+            vec![endpoint(&format!("100.64.{octet}.9"), "a")],
+        ));
+    }
+
+    fn route<'a>(t: &'a Table, name: &str) -> &'a RouteDoc {
+        t.routes
+            .iter()
+            .find(|r| r.name == name)
+            .unwrap_or_else(|| panic!("no route {name} in {:#?}", t.routes))
+    }
+
+    fn names(t: &Table) -> Vec<&str> {
+        t.routes.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    fn addresses(r: &RouteDoc) -> Vec<&str> {
+        r.backends.iter().map(|b| b.address.as_str()).collect()
+    }
+
+    /// The produced document is a table the gateway loads.
+    fn loads(t: &Table) {
+        let json = crate::controller::to_json(t);
+        crate::config::routes::parse(
+            std::path::Path::new("rendered.json"),
+            json.as_bytes(),
+            &crate::route::BackendRegistry::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{json}"));
+    }
+
+    #[test]
+    fn a_passthrough_shoot_is_routed_by_sni_and_connect() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.dev.example.com", "API.a.internal.example.com."],
+            7,
+        );
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--a",
+                "shoot--dev--a--vpn-seed-server"
+            ]
+        );
+        let r = route(&t, "shoot--dev--a");
+        assert_eq!(
+            r.sni,
+            ["api.a.dev.example.com", "api.a.internal.example.com"]
+        );
+        assert_eq!(
+            r.destinations,
+            ["outbound|443||kube-apiserver.shoot--dev--a.svc.cluster.local"]
+        );
+        assert_eq!(r.proxy_destinations, ["240.0.0.7:443"]);
+        assert_eq!(addresses(r), ["100.64.7.1:443", "100.64.7.2:443"]);
+        assert_eq!(r.backends[1].zone.as_deref(), Some("b"));
+        assert_eq!(r.max_connection_duration.as_deref(), Some("86400s"));
+        let vpn = route(&t, "shoot--dev--a--vpn-seed-server");
+        assert_eq!(
+            vpn.destinations,
+            ["outbound|1194||vpn-seed-server.shoot--dev--a.svc.cluster.local"]
+        );
+        // The port named like the Service's 1194 port, not the slice's first one.
+        assert_eq!(addresses(vpn), ["100.64.7.9:1194"]);
+        assert!(vpn.sni.is_empty() && vpn.proxy_destinations.is_empty());
+        let fallback = route(&t, FALLBACK_ROUTE);
+        assert_eq!(
+            addresses(fallback),
+            ["istio-ingressgateway.istio-ingress.svc.cluster.local:443"]
+        );
+        assert!(fallback.sni.is_empty() && fallback.destinations.is_empty());
+        assert_eq!(report.routes, 3);
+        assert_eq!(report.skipped, BTreeMap::new());
+        assert_eq!(report.objects["EndpointSlice"], 2);
+    }
+
+    #[test]
+    fn only_gateways_the_target_selects_are_served() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--zonal",
+            "2024-01-01T00:00:00Z",
+            &["api.zonal.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--exposed",
+            "2024-01-01T00:00:00Z",
+            &["api.exposed.example.com"],
+            2,
+        );
+        let mut zonal = default_selector();
+        zonal.insert("istio".into(), "ingressgateway--zone--eu-1a".into());
+        let mut exposed = default_selector();
+        exposed.remove("istio");
+        exposed.insert("gardener.cloud/role".into(), "exposureclass-handler".into());
+        exposed.insert(
+            "handler.exposureclass.gardener.cloud/name".into(),
+            "internet".into(),
+        );
+        s.gateways[0].selector = zonal.clone();
+        s.gateways[1].selector = exposed.clone();
+        let (t, _) = translate(&s, &target());
+        assert_eq!(
+            names(&t),
+            ["fallback"],
+            "the default gateway routes neither"
+        );
+        let (t, _) = translate(
+            &s,
+            &Target {
+                selector: zonal,
+                ..target()
+            },
+        );
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--zonal",
+                "shoot--dev--zonal--vpn-seed-server"
+            ]
+        );
+        let (t, _) = translate(
+            &s,
+            &Target {
+                selector: exposed,
+                ..target()
+            },
+        );
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--exposed",
+                "shoot--dev--exposed--vpn-seed-server"
+            ]
+        );
+    }
+
+    #[test]
+    fn gateways_are_found_by_name_or_namespace_and_name() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        s.gateways[0].meta.namespace = "istio-ingress".into();
+        let (t, _) = translate(&s, &target());
+        assert_eq!(
+            names(&t),
+            ["fallback"],
+            "a bare name is in the VirtualService's namespace"
+        );
+        s.virtual_services[0].gateways = vec!["istio-ingress/kube-apiserver".into()];
+        let (t, _) = translate(&s, &target());
+        assert_eq!(route(&t, "shoot--dev--a").sni, ["api.a.example.com"]);
+    }
+
+    #[test]
+    fn only_passthrough_servers_route_by_sni() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        s.gateways[0].servers[0].tls_mode = Some("SIMPLE".into());
+        let (t, _) = translate(&s, &target());
+        assert_eq!(names(&t), ["fallback"]);
+    }
+
+    #[test]
+    fn only_ready_endpoints_are_backends_ipv4_and_ipv6() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        let eps = &mut s.endpoint_slices[0].endpoints;
+        eps[0].ready = Some(false); // not ready: out
+        eps[1].ready = None; // absent: ready
+        eps.push(Endpoint {
+            terminating: Some(true), // terminating: out, even if ready
+            ..endpoint("100.64.1.3", "a")
+        });
+        s.endpoint_slices.push(slice(
+            "shoot--dev--a",
+            "kube-apiserver",
+            "IPv6",
+            &[("kube-apiserver", 443)],
+            vec![
+                endpoint("fd00::2", "b"),
+                Endpoint {
+                    ready: Some(false),
+                    ..endpoint("fd00::1", "a")
+                },
+            ],
+        ));
+        s.endpoint_slices.push(slice(
+            "shoot--dev--a",
+            "kube-apiserver",
+            "FQDN",
+            &[("kube-apiserver", 443)],
+            vec![endpoint("api.example.com", "b")],
+        ));
+        let (t, _) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            addresses(route(&t, "shoot--dev--a")),
+            ["100.64.1.2:443", "[fd00::2]:443"]
+        );
+    }
+
+    #[test]
+    fn a_route_without_ready_endpoints_is_left_out_and_counted() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        for e in &mut s.endpoint_slices[0].endpoints {
+            e.ready = Some(false);
+        }
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(names(&t), ["fallback", "shoot--dev--a--vpn-seed-server"]);
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::NoEndpoints, 1)]));
+        assert_eq!(
+            report.skips[0].object,
+            "Service shoot--dev--a/kube-apiserver"
+        );
+    }
+
+    #[test]
+    fn ha_vpn_servers_each_get_a_route() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        s.services.retain(|svc| svc.meta.name != "vpn-seed-server");
+        s.endpoint_slices.retain(|e| e.service != "vpn-seed-server");
+        for (i, name) in [
+            "vpn-seed-server-0",
+            "vpn-seed-server-1",
+            "vpn-seed-server-x",
+            "vpn-seed-server-",
+        ]
+        .iter()
+        .enumerate()
+        {
+            s.services.push(service(
+                "shoot--dev--a",
+                name,
+                "10.0.2.1",
+                &[("vpn-seed-server", 1194)],
+            ));
+            s.endpoint_slices.push(slice(
+                "shoot--dev--a",
+                name,
+                "IPv4",
+                &[("vpn-seed-server", 1194)],
+                vec![endpoint(&format!("100.64.9.{i}"), "a")],
+            ));
+        }
+        let (t, _) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--a",
+                "shoot--dev--a--vpn-seed-server-0",
+                "shoot--dev--a--vpn-seed-server-1"
+            ]
+        );
+        assert_eq!(
+            route(&t, "shoot--dev--a--vpn-seed-server-1").destinations,
+            ["outbound|1194||vpn-seed-server-1.shoot--dev--a.svc.cluster.local"]
+        );
+        assert_eq!(
+            addresses(route(&t, "shoot--dev--a--vpn-seed-server-1")),
+            ["100.64.9.1:1194"]
+        );
+    }
+
+    /// An L7 shoot: Gateway HTTPS/OPTIONAL_MUTUAL, VirtualService with `http:` routes, and the
+    /// EnvoyFilter `<ns>-istio-tls-termination` in the gateway's namespace.
+    fn l7(s: &mut Snapshot, ns: &str, octet: u8, by_filter: bool, by_gateway: bool) {
+        shoot(
+            s,
+            ns,
+            "2024-01-01T00:00:00Z",
+            &[&format!("api.{octet}.example.com")],
+            octet,
+        );
+        let vs = s
+            .virtual_services
+            .iter_mut()
+            .find(|v| v.meta.namespace == ns)
+            .unwrap();
+        if by_gateway {
+            let gw = s
+                .gateways
+                .iter_mut()
+                .find(|g| g.meta.namespace == ns)
+                .unwrap();
+            *gw = gateway(
+                ns,
+                "kube-apiserver",
+                default_selector(),
+                "HTTPS",
+                "OPTIONAL_MUTUAL",
+            );
+            // Gardener's connection-upgrade route comes first.
+            vs.http_destinations = vec![Destination {
+                host: format!("kube-apiserver-connection-upgrade.{ns}.svc.cluster.local"),
+                port: Some(443),
+            }];
+            vs.http_destinations
+                .extend(std::mem::take(&mut vs.tls)[0].destinations.clone());
+        }
+        if by_filter {
+            s.envoy_filters.push(EnvoyFilter {
+                meta: meta(
+                    "istio-ingress",
+                    &format!("{ns}-istio-tls-termination"),
+                    "2024-01-01T00:00:00Z",
+                ),
+            });
+        }
+    }
+
+    #[test]
+    fn l7_shoots_fall_through_to_the_fallback() {
+        for (by_filter, by_gateway) in [(true, true), (true, false), (false, true)] {
+            let mut s = Snapshot::default();
+            l7(&mut s, "shoot--dev--l7", 3, by_filter, by_gateway);
+            shoot(
+                &mut s,
+                "shoot--dev--a",
+                "2024-01-01T00:00:00Z",
+                &["api.a.example.com"],
+                1,
+            );
+            let (t, report) = translate(&s, &target());
+            loads(&t);
+            let case = format!("filter {by_filter}, gateway {by_gateway}");
+            assert_eq!(
+                names(&t),
+                [
+                    "fallback",
+                    "shoot--dev--a",
+                    "shoot--dev--a--vpn-seed-server"
+                ],
+                "{case}"
+            );
+            let fallback = route(&t, FALLBACK_ROUTE);
+            assert_eq!(
+                fallback.destinations,
+                [
+                    "outbound|1194||vpn-seed-server.shoot--dev--l7.svc.cluster.local",
+                    "outbound|443||kube-apiserver.shoot--dev--l7.svc.cluster.local",
+                ],
+                "{case}"
+            );
+            assert_eq!(fallback.proxy_destinations, ["240.0.0.3:443"], "{case}");
+            assert_eq!(report.skipped, BTreeMap::from([(Reason::L7, 1)]), "{case}");
+            // Without a fallback, nothing of it is routed.
+            let (t, report) = translate(
+                &s,
+                &Target {
+                    fallback: None,
+                    ..target()
+                },
+            );
+            loads(&t);
+            assert_eq!(
+                names(&t),
+                ["shoot--dev--a", "shoot--dev--a--vpn-seed-server"],
+                "{case}"
+            );
+            assert_eq!(report.skipped, BTreeMap::from([(Reason::L7, 1)]), "{case}");
+        }
+    }
+
+    #[test]
+    fn an_l7_filter_for_a_shoot_on_another_gateway_is_not_counted_here() {
+        let mut s = Snapshot::default();
+        l7(&mut s, "shoot--dev--l7", 3, true, false);
+        let mut zonal = default_selector();
+        zonal.insert("istio".into(), "ingressgateway--zone--eu-1a".into());
+        s.gateways[0].selector = zonal;
+        let (t, report) = translate(&s, &target());
+        assert_eq!(names(&t), ["fallback"]);
+        assert!(route(&t, FALLBACK_ROUTE).destinations.is_empty());
+        assert_eq!(report.skipped, BTreeMap::new());
+    }
+
+    #[test]
+    fn https_hosts_that_are_not_shoot_api_servers_are_ignored() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        // Plutono in the shoot namespace, the seed's API server ingress in garden.
+        for (ns, name, host) in [
+            (
+                "shoot--dev--a",
+                "plutono",
+                "plutono.shoot--dev--a.svc.cluster.local",
+            ),
+            (
+                "garden",
+                "kube-apiserver-ingress",
+                "kubernetes.default.svc.cluster.local",
+            ),
+        ] {
+            s.gateways
+                .push(gateway(ns, name, default_selector(), "HTTPS", "SIMPLE"));
+            s.virtual_services.push(VirtualService {
+                meta: meta(ns, name, "2024-01-01T00:00:00Z"),
+                gateways: vec![name.into()],
+                tls: Vec::new(),
+                http_destinations: vec![Destination {
+                    host: host.into(),
+                    port: Some(443),
+                }],
+            });
+        }
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--a",
+                "shoot--dev--a--vpn-seed-server"
+            ]
+        );
+        assert!(
+            route(&t, FALLBACK_ROUTE).destinations.is_empty(),
+            "shoot--dev--a is not L7"
+        );
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Https, 2)]));
+    }
+
+    #[test]
+    fn the_oldest_claim_of_a_server_name_wins() {
+        for reversed in [false, true] {
+            let mut s = Snapshot::default();
+            shoot(
+                &mut s,
+                "shoot--dev--new",
+                "2024-02-01T00:00:00Z",
+                &["api.shared.example.com", "api.new.example.com"],
+                1,
+            );
+            shoot(
+                &mut s,
+                "shoot--dev--old",
+                "2024-01-01T00:00:00Z",
+                &["API.shared.example.com"],
+                2,
+            );
+            if reversed {
+                s.virtual_services.reverse();
+            }
+            let (t, report) = translate(&s, &target());
+            loads(&t);
+            assert_eq!(route(&t, "shoot--dev--old").sni, ["api.shared.example.com"]);
+            assert_eq!(route(&t, "shoot--dev--new").sni, ["api.new.example.com"]);
+            assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+            assert_eq!(
+                report.skips[0].object,
+                "VirtualService shoot--dev--new/kube-apiserver"
+            );
+        }
+        // Same creation time: namespace, then name, decides.
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--b",
+            "2024-01-01T00:00:00Z",
+            &["api.shared.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--a",
+            "2024-01-01T00:00:00Z",
+            &["api.shared.example.com"],
+            2,
+        );
+        let (t, _) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(route(&t, "shoot--a").sni, ["api.shared.example.com"]);
+        // The loser keeps its CONNECT keys.
+        let b = route(&t, "shoot--b");
+        assert!(b.sni.is_empty());
+        assert_eq!(
+            b.destinations,
+            ["outbound|443||kube-apiserver.shoot--b.svc.cluster.local"]
+        );
+        route(&t, "shoot--b--vpn-seed-server");
+    }
+
+    #[test]
+    fn an_older_tls_route_keeps_its_name_against_a_younger_virtual_service() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-02-01T00:00:00Z",
+            &["api.a.example.com", "web.apps.example.com"],
+            1,
+        );
+        s.services
+            .push(service("apps", "web", "10.0.3.1", &[("https", 8443)]));
+        s.endpoint_slices.push(slice(
+            "apps",
+            "web",
+            "IPv4",
+            &[("https", 8443)],
+            vec![endpoint("100.64.3.1", "a")],
+        ));
+        s.tls_routes.push(TlsRouteObject {
+            meta: meta("apps", "web", "2024-01-01T00:00:00Z"),
+            hostnames: vec!["web.apps.example.com".into()],
+            parents: vec![("infra".into(), "public".into())],
+            backends: vec![BackendRef {
+                other_kind: String::new(),
+                name: "web".into(),
+                namespace: "apps".into(),
+                port: Some(8443),
+            }],
+        });
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(route(&t, "apps--web").sni, ["web.apps.example.com"]);
+        assert_eq!(route(&t, "shoot--dev--a").sni, ["api.a.example.com"]);
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+    }
+
+    #[test]
+    fn a_virtual_service_in_a_namespace_being_deleted_is_skipped() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        // A second VirtualService, in a namespace being deleted, for a's API server.
+        let mut vs = s.virtual_services[0].clone();
+        vs.meta = meta("leaving", "kube-apiserver", "2023-01-01T00:00:00Z");
+        vs.gateways = vec!["shoot--dev--a/kube-apiserver".into()];
+        vs.tls[0].sni_hosts = vec!["api.leaving.example.com".into()];
+        s.virtual_services.push(vs);
+        s.namespaces.push(Namespace {
+            meta: meta("", "leaving", "2023-01-01T00:00:00Z"),
+            deleting: true,
+        });
+        let (t, report) = translate(&s, &target());
+        assert_eq!(route(&t, "shoot--dev--a").sni, ["api.a.example.com"]);
+        assert_eq!(
+            report.skipped,
+            BTreeMap::from([(Reason::NamespaceDeleting, 1)])
+        );
+    }
+
+    #[test]
+    fn a_proxy_destination_two_services_share_goes_to_the_older() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--b",
+            "2024-02-01T00:00:00Z",
+            &["api.b.example.com"],
+            2,
+        );
+        // 10.0.0.1 and 100.0.0.1 both become 240.0.0.1.
+        s.services
+            .iter_mut()
+            .find(|x| x.meta.namespace == "shoot--dev--b" && x.meta.name == "kube-apiserver")
+            .unwrap()
+            .cluster_ips = vec!["100.0.0.1".into()];
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(
+            route(&t, "shoot--dev--a").proxy_destinations,
+            ["240.0.0.1:443"]
+        );
+        assert!(route(&t, "shoot--dev--b").proxy_destinations.is_empty());
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+    }
+
+    /// A route is as old as the oldest object claiming a name for it (here b's wildcard
+    /// VirtualService, whose name sorts last).
+    #[test]
+    fn a_route_is_as_old_as_its_oldest_claim() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-15T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--b",
+            "2024-02-01T00:00:00Z",
+            &["api.b.example.com"],
+            2,
+        );
+        let mut wildcard = s.virtual_services[1].clone();
+        wildcard.meta = meta(
+            "shoot--dev--b",
+            "kube-apiserver-wildcard",
+            "2024-01-01T00:00:00Z",
+        );
+        wildcard.tls[0].sni_hosts = vec!["z.b.example.com".into()];
+        s.virtual_services.push(wildcard);
+        s.services
+            .iter_mut()
+            .find(|x| x.meta.namespace == "shoot--dev--a" && x.meta.name == "kube-apiserver")
+            .unwrap()
+            .cluster_ips = vec!["100.0.0.2".into()];
+        let (t, _) = translate(&s, &target());
+        assert_eq!(
+            route(&t, "shoot--dev--b").sni,
+            ["api.b.example.com", "z.b.example.com"]
+        );
+        assert_eq!(
+            route(&t, "shoot--dev--b").proxy_destinations,
+            ["240.0.0.2:443"]
+        );
+        assert!(route(&t, "shoot--dev--a").proxy_destinations.is_empty());
+    }
+
+    #[test]
+    fn namespaces_being_deleted_are_skipped() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--gone",
+            "2024-01-01T00:00:00Z",
+            &["api.gone.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            2,
+        );
+        s.namespaces[0].deleting = true;
+        let (t, report) = translate(&s, &target());
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--a",
+                "shoot--dev--a--vpn-seed-server"
+            ]
+        );
+        assert_eq!(
+            report.skipped,
+            BTreeMap::from([(Reason::NamespaceDeleting, 1)])
+        );
+    }
+
+    #[test]
+    fn the_destination_rule_of_the_host_sets_the_maximum_duration() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--b",
+            "2024-01-01T00:00:00Z",
+            &["api.b.example.com"],
+            2,
+        );
+        // A short host is relative to the rule's namespace; b's rule is for another host.
+        s.destination_rules[0].host = "kube-apiserver".into();
+        s.destination_rules[0].max_connection_duration = Some(std::time::Duration::from_secs(3600));
+        s.destination_rules[1].host = "kube-apiserver-mtls.shoot--dev--b.svc.cluster.local".into();
+        let (t, _) = translate(&s, &target());
+        assert_eq!(
+            route(&t, "shoot--dev--a")
+                .max_connection_duration
+                .as_deref(),
+            Some("3600s")
+        );
+        assert_eq!(route(&t, "shoot--dev--b").max_connection_duration, None);
+    }
+
+    #[test]
+    fn tls_routes_of_the_targets_parents_are_routed() {
+        let mut s = Snapshot::default();
+        s.services.push(service(
+            "apps",
+            "web",
+            "10.0.3.1",
+            &[("https", 8443), ("http", 80)],
+        ));
+        s.endpoint_slices.push(slice(
+            "apps",
+            "web",
+            "IPv4",
+            &[("http", 8080), ("https", 8443)],
+            vec![endpoint("100.64.3.1", "a")],
+        ));
+        for (name, parent, backend_ns) in [
+            ("web", "public", "apps"),
+            ("private", "internal", "apps"),
+            ("cross", "public", "other"),
+        ] {
+            s.tls_routes.push(TlsRouteObject {
+                meta: meta("apps", name, "2024-01-01T00:00:00Z"),
+                hostnames: vec![format!("{name}.apps.example.com")],
+                parents: vec![("infra".into(), parent.into())],
+                backends: vec![BackendRef {
+                    other_kind: String::new(),
+                    name: "web".into(),
+                    namespace: backend_ns.into(),
+                    port: Some(8443),
+                }],
+            });
+        }
+        let (t, report) = translate(&s, &target());
+        loads(&t);
+        assert_eq!(names(&t), ["apps--web", "fallback"]);
+        let r = route(&t, "apps--web");
+        assert_eq!(r.sni, ["web.apps.example.com"]);
+        assert_eq!(addresses(r), ["100.64.3.1:8443"]);
+        assert!(r.destinations.is_empty() && r.proxy_destinations.is_empty());
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Unsupported, 1)]));
+    }
+
+    #[test]
+    fn the_output_does_not_depend_on_input_order() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--b",
+            "2024-01-01T00:00:00Z",
+            &["api.b.example.com", "*.b.example.com"],
+            2,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com", "api.b.example.com"],
+            1,
+        );
+        let (first, _) = translate(&s, &target());
+        s.virtual_services.reverse();
+        s.services.reverse();
+        s.endpoint_slices.reverse();
+        s.gateways.reverse();
+        for e in &mut s.endpoint_slices {
+            e.endpoints.reverse();
+        }
+        let (second, _) = translate(&s, &target());
+        assert_eq!(
+            crate::controller::to_json(&first),
+            crate::controller::to_json(&second)
+        );
+    }
+}

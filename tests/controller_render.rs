@@ -1,0 +1,149 @@
+//! Golden tests of `trellis controller render`: the real binary renders the seed manifests in
+//! `tests/data/controller/seed/` for each case's gateway (`tests/data/controller/<case>/`,
+//! `controller.yaml` when present); the table must equal `expected.json`, the report on
+//! stderr `expected-report.json`, and `trellis check` must accept the table.
+//! `TRELLIS_BLESS=1` rewrites the expected files instead (review every change by hand).
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const CASES: [&str; 4] = ["default", "zonal", "exposure-class", "defaults"];
+
+fn data() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/controller")
+}
+
+fn trellis() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_trellis"))
+}
+
+/// A line diff: what a failing golden test prints.
+fn diff(expected: &str, actual: &str) -> String {
+    let e: Vec<&str> = expected.lines().collect();
+    let a: Vec<&str> = actual.lines().collect();
+    // Longest common subsequence, so that one inserted route shows as its lines only.
+    let mut lcs = vec![vec![0usize; a.len() + 1]; e.len() + 1];
+    for i in (0..e.len()).rev() {
+        for j in (0..a.len()).rev() {
+            lcs[i][j] = if e[i] == a[j] {
+                lcs[i + 1][j + 1] + 1
+            } else {
+                lcs[i + 1][j].max(lcs[i][j + 1])
+            };
+        }
+    }
+    let (mut i, mut j, mut out) = (0, 0, String::new());
+    while i < e.len() || j < a.len() {
+        if i < e.len() && j < a.len() && e[i] == a[j] {
+            i += 1;
+            j += 1;
+        } else if j < a.len() && (i == e.len() || lcs[i][j + 1] >= lcs[i + 1][j]) {
+            out += &format!("+{:5} {}\n", j + 1, a[j]);
+            j += 1;
+        } else {
+            out += &format!("-{:5} {}\n", i + 1, e[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+fn golden(file: &Path, actual: &str) -> Result<(), String> {
+    if std::env::var_os("TRELLIS_BLESS").is_some() {
+        std::fs::write(file, actual).unwrap();
+        return Ok(());
+    }
+    let expected = std::fs::read_to_string(file)
+        .map_err(|e| format!("{}: {e} (TRELLIS_BLESS=1 writes it)", file.display()))?;
+    if expected == actual {
+        return Ok(());
+    }
+    Err(format!(
+        "{} differs (- expected, + rendered; TRELLIS_BLESS=1 rewrites it):\n{}",
+        file.display(),
+        diff(&expected, actual)
+    ))
+}
+
+#[test]
+fn rendered_tables_match_the_expected_ones_and_pass_check() {
+    let mut failures = Vec::new();
+    let out = std::env::temp_dir().join(format!("trellis-render-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for case in CASES {
+        let dir = data().join(case);
+        let mut render = trellis();
+        render
+            .args(["controller", "render", "--manifests"])
+            .arg(data().join("seed"));
+        let config = dir.join("controller.yaml");
+        if config.exists() {
+            // The configuration is a file `trellis check` accepts too.
+            let check = trellis().arg("check").arg(&config).output().unwrap();
+            assert!(
+                check.status.success(),
+                "{case}: {}",
+                String::from_utf8_lossy(&check.stderr)
+            );
+            render.arg("--config").arg(&config);
+        }
+        let output = render.output().unwrap();
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        let stderr = String::from_utf8(output.stderr).unwrap();
+        assert!(output.status.success(), "{case}: {stderr}");
+        for (file, actual) in [
+            ("expected.json", &stdout),
+            ("expected-report.json", &stderr),
+        ] {
+            if let Err(e) = golden(&dir.join(file), actual) {
+                failures.push(format!("{case}: {e}"));
+            }
+        }
+        let table = out.join(format!("{case}.json"));
+        std::fs::write(&table, &stdout).unwrap();
+        let check = trellis().arg("check").arg(&table).output().unwrap();
+        if !check.status.success() {
+            failures.push(format!(
+                "{case}: trellis check refuses the table: {}",
+                String::from_utf8_lossy(&check.stderr)
+            ));
+        }
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+}
+
+#[test]
+fn a_bad_manifest_or_config_fails_with_its_name() {
+    let dir = std::env::temp_dir().join(format!("trellis-render-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("broken.yaml"), "kind: [\n").unwrap();
+    let output = trellis()
+        .args(["controller", "render", "--manifests"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("broken.yaml"), "{stderr}");
+    std::fs::remove_file(dir.join("broken.yaml")).unwrap();
+    let config = dir.join("controller.yaml");
+    std::fs::write(
+        &config,
+        "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: ControllerConfiguration\nfallbak: {}\n",
+    )
+    .unwrap();
+    let output = trellis()
+        .args(["controller", "render", "--manifests"])
+        .arg(&dir)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("fallbak: unknown field"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
