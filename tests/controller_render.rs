@@ -1,6 +1,6 @@
 //! Golden tests of `trellis controller render`: the real binary renders the seed manifests in
-//! `tests/data/controller/seed/` for each case's gateway (`tests/data/controller/<case>/`,
-//! `controller.yaml` when present); the table must equal `expected.json`, the report on
+//! `tests/data/controller/seed/` (or the case's own `seed/`) for each case's gateway
+//! (`tests/data/controller/<case>/`, `controller.yaml` when present); the table must equal `expected.json`, the report on
 //! stderr `expected-report.json`, and `trellis check` must accept the table.
 //! `TRELLIS_BLESS=1` rewrites the expected files instead (review every change by hand).
 
@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const CASES: [&str; 4] = ["default", "zonal", "exposure-class", "defaults"];
+const CASES: [&str; 5] = ["default", "zonal", "exposure-class", "defaults", "acl"];
 
 fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/controller")
@@ -74,10 +74,16 @@ fn rendered_tables_match_the_expected_ones_and_pass_check() {
     std::fs::create_dir_all(&out).unwrap();
     for case in CASES {
         let dir = data().join(case);
+        let own = dir.join("seed");
+        let seed = if own.is_dir() {
+            own
+        } else {
+            data().join("seed")
+        };
         let mut render = trellis();
         render
             .args(["controller", "render", "--manifests"])
-            .arg(data().join("seed"));
+            .arg(seed);
         let config = dir.join("controller.yaml");
         if config.exists() {
             // The configuration is a file `trellis check` accepts too.

@@ -14,7 +14,8 @@ use thiserror::Error;
 
 use super::model::{
     BackendRef, Destination, DestinationRule, Endpoint, EndpointSlice, EnvoyFilter, Gateway, Meta,
-    Namespace, Server, Service, ServicePort, Snapshot, TlsRoute, TlsRouteObject, VirtualService,
+    Namespace, Net, Permission, Principal, Rbac, RbacAt, RbacPolicy, Server, Service, ServicePort,
+    Snapshot, TlsRoute, TlsRouteObject, VirtualService,
 };
 
 /// Why a manifest directory could not be read.
@@ -109,7 +110,7 @@ pub fn add(snapshot: &mut Snapshot, doc: &Value) {
             snapshot.destination_rules.push(destination_rule(doc))
         }
         ("networking.istio.io", "EnvoyFilter") if istio_version(version) => {
-            snapshot.envoy_filters.push(EnvoyFilter { meta: meta(doc) })
+            snapshot.envoy_filters.push(envoy_filter(doc))
         }
         ("", "Service") if version == "v1" => snapshot.services.push(service(doc)),
         ("", "Namespace") if version == "v1" => snapshot.namespaces.push(Namespace {
@@ -234,6 +235,149 @@ fn destination_rule(doc: &Value) -> DestinationRule {
             .and_then(Value::as_str)
             .and_then(|d| crate::config::parse_duration(d).ok())
             .filter(|d| !d.is_zero()),
+    }
+}
+
+/// A field under its proto name or its JSON (camelCase) name: Istio accepts both.
+fn field<'a>(v: &'a Value, snake: &str) -> Option<&'a Value> {
+    v.get(snake).or_else(|| {
+        let mut camel = String::with_capacity(snake.len());
+        let mut upper = false;
+        for c in snake.chars() {
+            if c == '_' {
+                upper = true;
+            } else if upper {
+                camel.push(c.to_ascii_uppercase());
+                upper = false;
+            } else {
+                camel.push(c);
+            }
+        }
+        v.get(camel)
+    })
+}
+
+fn envoy_filter(doc: &Value) -> EnvoyFilter {
+    EnvoyFilter {
+        meta: meta(doc),
+        workload_selector: doc
+            .pointer("/spec/workloadSelector")
+            .map(|w| labels(w, "/labels")),
+        rbac: array(doc, "/spec/configPatches")
+            .iter()
+            .filter_map(rbac)
+            .collect(),
+    }
+}
+
+/// The RBAC filter a patch inserts, if it inserts one that enforces rules.
+fn rbac(patch: &Value) -> Option<Rbac> {
+    let value = patch.pointer("/patch/value")?;
+    let config = field(value, "typed_config")?;
+    let kind = config.get("@type")?.as_str()?;
+    if !matches!(
+        kind,
+        "type.googleapis.com/envoy.extensions.filters.network.rbac.v3.RBAC"
+            | "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
+    ) {
+        return None;
+    }
+    // Without `rules` the filter enforces nothing (`shadow_rules` only log).
+    let rules = field(config, "rules")?;
+    let listener = patch.pointer("/match/listener");
+    let sni = listener
+        .and_then(|l| field(l, "filter_chain"))
+        .and_then(|c| c.get("sni"))
+        .and_then(Value::as_str);
+    let name = listener.and_then(|l| l.get("name")).and_then(Value::as_str);
+    let applies_to = text(patch, "/applyTo");
+    let at = match (applies_to, sni, name) {
+        ("NETWORK_FILTER", Some(sni), _) => RbacAt::Sni(sni.to_owned()),
+        ("HTTP_FILTER", None, Some(name)) => RbacAt::Listener(name.to_owned()),
+        _ => RbacAt::Other,
+    };
+    let mut policies: Vec<RbacPolicy> = rules
+        .get("policies")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(name, p)| RbacPolicy {
+                    name: name.clone(),
+                    permissions: array(p, "/permissions").iter().map(permission).collect(),
+                    principals: array(p, "/principals").iter().map(principal).collect(),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    policies.sort_by(|a, b| a.name.cmp(&b.name));
+    Some(Rbac {
+        at,
+        action: rules
+            .get("action")
+            .and_then(Value::as_str)
+            .unwrap_or("ALLOW")
+            .to_ascii_uppercase(),
+        policies,
+    })
+}
+
+fn permission(p: &Value) -> Permission {
+    let (inner, negated) = match field(p, "not_rule") {
+        Some(inner) => (inner, true),
+        None => (p, false),
+    };
+    if !negated && p.get("any").and_then(Value::as_bool) == Some(true) {
+        return Permission::Any;
+    }
+    let header = inner.get("header");
+    let contains = header
+        .and_then(|h| field(h, "string_match"))
+        .and_then(|m| m.get("contains"))
+        .and_then(Value::as_str);
+    match (
+        header.and_then(|h| h.get("name")).and_then(Value::as_str),
+        contains,
+    ) {
+        // Any other field of the matcher (`ignore_case`, `invert_match`, …) makes it another
+        // matcher than "contains".
+        (Some(name), Some(value))
+            if header.and_then(Value::as_object).map(|o| o.len()) == Some(2)
+                && header
+                    .and_then(|h| field(h, "string_match"))
+                    .and_then(Value::as_object)
+                    .map(|o| o.len())
+                    == Some(1) =>
+        {
+            Permission::HeaderContains {
+                header: name.to_ascii_lowercase(),
+                value: value.to_owned(),
+                negated,
+            }
+        }
+        _ => Permission::Other,
+    }
+}
+
+fn principal(p: &Value) -> Principal {
+    let cidr = |v: &Value| -> Option<Net> {
+        let addr = field(v, "address_prefix")?.as_str()?.parse().ok()?;
+        // `prefix_len` is a UInt32Value: absent means 0.
+        let prefix = match field(v, "prefix_len") {
+            None => 0,
+            Some(n) => u8::try_from(n.as_u64()?).ok()?,
+        };
+        Net::new(addr, prefix)
+    };
+    let Some(obj) = p.as_object().filter(|o| o.len() == 1) else {
+        return Principal::Other;
+    };
+    let (key, v) = obj.iter().next().map_or(("", p), |(k, v)| (k.as_str(), v));
+    match key {
+        "remote_ip" | "remoteIp" | "source_ip" | "sourceIp" => {
+            cidr(v).map_or(Principal::Other, Principal::Client)
+        }
+        "direct_remote_ip" | "directRemoteIp" => cidr(v).map_or(Principal::Other, Principal::Peer),
+        _ => Principal::Other,
     }
 }
 

@@ -2,8 +2,10 @@
 //!
 //! [`model`] holds compact projections of the objects translation reads, [`manifest`] fills
 //! them from manifest files (`trellis controller render`), and [`translate`] turns a
-//! snapshot of them into a table for one gateway: a pure function, no I/O, no runtime.
+//! snapshot of them into a table for one gateway: a pure function, no I/O, no runtime;
+//! [`acl`] renders the source allow-lists of RBAC EnvoyFilters onto its routes.
 
+pub mod acl;
 pub mod manifest;
 pub mod model;
 pub mod translate;

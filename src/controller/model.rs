@@ -109,12 +109,127 @@ pub struct DestinationRule {
     pub max_connection_duration: Option<Duration>,
 }
 
-/// An Istio `EnvoyFilter`: only its name matters (`<namespace>-istio-tls-termination` marks a
-/// shoot whose API server Istio exposes with TLS termination).
+/// An Istio `EnvoyFilter`: its name (`<namespace>-istio-tls-termination` marks a shoot whose
+/// API server Istio exposes with TLS termination) and the RBAC filters it inserts (the ACL
+/// extension's source allow-lists); every other patch is dropped.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EnvoyFilter {
     /// Metadata.
     pub meta: Meta,
+    /// `spec.workloadSelector.labels`; `None` when absent (every workload of its namespace).
+    pub workload_selector: Option<BTreeMap<String, String>>,
+    /// `spec.configPatches[]` whose value is an Envoy RBAC filter (network or HTTP), in order.
+    pub rbac: Vec<Rbac>,
+}
+
+/// One RBAC filter an EnvoyFilter patch inserts: where, and whom it admits to what.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rbac {
+    /// What the patch's `match` selects.
+    pub at: RbacAt,
+    /// `typed_config.rules.action`, upper case (`ALLOW`, `DENY`, …); Envoy's default `ALLOW`
+    /// when absent.
+    pub action: String,
+    /// `typed_config.rules.policies`, ordered by name.
+    pub policies: Vec<RbacPolicy>,
+}
+
+/// Where an RBAC patch applies.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum RbacAt {
+    /// A network filter of the filter chain that serves this TLS server name
+    /// (`match.listener.filterChain.sni`).
+    Sni(String),
+    /// An HTTP filter of the listener with this name (`match.listener.name`, e.g.
+    /// `0.0.0.0_8132`).
+    Listener(String),
+    /// Anything else.
+    #[default]
+    Other,
+}
+
+/// One policy of an RBAC filter: it matches a request when one of its permissions and one of
+/// its principals match.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RbacPolicy {
+    /// The policy's name.
+    pub name: String,
+    /// `permissions[]`.
+    pub permissions: Vec<Permission>,
+    /// `principals[]`.
+    pub principals: Vec<Principal>,
+}
+
+/// An RBAC permission, as far as translation understands it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Permission {
+    /// `any: true`.
+    Any,
+    /// `header` with `string_match.contains` (header name lower case); `negated` for a
+    /// `not_rule` around it.
+    HeaderContains {
+        /// The header name, lower case.
+        header: String,
+        /// The substring.
+        value: String,
+        /// Wrapped in `not_rule`.
+        negated: bool,
+    },
+    /// Anything else (another matcher, `and_rules`, …).
+    Other,
+}
+
+/// An RBAC principal, as far as translation understands it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Principal {
+    /// `remote_ip` or `source_ip`: the client address, which honours the PROXY protocol
+    /// (trellis' client address: the PROXY source when the peer is trusted, else the peer).
+    Client(Net),
+    /// `direct_remote_ip`: the physical peer even when a PROXY header names another source.
+    Peer(Net),
+    /// Anything else (`any`, `and_ids`, `not_id`, headers, an invalid address, …).
+    Other,
+}
+
+/// An IP network: address with host bits cleared, prefix length within the family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Net {
+    /// The network address.
+    pub addr: std::net::IpAddr,
+    /// The prefix length.
+    pub prefix: u8,
+}
+
+impl Net {
+    /// The network of `addr/prefix` (host bits cleared; IPv4-mapped IPv6 as IPv4, as trellis
+    /// matches clients), or `None` for a prefix longer than the address.
+    pub fn new(addr: std::net::IpAddr, prefix: u8) -> Option<Net> {
+        use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+        let (addr, prefix) = match addr {
+            IpAddr::V6(a) if prefix >= 96 && a.to_ipv4_mapped().is_some() => {
+                (IpAddr::V4(a.to_ipv4_mapped()?), prefix - 96)
+            }
+            other => (other, prefix),
+        };
+        let addr = match addr {
+            IpAddr::V4(a) if prefix <= 32 => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
+                IpAddr::V4(Ipv4Addr::from(u32::from(a) & mask))
+            }
+            IpAddr::V6(a) if prefix <= 128 => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
+                IpAddr::V6(Ipv6Addr::from(u128::from(a) & mask))
+            }
+            _ => return None,
+        };
+        Some(Net { addr, prefix })
+    }
+}
+
+impl std::fmt::Display for Net {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
 }
 
 /// A core `Service`.
@@ -218,7 +333,7 @@ pub struct Snapshot {
     pub virtual_services: Vec<VirtualService>,
     /// Istio DestinationRules.
     pub destination_rules: Vec<DestinationRule>,
-    /// Istio EnvoyFilters (names only).
+    /// Istio EnvoyFilters (names, selectors and RBAC filters).
     pub envoy_filters: Vec<EnvoyFilter>,
     /// Services.
     pub services: Vec<Service>,

@@ -120,6 +120,10 @@ pub struct RouteDoc {
     /// From the DestinationRule, e.g. `86400s`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_connection_duration: Option<String>,
+    /// From the ACL extension's EnvoyFilters: the only client networks admitted; empty
+    /// admits every client (the gateway rejects an empty list, so it is never written).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allowed_source_ranges: Vec<String>,
 }
 
 /// One backend of a [`RouteDoc`].
@@ -151,6 +155,10 @@ pub enum Reason {
     /// A shape trellis does not translate (several destinations, a host outside the cluster,
     /// a cross-namespace or non-Service backend).
     Unsupported,
+    /// A source allow-list (RBAC EnvoyFilter) trellis cannot enforce exactly as Envoy does:
+    /// the route admits fewer clients, or the traffic is not routed, or (server names left
+    /// to the fallback) not enforced.
+    AclUnsupported,
 }
 
 impl Reason {
@@ -164,6 +172,7 @@ impl Reason {
             Reason::NoService => "no_service",
             Reason::Https => "https",
             Reason::Unsupported => "unsupported",
+            Reason::AclUnsupported => "acl_unsupported",
         }
     }
 }
@@ -193,7 +202,7 @@ pub struct Report {
 }
 
 impl Report {
-    fn skip(&mut self, reason: Reason, object: String, detail: impl Into<String>) {
+    pub(super) fn skip(&mut self, reason: Reason, object: String, detail: impl Into<String>) {
         *self.skipped.entry(reason).or_default() += 1;
         self.skips.push(Skip {
             reason,
@@ -478,6 +487,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                     zone: None,
                 }],
                 max_connection_duration: None,
+                allowed_source_ranges: Vec::new(),
             },
             // The fallback is set up by the operator: it wins every key it holds.
             (
@@ -557,6 +567,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                 backends,
                 max_connection_duration: index
                     .max_connection_duration(&key.namespace, &key.service),
+                allowed_source_ranges: Vec::new(),
             },
             age(owner),
         ));
@@ -585,6 +596,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                     proxy_destinations: Vec::new(),
                     backends,
                     max_connection_duration: index.max_connection_duration(ns, &service.meta.name),
+                    allowed_source_ranges: Vec::new(),
                 },
                 age(&service.meta),
             ));
@@ -628,6 +640,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         routes.push(route);
     }
     routes.sort_by(|a, b| a.name.cmp(&b.name));
+    super::acl::apply(snapshot, target, &mut routes, &mut report);
     report.routes = routes.len();
     (
         Table {
@@ -1279,6 +1292,7 @@ mod tests {
                     &format!("{ns}-istio-tls-termination"),
                     "2024-01-01T00:00:00Z",
                 ),
+                ..EnvoyFilter::default()
             });
         }
     }
