@@ -469,3 +469,401 @@ pub fn apply(snapshot: &Snapshot, target: &Target, routes: &mut [RouteDoc], repo
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::model::{Meta, RbacPolicy};
+    use crate::controller::translate::BackendDoc;
+
+    fn net(s: &str) -> Net {
+        let (a, p) = s.split_once('/').unwrap();
+        Net::new(a.parse().unwrap(), p.parse().unwrap()).unwrap()
+    }
+
+    fn client(nets: &[&str]) -> Vec<Principal> {
+        nets.iter().map(|n| Principal::Client(net(n))).collect()
+    }
+
+    fn header(value: &str, negated: bool) -> Permission {
+        Permission::HeaderContains {
+            header: "reversed-vpn".into(),
+            value: value.into(),
+            negated,
+        }
+    }
+
+    fn policy(name: &str, permissions: Vec<Permission>, principals: Vec<Principal>) -> RbacPolicy {
+        RbacPolicy {
+            name: name.into(),
+            permissions,
+            principals,
+        }
+    }
+
+    fn filter(name: &str, rbac: Rbac) -> EnvoyFilter {
+        EnvoyFilter {
+            meta: Meta {
+                name: name.into(),
+                namespace: "istio-ingress".into(),
+                ..Meta::default()
+            },
+            workload_selector: Some(
+                crate::config::controller::ControllerConfig::default().selector,
+            ),
+            rbac: vec![rbac],
+        }
+    }
+
+    /// What the extension writes for the API server: one policy, any permission.
+    fn api(ns: &str, action: &str, principals: Vec<Principal>) -> EnvoyFilter {
+        filter(
+            &format!("acl-api-{ns}"),
+            Rbac {
+                at: RbacAt::Sni(format!("api.{ns}.example.com")),
+                action: action.into(),
+                policies: vec![policy("acl-api", vec![Permission::Any], principals)],
+            },
+        )
+    }
+
+    /// What the extension writes for a CONNECT listener: the shoot's policy and its inverse.
+    fn connect(ns: &str, listener: &str, principals: Vec<Principal>) -> EnvoyFilter {
+        let key = format!(".{ns}.");
+        let header = |negated| match listener {
+            "0.0.0.0_8443" => Permission::HeaderContains {
+                header: "x-gardener-destination".into(),
+                value: key.clone(),
+                negated,
+            },
+            _ => self::tests::header(&key, negated),
+        };
+        filter(
+            &format!("acl-{listener}-{ns}"),
+            Rbac {
+                at: RbacAt::Listener(listener.into()),
+                action: "ALLOW".into(),
+                policies: vec![
+                    policy(ns, vec![header(false)], principals),
+                    policy(
+                        &format!("{ns}-inverse"),
+                        vec![header(true)],
+                        client(&["0.0.0.0/0", "::/0"]),
+                    ),
+                ],
+            },
+        )
+    }
+
+    fn both_connect(ns: &str, principals: Vec<Principal>) -> [EnvoyFilter; 2] {
+        [
+            connect(ns, "0.0.0.0_8132", principals.clone()),
+            connect(ns, "0.0.0.0_8443", principals),
+        ]
+    }
+
+    fn route(name: &str, sni: &[&str], destinations: &[&str]) -> RouteDoc {
+        RouteDoc {
+            name: name.into(),
+            sni: sni.iter().map(|s| (*s).to_owned()).collect(),
+            destinations: destinations.iter().map(|s| (*s).to_owned()).collect(),
+            proxy_destinations: Vec::new(),
+            backends: vec![BackendDoc {
+                address: "10.0.0.1:443".into(),
+                zone: None,
+            }],
+            max_connection_duration: None,
+            allowed_source_ranges: Vec::new(),
+        }
+    }
+
+    /// A shoot's two routes as translation renders them.
+    fn shoot(ns: &str) -> [RouteDoc; 2] {
+        [
+            route(
+                ns,
+                &[
+                    &format!("api.{ns}.example.com"),
+                    &format!("api.{ns}.internal"),
+                ],
+                &[&format!(
+                    "outbound|443||kube-apiserver.{ns}.svc.cluster.local"
+                )],
+            ),
+            route(
+                &format!("{ns}--vpn-seed-server"),
+                &[],
+                &[&format!(
+                    "outbound|1194||vpn-seed-server.{ns}.svc.cluster.local"
+                )],
+            ),
+        ]
+    }
+
+    fn target() -> Target {
+        Target {
+            selector: crate::config::controller::ControllerConfig::default().selector,
+            parent_refs: Vec::new(),
+            fallback: Some("envoy:443".into()),
+        }
+    }
+
+    fn run(filters: Vec<EnvoyFilter>, routes: &mut [RouteDoc]) -> Report {
+        let snapshot = Snapshot {
+            envoy_filters: filters,
+            ..Snapshot::default()
+        };
+        let mut report = Report::default();
+        apply(&snapshot, &target(), routes, &mut report);
+        report
+    }
+
+    fn ranges(r: &RouteDoc) -> Vec<&str> {
+        r.allowed_source_ranges.iter().map(String::as_str).collect()
+    }
+
+    fn skips(report: &Report) -> Vec<&str> {
+        report.skips.iter().map(|s| s.object.as_str()).collect()
+    }
+
+    const LOCKED: [&str; 3] = ["203.0.113.0/24", "10.250.0.0/16", "2001:db8::/32"];
+
+    #[test]
+    fn an_allow_list_on_every_path_is_rendered_exactly_and_only_on_its_shoot() {
+        let mut routes: Vec<RouteDoc> = [shoot("shoot--a--locked"), shoot("shoot--a--open")]
+            .into_iter()
+            .flatten()
+            .collect();
+        let mut filters = vec![api("shoot--a--locked", "ALLOW", client(&LOCKED))];
+        filters.extend(both_connect("shoot--a--locked", client(&LOCKED)));
+        let report = run(filters, &mut routes);
+        let sorted = ["10.250.0.0/16", "203.0.113.0/24", "2001:db8::/32"];
+        assert_eq!(ranges(&routes[0]), sorted);
+        assert_eq!(ranges(&routes[1]), sorted);
+        // The neighbour passes the inverse policies: no list.
+        assert!(routes[2].allowed_source_ranges.is_empty());
+        assert!(routes[3].allowed_source_ranges.is_empty());
+        assert!(report.skips.is_empty(), "{:?}", report.skips);
+    }
+
+    #[test]
+    fn a_sni_filter_restricts_the_route_holding_that_name_case_insensitively() {
+        let mut routes = shoot("shoot--a--b").to_vec();
+        let mut f = api("shoot--a--b", "ALLOW", client(&["192.0.2.0/24"]));
+        f.rbac[0].at = RbacAt::Sni("API.shoot--a--b.example.com.".into());
+        let report = run(vec![f], &mut routes);
+        assert_eq!(ranges(&routes[0]), ["192.0.2.0/24"]);
+        // The VPN route is on no SNI path; the API route's CONNECT paths are open in Envoy.
+        assert!(routes[1].allowed_source_ranges.is_empty());
+        assert_eq!(skips(&report), ["route shoot--a--b"]);
+        assert!(
+            report.skips[0]
+                .detail
+                .contains("Reversed-VPN admits every client")
+        );
+    }
+
+    #[test]
+    fn a_route_gets_the_intersection_of_its_paths_and_is_reported_when_they_differ() {
+        let mut routes = shoot("shoot--a--b").to_vec();
+        let mut filters = vec![api(
+            "shoot--a--b",
+            "ALLOW",
+            client(&["10.0.0.0/8", "192.0.2.0/24"]),
+        )];
+        filters.extend(both_connect("shoot--a--b", client(&["10.1.0.0/16"])));
+        let report = run(filters, &mut routes);
+        assert_eq!(ranges(&routes[0]), ["10.1.0.0/16"]);
+        assert_eq!(ranges(&routes[1]), ["10.1.0.0/16"]);
+        assert_eq!(skips(&report), ["route shoot--a--b"]);
+        assert_eq!(report.skipped.get(&Reason::AclUnsupported), Some(&1));
+    }
+
+    #[test]
+    fn a_connect_filter_on_one_listener_only_narrows_the_other() {
+        let mut routes = shoot("shoot--a--b").to_vec();
+        let report = run(
+            vec![connect(
+                "shoot--a--b",
+                "0.0.0.0_8132",
+                client(&["192.0.2.0/24"]),
+            )],
+            &mut routes,
+        );
+        assert_eq!(ranges(&routes[1]), ["192.0.2.0/24"]);
+        assert_eq!(
+            skips(&report),
+            ["route shoot--a--b", "route shoot--a--b--vpn-seed-server"]
+        );
+    }
+
+    #[test]
+    fn a_header_filter_matches_whole_labels_only() {
+        // `.shoot--a--b.` must not restrict `shoot--a--b-c` (the extension's own reason for
+        // the dots).
+        let mut routes = shoot("shoot--a--b-c").to_vec();
+        let report = run(
+            both_connect("shoot--a--b", client(&["192.0.2.0/24"])).to_vec(),
+            &mut routes,
+        );
+        assert!(routes.iter().all(|r| r.allowed_source_ranges.is_empty()));
+        assert!(report.skips.is_empty());
+    }
+
+    #[test]
+    fn an_inverse_policy_that_admits_only_ipv4_restricts_every_other_shoot() {
+        // Before the extension's commit 5bee91dd the inverse policy listed 0.0.0.0/0 only:
+        // Envoy then denied IPv6 clients every other shoot's CONNECT keys.
+        let mut routes: Vec<RouteDoc> = [shoot("shoot--a--b"), shoot("shoot--a--b-c")]
+            .into_iter()
+            .flatten()
+            .collect();
+        let mut filters = both_connect("shoot--a--b", client(&["192.0.2.0/24"])).to_vec();
+        for f in &mut filters {
+            f.rbac[0].policies[1].principals = client(&["0.0.0.0/0"]);
+        }
+        run(filters, &mut routes);
+        assert_eq!(ranges(&routes[1]), ["192.0.2.0/24"]);
+        // `.shoot--a--b.` is not in `shoot--a--b-c`'s keys: the inverse policy decides.
+        assert_eq!(ranges(&routes[2]), ["0.0.0.0/0"]);
+        assert_eq!(ranges(&routes[3]), ["0.0.0.0/0"]);
+    }
+
+    #[test]
+    fn direct_remote_ip_admits_nobody_and_is_reported() {
+        let mut routes = shoot("shoot--a--b").to_vec();
+        let mut principals = vec![Principal::Peer(net("192.0.2.0/24"))];
+        principals.extend(client(&["10.250.0.0/16"]));
+        let mut filters = vec![api("shoot--a--b", "ALLOW", principals.clone())];
+        filters.extend(both_connect("shoot--a--b", principals));
+        let report = run(filters, &mut routes);
+        assert_eq!(ranges(&routes[0]), ["10.250.0.0/16"]);
+        assert_eq!(ranges(&routes[1]), ["10.250.0.0/16"]);
+        assert!(report.skips[0].detail.contains("direct_remote_ip"));
+    }
+
+    #[test]
+    fn deny_admits_the_complement_and_unknown_principals_deny_everyone() {
+        let (sources, inexact) = admitted(
+            &api("x", "DENY", client(&["0.0.0.0/1", "::/0"])).rbac[0],
+            None,
+        );
+        assert_eq!(sources, Sources::of([net("128.0.0.0/1")]));
+        assert!(inexact.is_empty());
+        let (sources, inexact) = admitted(&api("x", "DENY", vec![Principal::Other]).rbac[0], None);
+        assert_eq!(sources, Sources::Only(BTreeSet::new()));
+        assert_eq!(inexact.len(), 1);
+    }
+
+    #[test]
+    fn the_complement_covers_exactly_what_the_networks_do_not() {
+        let denied = Sources::of([net("10.0.0.0/8"), net("10.1.0.0/16"), net("2001:db8::/32")]);
+        let Sources::Only(denied) = denied else {
+            panic!()
+        };
+        let Sources::Only(admitted) = Sources::complement(&denied) else {
+            panic!("not everyone is admitted")
+        };
+        // 8 IPv4 networks beside 10/8, 32 IPv6 ones beside 2001:db8::/32.
+        assert_eq!(admitted.len(), 8 + 32);
+        for ip in [
+            "9.255.255.255",
+            "11.0.0.0",
+            "0.0.0.0",
+            "255.255.255.255",
+            "2001:db9::",
+            "::1",
+        ] {
+            let ip: IpAddr = ip.parse().unwrap();
+            let host = Net::new(ip, if ip.is_ipv4() { 32 } else { 128 }).unwrap();
+            assert!(admitted.iter().any(|n| contains(n, &host)), "{ip}");
+        }
+        for ip in ["10.0.0.0", "10.255.255.255", "2001:db8:ffff::1"] {
+            let ip: IpAddr = ip.parse().unwrap();
+            let host = Net::new(ip, if ip.is_ipv4() { 32 } else { 128 }).unwrap();
+            assert!(!admitted.iter().any(|n| contains(n, &host)), "{ip}");
+        }
+        assert_eq!(Sources::complement(&BTreeSet::new()), Sources::All);
+    }
+
+    #[test]
+    fn a_route_admitting_nobody_gets_the_unspecified_addresses_and_loads() {
+        let mut routes = shoot("shoot--a--b").to_vec();
+        let mut filters = vec![api("shoot--a--b", "ALLOW", client(&["10.0.0.0/8"]))];
+        filters.extend(both_connect("shoot--a--b", client(&["192.0.2.0/24"])));
+        run(filters, &mut routes);
+        assert_eq!(ranges(&routes[0]), ADMIT_NONE);
+        let table = crate::controller::Table {
+            api_version: crate::config::API_VERSION,
+            kind: crate::config::routes::KIND,
+            routes,
+        };
+        let json = crate::controller::to_json(&table);
+        crate::config::routes::parse(
+            std::path::Path::new("rendered.json"),
+            json.as_bytes(),
+            &crate::route::BackendRegistry::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{json}"));
+        // Nobody is inside: not a client address, not an IPv4-mapped one.
+        let r = crate::route::SourceRanges::new(
+            ADMIT_NONE.iter().map(|s| (net(s).addr, net(s).prefix)),
+        )
+        .unwrap();
+        for ip in ["1.2.3.4", "::ffff:1.2.3.4", "2001:db8::1", "127.0.0.1"] {
+            assert!(!r.contains(ip.parse().unwrap()), "{ip}");
+        }
+    }
+
+    #[test]
+    fn filters_for_another_gateway_do_not_apply() {
+        let mut routes = shoot("shoot--a--b").to_vec();
+        let mut f = api("shoot--a--b", "ALLOW", client(&["192.0.2.0/24"]));
+        f.workload_selector = Some(
+            [("istio".to_owned(), "ingressgateway--zone--a".to_owned())]
+                .into_iter()
+                .collect(),
+        );
+        run(vec![f], &mut routes);
+        assert!(routes[0].allowed_source_ranges.is_empty());
+    }
+
+    #[test]
+    fn restricted_connect_keys_are_taken_off_the_fallback_and_open_ones_stay() {
+        let mut fallback = route(
+            FALLBACK_ROUTE,
+            &[],
+            &[
+                "outbound|443||kube-apiserver.shoot--a--l7.svc.cluster.local",
+                "outbound|443||kube-apiserver.shoot--a--open.svc.cluster.local",
+            ],
+        );
+        fallback.backends[0].address = "envoy:443".into();
+        let mut routes = vec![fallback];
+        let report = run(
+            both_connect("shoot--a--l7", client(&["192.0.2.0/24"])).to_vec(),
+            &mut routes,
+        );
+        assert_eq!(
+            routes[0].destinations,
+            ["outbound|443||kube-apiserver.shoot--a--open.svc.cluster.local"]
+        );
+        // The fallback itself never gets a list.
+        assert!(routes[0].allowed_source_ranges.is_empty());
+        assert_eq!(report.skipped.get(&Reason::AclUnsupported), Some(&2));
+    }
+
+    #[test]
+    fn a_server_name_left_to_the_fallback_is_reported() {
+        let mut routes = shoot("shoot--a--b").to_vec();
+        let report = run(
+            vec![api("shoot--a--l7", "ALLOW", client(&["192.0.2.0/24"]))],
+            &mut routes,
+        );
+        assert!(routes.iter().all(|r| r.allowed_source_ranges.is_empty()));
+        assert_eq!(
+            skips(&report),
+            ["EnvoyFilter istio-ingress/acl-api-shoot--a--l7"]
+        );
+    }
+}

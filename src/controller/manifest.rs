@@ -527,6 +527,108 @@ metadata: {name: b}
     }
 
     #[test]
+    fn envoy_filters_keep_their_rbac_keys_and_networks() {
+        let yaml = "apiVersion: networking.istio.io/v1alpha3
+kind: EnvoyFilter
+metadata: {name: acl-vpn-shoot--a--b, namespace: istio-ingress}
+spec:
+  workloadSelector: {labels: {istio: ingressgateway}}
+  configPatches:
+  - applyTo: HTTP_FILTER
+    match: {context: GATEWAY, listener: {name: 0.0.0.0_8132}}
+    patch:
+      operation: INSERT_FIRST
+      value:
+        name: acl-tls-tunnel
+        typedConfig:
+          '@type': type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC
+          rules:
+            policies:
+              b:
+                permissions:
+                - header: {name: Reversed-VPN, stringMatch: {contains: .shoot--a--b.}}
+                - header: {name: reversed-vpn, string_match: {contains: x, ignore_case: true}}
+                - any: true
+                principals:
+                - remoteIp: {addressPrefix: 10.1.2.3, prefixLen: 16}
+                - source_ip: {address_prefix: '::ffff:192.0.2.0', prefix_len: 120}
+                - direct_remote_ip: {address_prefix: 0.0.0.0}
+                - remote_ip: {address_prefix: 10.0.0.0, prefix_len: 33}
+                - and_ids: {ids: []}
+              a-inverse:
+                permissions:
+                - not_rule: {header: {name: reversed-vpn, string_match: {contains: .shoot--a--b.}}}
+  - applyTo: NETWORK_FILTER
+    match: {listener: {filterChain: {sni: api.b.example.com}}}
+    patch:
+      value:
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.rbac.v3.RBAC
+          rules: {action: deny}
+  - applyTo: NETWORK_FILTER
+    patch: {value: {typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.network.rbac.v3.RBAC, shadow_rules: {}}}}
+  - applyTo: NETWORK_FILTER
+    patch: {value: {typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy}}}
+";
+        let mut s = Snapshot::default();
+        for doc in documents(Path::new("x.yaml"), yaml.as_bytes()).unwrap() {
+            add(&mut s, &doc);
+        }
+        let [f] = s.envoy_filters.as_slice() else {
+            panic!("{s:?}")
+        };
+        let selector = f.workload_selector.as_ref().unwrap();
+        assert_eq!(
+            selector.get("istio").map(String::as_str),
+            Some("ingressgateway")
+        );
+        let net = |a: &str, p| Net::new(a.parse().unwrap(), p).unwrap();
+        let header = |value: &str, negated| Permission::HeaderContains {
+            header: "reversed-vpn".into(),
+            value: value.into(),
+            negated,
+        };
+        assert_eq!(
+            f.rbac,
+            [
+                Rbac {
+                    at: RbacAt::Listener("0.0.0.0_8132".into()),
+                    // Envoy's default.
+                    action: "ALLOW".into(),
+                    // Ordered by name.
+                    policies: vec![
+                        RbacPolicy {
+                            name: "a-inverse".into(),
+                            permissions: vec![header(".shoot--a--b.", true)],
+                            principals: vec![],
+                        },
+                        RbacPolicy {
+                            name: "b".into(),
+                            permissions: vec![
+                                header(".shoot--a--b.", false),
+                                Permission::Other,
+                                Permission::Any
+                            ],
+                            principals: vec![
+                                Principal::Client(net("10.1.0.0", 16)),
+                                Principal::Client(net("192.0.2.0", 24)),
+                                Principal::Peer(net("0.0.0.0", 0)),
+                                Principal::Other,
+                                Principal::Other,
+                            ],
+                        },
+                    ],
+                },
+                Rbac {
+                    at: RbacAt::Sni("api.b.example.com".into()),
+                    action: "DENY".into(),
+                    policies: vec![],
+                },
+            ]
+        );
+    }
+
+    #[test]
     fn a_bad_file_is_named() {
         let err = documents(Path::new("bad.yaml"), b"a: [").unwrap_err();
         assert!(err.to_string().starts_with("bad.yaml: "), "{err}");
