@@ -27,6 +27,8 @@
 //!   route name): the oldest object wins (creation time, then namespace, name, uid); the
 //!   other loses that key and is counted as `conflict`. Claims are settled before endpoints
 //!   are looked at, so a restarting pod never hands a name to another namespace.
+//! - **Source allow-lists**: RBAC EnvoyFilters (the ACL extension's) become routes'
+//!   `allowedSourceRanges`, narrowed where not exact (see [`super::acl`]).
 //! - Namespaces being deleted are skipped (`namespace_deleting`); a route without a ready
 //!   endpoint is left out (`no_endpoints`): a route must have a backend, and its server names
 //!   fall through to the fallback, which may still reach it.
