@@ -3,10 +3,14 @@
 //! [`model`] holds compact projections of the objects translation reads, [`manifest`] fills
 //! them from manifest files (`trellis controller render`), and [`translate`] turns a
 //! snapshot of them into a table for one gateway: a pure function, no I/O, no runtime.
+//! [`watch`] (cargo feature `controller`) is the live path: kube-rs watches feeding the same
+//! projections and translation, the table written to a file.
 
 pub mod manifest;
 pub mod model;
 pub mod translate;
+#[cfg(feature = "controller")]
+pub mod watch;
 
 use std::path::Path;
 
