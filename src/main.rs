@@ -42,7 +42,7 @@ enum Command {
     },
     /// The controller: the seed's objects -> routing tables. With `--config`, watches the
     /// API server and writes the table to `output.file` on every change.
-    #[command(args_conflicts_with_subcommands = true)]
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Controller {
         /// ControllerConfiguration file.
         #[arg(long, required = true)]

@@ -11,8 +11,8 @@ mod fakekube;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{TestDir, free_port, http_get};
@@ -245,6 +245,35 @@ async fn the_live_table_is_renders_and_follows_a_shoot_created_changed_and_delet
         .await;
     assert_eq!(backends(&t, ALPHA), ["100.96.1.10:443", "100.96.2.11:443"]);
 
+    // A change the table does not show (a terminating endpoint moves zone): rendered, not
+    // written; the file is the same file.
+    use std::os::unix::fs::MetadataExt;
+    let inode = std::fs::metadata(c.table_path()).unwrap().ino();
+    let unchanged = || async {
+        let m = c.get("/metrics").await.unwrap().1;
+        common::metric_in(&m, "trellis_controller_writes_total{result=\"unchanged\"}")
+    };
+    let before_unchanged = unchanged().await;
+    let mut slice = kube
+        .get(
+            "discovery.k8s.io/v1",
+            "EndpointSlice",
+            ALPHA,
+            "kube-apiserver-x7k2p",
+        )
+        .unwrap();
+    slice["endpoints"][2]["zone"] = Value::String("eu-1d".into());
+    kube.put(slice);
+    let start = Instant::now();
+    while unchanged().await == before_unchanged {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no render left the table unchanged"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(std::fs::metadata(c.table_path()).unwrap().ino(), inode);
+
     // Its VirtualService deleted: the SNI route goes; other shoots stay.
     let before = route_names(&t);
     kube.delete(
@@ -275,21 +304,28 @@ async fn the_live_table_is_renders_and_follows_a_shoot_created_changed_and_delet
     }
 }
 
-/// Reads the table file every millisecond until stopped; returns every distinct table seen.
+/// Reads the table file every millisecond until stopped (and once more then); returns every
+/// distinct table seen. Returns once the thread runs.
 fn watch_file(path: PathBuf, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Vec<String>> {
-    std::thread::spawn(move || {
-        let seen = Mutex::new(Vec::<String>::new());
-        while !stop.load(Ordering::SeqCst) {
-            if let Ok(t) = std::fs::read_to_string(&path) {
-                let mut seen = seen.lock().unwrap();
-                if seen.last() != Some(&t) {
-                    seen.push(t);
-                }
+    let (running, started) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        let _ = running.send(());
+        let mut seen = Vec::<String>::new();
+        loop {
+            let stopped = stop.load(Ordering::SeqCst);
+            if let Ok(t) = std::fs::read_to_string(&path)
+                && seen.last() != Some(&t)
+            {
+                seen.push(t);
+            }
+            if stopped {
+                return seen;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        seen.into_inner().unwrap()
-    })
+    });
+    started.recv().unwrap();
+    thread
 }
 
 /// LIST requests (not watches) so far, per resource path.
@@ -400,27 +436,39 @@ async fn a_relist_or_an_api_server_restart_never_shrinks_the_table() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_lists_are_retried_and_readiness_waits_for_the_first_table() {
+async fn failed_lists_are_retried_and_nothing_is_written_or_ready_before_every_kind_listed() {
     let kube = FakeKube::start().await;
     seed(&kube, &[]);
-    // Every kind's first lists fail: nothing is written, the controller is not ready.
+    // Every kind's first lists fail; the kinds' retries (jittered backoffs) list at
+    // different times.
     kube.fail_next(8, Fault::TooManyRequests);
-    kube.fail_next(8, Fault::Internal);
+    kube.fail_next(12, Fault::Internal);
     let c = Controller::start(&kube);
-    kube.wait_for_request("/tlsroutes").await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = watch_file(c.table_path(), stop.clone());
     let start = Instant::now();
-    while start.elapsed() < Duration::from_millis(500) {
-        assert!(c.table().is_none(), "a table before every kind listed");
-        if let Some((status, _)) = c.get("/ready").await {
+    while c.table().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(20), "{}", c.logs());
+        if let Some((status, _)) = c.get("/ready").await
+            && c.table().is_none()
+        {
             assert_eq!(status, 503, "ready before the first table");
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    c.wait_table("every shoot", |t| route(t, ALPHA).is_some())
+    let last = c
+        .wait_table("every shoot", |t| route(t, ALPHA).is_some())
         .await;
     assert_eq!(c.get("/ready").await.unwrap().0, 200);
+    stop.store(true, Ordering::SeqCst);
+    let seen = watcher.join().unwrap();
+    let all = route_names(&last);
+    for table in &seen {
+        let names = route_names(&serde_json::from_str(table).unwrap());
+        assert_eq!(names, all, "a table before every kind listed:\n{table}");
+    }
     let retried = PLURALS.iter().filter(|p| lists(&kube, p) >= 2).count();
-    assert!(retried > 0, "no list was retried: {:#?}", kube.requests());
+    assert_eq!(retried, PLURALS.len(), "{:#?}", kube.requests());
 }
 
 #[test]

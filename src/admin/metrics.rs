@@ -239,6 +239,7 @@ impl Metrics {
     }
 
     /// The controller's metrics.
+    #[cfg(any(test, feature = "controller"))]
     pub(crate) fn controller() -> Self {
         Self::new(Role::Controller)
     }
