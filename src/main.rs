@@ -40,10 +40,15 @@ enum Command {
         #[arg(long)]
         cleanup: bool,
     },
-    /// The controller: the seed's objects -> routing tables.
+    /// The controller: the seed's objects -> routing tables. With `--config`, watches the
+    /// API server and writes the table to `output.file` on every change.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Controller {
+        /// ControllerConfiguration file.
+        #[arg(long, required = true)]
+        config: Option<PathBuf>,
         #[command(subcommand)]
-        command: ControllerCommand,
+        command: Option<ControllerCommand>,
     },
     /// Validate trellis config and routing table files; exit 1 if any is invalid.
     Check {
@@ -125,6 +130,33 @@ fn render(manifests: &std::path::Path, config_file: Option<&std::path::Path>) ->
     }
 }
 
+#[cfg(feature = "controller")]
+fn controller(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let config = match trellis::config::controller::load(config_file) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(trellis::controller::watch::run(config));
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    result?;
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "controller"))]
+fn controller(_config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
+    anyhow::bail!(
+        "this trellis was built without the `controller` feature: only `trellis controller \
+         render` is available"
+    )
+}
+
 fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
     let mut config = match trellis::config::gateway::load(config_file) {
         Ok(c) => c,
@@ -200,8 +232,17 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Check { files } => Ok(check(files)),
         Command::Controller {
-            command: ControllerCommand::Render { manifests, config },
+            command: Some(ControllerCommand::Render { manifests, config }),
+            ..
         } => Ok(render(manifests, config.as_deref())),
+        Command::Controller {
+            command: None,
+            config,
+        } => match config {
+            Some(config) => controller(config),
+            // clap requires `--config` without a subcommand.
+            None => Ok(ExitCode::FAILURE),
+        },
         Command::Gateway { config } => gateway(config),
         Command::Node { config, cleanup } => node(config, *cleanup),
     };

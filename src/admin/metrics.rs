@@ -66,8 +66,59 @@ pub(crate) struct RouteReasonLabels {
 /// `result` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct ResultLabel {
-    /// `applied`, `rejected` or `unchanged`.
+    /// `applied`, `rejected` or `unchanged` (gateway reloads); `written`, `unchanged` or
+    /// `failed` (controller writes).
     pub result: &'static str,
+}
+
+/// `kind` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct KindLabel {
+    /// An object kind (`Gateway`, `EndpointSlice`, …).
+    pub kind: &'static str,
+}
+
+/// `reason` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ReasonLabel {
+    /// Why something was skipped.
+    pub reason: &'static str,
+}
+
+/// The controller's families (registered for [`Role::Controller`] only).
+#[derive(Debug)]
+pub(crate) struct ControllerMetrics {
+    /// `trellis_controller_objects`: objects in the stores, per kind.
+    pub objects: Family<KindLabel, Gauge>,
+    /// `trellis_controller_routes`: routes in the last table rendered.
+    pub routes: Gauge,
+    /// `trellis_controller_skipped`: what the last render skipped, per reason.
+    pub skipped: Family<ReasonLabel, Gauge>,
+    /// `trellis_controller_renders_total`.
+    pub renders: Counter,
+    /// `trellis_controller_writes_total` by result: `written`, `unchanged`, `failed`.
+    pub writes: Family<ResultLabel, Counter>,
+    /// `trellis_controller_change_to_write_seconds`: from the first object change a table
+    /// holds to that table written.
+    pub change_to_write: Histogram,
+    /// `trellis_controller_watch_errors_total`, per kind: failed lists and watches (each is
+    /// retried with a backoff).
+    pub watch_errors: Family<KindLabel, Counter>,
+}
+
+impl ControllerMetrics {
+    fn new() -> Self {
+        ControllerMetrics {
+            objects: Family::default(),
+            routes: Gauge::default(),
+            skipped: Family::default(),
+            renders: Counter::default(),
+            writes: Family::default(),
+            // 1 ms .. ~65 s.
+            change_to_write: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            watch_errors: Family::default(),
+        }
+    }
 }
 
 /// Which role's families a [`Metrics`] exports.
@@ -78,6 +129,8 @@ pub(crate) enum Role {
     Gateway,
     /// The shared connection families only (what `serve/` records).
     Node,
+    /// The controller's families only ([`ControllerMetrics`]).
+    Controller,
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -138,6 +191,8 @@ pub(crate) struct Metrics {
     /// The `(route, reason)` label sets of `connect_failures`, so a gone route's can be
     /// dropped (written on the failure path only).
     failure_labels: std::sync::Mutex<std::collections::HashSet<(String, &'static str)>>,
+    /// The controller's families.
+    pub controller: ControllerMetrics,
 }
 
 /// Per-route handles, resolved once per connection.
@@ -183,6 +238,12 @@ impl Metrics {
         Self::new(Role::Node)
     }
 
+    /// The controller's metrics.
+    #[cfg(any(test, feature = "controller"))]
+    pub(crate) fn controller() -> Self {
+        Self::new(Role::Controller)
+    }
+
     /// Creates every handle and registers, under the `trellis_` prefix, the families `role`
     /// records (the others are never encoded), then `trellis_build_info` and, unprefixed, the
     /// `process_*` metrics.
@@ -207,8 +268,62 @@ impl Metrics {
             registry: Registry::default(),
             route_cache: Default::default(),
             failure_labels: Default::default(),
+            controller: ControllerMetrics::new(),
         };
         let r = registry.sub_registry_with_prefix("trellis");
+        if role == Role::Controller {
+            m.register_controller(r);
+        } else {
+            m.register_connections(r);
+        }
+        if role == Role::Gateway {
+            r.register(
+                "client_hello_bytes",
+                "Size of ClientHellos, record headers included",
+                m.client_hello_bytes.clone(),
+            );
+            r.register(
+                "proxy_protocol_headers",
+                "PROXY protocol headers by result",
+                m.proxy_headers.clone(),
+            );
+            r.register(
+                "routing_table_routes",
+                "Routes in the active table",
+                m.table_routes.clone(),
+            );
+            r.register(
+                "routing_table_generation",
+                "Generation of the active table",
+                m.table_generation.clone(),
+            );
+            r.register(
+                "routing_table_reloads",
+                "Routing table reloads by result",
+                m.table_reloads.clone(),
+            );
+            r.register(
+                "default_route_missing",
+                "1 while a listener's defaultRoute is not in the active routing table",
+                m.default_route_missing.clone(),
+            );
+        }
+        let build_info = Family::<[(&'static str, &'static str); 1], Gauge>::default();
+        build_info
+            .get_or_create(&[("version", crate::VERSION)])
+            .set(1);
+        r.register(
+            "build_info",
+            "The running trellis version (always 1)",
+            build_info,
+        );
+        registry.register_collector(Box::new(super::process::ProcessCollector::new()));
+        Metrics { registry, ..m }
+    }
+
+    /// Registers the connection families every proxying role records.
+    fn register_connections(&self, r: &mut Registry) {
+        let m = self;
         r.register(
             "downstream_connections",
             "Client connections by listener and outcome",
@@ -254,49 +369,42 @@ impl Metrics {
             "Connections with one direction closed",
             m.half_closed.clone(),
         );
-        if role == Role::Gateway {
-            r.register(
-                "client_hello_bytes",
-                "Size of ClientHellos, record headers included",
-                m.client_hello_bytes.clone(),
-            );
-            r.register(
-                "proxy_protocol_headers",
-                "PROXY protocol headers by result",
-                m.proxy_headers.clone(),
-            );
-            r.register(
-                "routing_table_routes",
-                "Routes in the active table",
-                m.table_routes.clone(),
-            );
-            r.register(
-                "routing_table_generation",
-                "Generation of the active table",
-                m.table_generation.clone(),
-            );
-            r.register(
-                "routing_table_reloads",
-                "Routing table reloads by result",
-                m.table_reloads.clone(),
-            );
-            r.register(
-                "default_route_missing",
-                "1 while a listener's defaultRoute is not in the active routing table",
-                m.default_route_missing.clone(),
-            );
-        }
-        let build_info = Family::<[(&'static str, &'static str); 1], Gauge>::default();
-        build_info
-            .get_or_create(&[("version", crate::VERSION)])
-            .set(1);
+    }
+
+    /// Registers the controller's families.
+    fn register_controller(&self, r: &mut Registry) {
+        let c = &self.controller;
         r.register(
-            "build_info",
-            "The running trellis version (always 1)",
-            build_info,
+            "controller_objects",
+            "Objects in the controller's stores, per kind",
+            c.objects.clone(),
         );
-        registry.register_collector(Box::new(super::process::ProcessCollector::new()));
-        Metrics { registry, ..m }
+        r.register(
+            "controller_routes",
+            "Routes in the last table rendered",
+            c.routes.clone(),
+        );
+        r.register(
+            "controller_skipped",
+            "What the last render left out, per reason",
+            c.skipped.clone(),
+        );
+        r.register("controller_renders", "Tables rendered", c.renders.clone());
+        r.register(
+            "controller_writes",
+            "Table writes by result (written, unchanged, failed)",
+            c.writes.clone(),
+        );
+        r.register(
+            "controller_change_to_write_seconds",
+            "From the first object change a table holds to that table written",
+            c.change_to_write.clone(),
+        );
+        r.register(
+            "controller_watch_errors",
+            "Failed lists and watches per kind (each retried with a backoff)",
+            c.watch_errors.clone(),
+        );
     }
 
     /// Counts a finished or rejected downstream connection.
@@ -518,6 +626,52 @@ mod tests {
             assert!(gateway.iter().any(|f| f == name), "gateway lacks {name}");
             assert!(node.iter().any(|f| f == name), "node lacks {name}");
         }
+    }
+
+    #[test]
+    fn the_controller_exports_its_families_and_no_connection_family() {
+        let m = Metrics::controller();
+        let c = &m.controller;
+        c.objects
+            .get_or_create(&KindLabel { kind: "Gateway" })
+            .set(1);
+        c.skipped
+            .get_or_create(&ReasonLabel { reason: "l7" })
+            .set(1);
+        c.writes
+            .get_or_create(&ResultLabel { result: "written" })
+            .inc();
+        c.watch_errors
+            .get_or_create(&KindLabel { kind: "Service" })
+            .inc();
+        let controller = families(&m.encode());
+        for name in [
+            "trellis_controller_objects",
+            "trellis_controller_routes",
+            "trellis_controller_skipped",
+            "trellis_controller_renders",
+            "trellis_controller_writes",
+            "trellis_controller_change_to_write_seconds",
+            "trellis_controller_watch_errors",
+            "trellis_build_info",
+            "process_open_fds",
+        ] {
+            assert!(
+                controller.iter().any(|f| f == name),
+                "controller lacks {name}"
+            );
+        }
+        let gateway = families(&touched(Role::Gateway));
+        for name in ["trellis_downstream_connections", "trellis_route_bytes"]
+            .into_iter()
+            .chain(GATEWAY_ONLY)
+        {
+            assert!(
+                !controller.iter().any(|f| f == name),
+                "controller exports {name}"
+            );
+        }
+        assert!(!gateway.iter().any(|f| f.starts_with("trellis_controller")));
     }
 
     #[test]

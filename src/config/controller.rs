@@ -2,11 +2,13 @@
 //! [`ControllerConfig`]: which gateway it renders for, the fallback backend, the output.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
 use super::decode::{Kind, Raw};
+use super::gateway::RawAdmin;
 use super::{ConfigError, Errors};
 use crate::route::BackendAddress;
 
@@ -31,7 +33,8 @@ pub struct RawController {
     pub api_version: String,
     /// Always `ControllerConfiguration`.
     pub kind: String,
-    /// Kubeconfig file of the seed; in-cluster configuration when absent.
+    /// Kubeconfig file of the seed (relative to this file); in-cluster configuration (or
+    /// `KUBECONFIG`) when absent.
     #[serde(default)]
     pub kubeconfig: Option<String>,
     /// The gateway the table is rendered for (default: the seed's default ingress gateway).
@@ -43,6 +46,9 @@ pub struct RawController {
     /// Where the table is written.
     #[serde(default)]
     pub output: Option<RawOutput>,
+    /// Probes and metrics of `trellis controller` (none when absent).
+    #[serde(default)]
+    pub admin: Option<RawAdmin>,
 }
 
 /// The gateway the table is rendered for, as written.
@@ -115,6 +121,8 @@ pub struct ControllerConfig {
     pub fallback: Option<BackendAddress>,
     /// Where the table goes.
     pub output: Output,
+    /// Address of `/ready`, `/live` and `/metrics`, if any.
+    pub admin: Option<SocketAddr>,
 }
 
 /// Where the rendered table goes.
@@ -138,6 +146,7 @@ impl Default for ControllerConfig {
             parent_refs: Vec::new(),
             fallback: None,
             output: Output::None,
+            admin: None,
         }
     }
 }
@@ -167,8 +176,10 @@ pub(super) fn validate(
     mut errors: Errors,
 ) -> Result<ControllerConfig, ConfigError> {
     super::check_api_version(&mut errors, &raw.api_version);
+    // Relative paths are relative to the configuration file, like a gateway's `routes.file`.
+    let dir = file.parent().unwrap_or(Path::new(""));
     let mut config = ControllerConfig {
-        kubeconfig: raw.kubeconfig.map(PathBuf::from),
+        kubeconfig: raw.kubeconfig.map(|k| dir.join(k)),
         ..ControllerConfig::default()
     };
     if let Some(target) = raw.gateway {
@@ -202,12 +213,17 @@ pub(super) fn validate(
     if let Some(output) = raw.output {
         match output.file {
             Some(f) if f.is_empty() => errors.push("output.file", "must not be empty"),
-            Some(f) => {
-                // Relative to the configuration file, like a gateway's `routes.file`.
-                let dir = file.parent().unwrap_or(Path::new(""));
-                config.output = Output::File(dir.join(f));
-            }
+            Some(f) => config.output = Output::File(dir.join(f)),
             None => errors.push("output", "name where the table goes: `file`"),
+        }
+    }
+    if let Some(admin) = raw.admin {
+        config.admin = super::gateway::socket_addr(&mut errors, "admin.address", &admin.address);
+        if admin.debug_address.is_some() {
+            errors.push(
+                "admin.debugAddress",
+                "the controller has no debug endpoint (the table is its output)",
+            );
         }
     }
     errors.finish(file, config)
@@ -244,6 +260,7 @@ gateway:
   parentRefs: [infra/public]
 fallback: {{address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}}
 output: {{file: routes.json}}
+admin: {{address: \"127.0.0.1:15022\"}}
 "
         ))
         .unwrap();
@@ -255,6 +272,12 @@ output: {{file: routes.json}}
             "istio-ingressgateway.istio-ingress.svc.cluster.local:443"
         );
         assert_eq!(c.output, Output::File("/etc/trellis/routes.json".into()));
+        assert_eq!(c.admin, Some(SocketAddr::from(([127, 0, 0, 1], 15022))));
+        let c = check(&format!("{HEAD}kubeconfig: seed.kubeconfig\n")).unwrap();
+        assert_eq!(
+            c.kubeconfig,
+            Some(PathBuf::from("/etc/trellis/seed.kubeconfig"))
+        );
     }
 
     #[test]
@@ -263,6 +286,7 @@ output: {{file: routes.json}}
             "{HEAD}gateway: {{selector: {{}}, parentRefs: [nope], extra: 1}}
 fallback: {{address: nope}}
 output: {{}}
+admin: {{address: nope, debugAddress: \"127.0.0.1:1\"}}
 "
         ))
         .unwrap_err();
@@ -272,6 +296,8 @@ output: {{}}
             "fallback.address: expected HOST:PORT",
             "output: name where the table goes",
             "gateway.extra: unknown field `extra`",
+            "admin.address: expected IP:port",
+            "admin.debugAddress: the controller has no debug endpoint",
         ] {
             assert!(err.contains(needle), "{needle} not in {err}");
         }

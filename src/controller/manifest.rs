@@ -14,8 +14,8 @@ use thiserror::Error;
 
 use super::model::{
     BackendRef, Destination, DestinationRule, Endpoint, EndpointSlice, EnvoyFilter, Gateway, Meta,
-    Namespace, Net, Permission, Principal, Rbac, RbacAt, RbacPolicy, Server, Service, ServicePort,
-    Snapshot, TlsRoute, TlsRouteObject, VirtualService,
+    Namespace, Net, Object, Permission, Principal, Rbac, RbacAt, RbacPolicy, Server, Service,
+    ServicePort, Snapshot, TlsRoute, TlsRouteObject, VirtualService,
 };
 
 /// Why a manifest directory could not be read.
@@ -88,47 +88,56 @@ pub fn documents(file: &Path, bytes: &[u8]) -> Result<Vec<Value>, ManifestError>
 
 /// Adds one document (an object or a `List` of them) to the snapshot.
 pub fn add(snapshot: &mut Snapshot, doc: &Value) {
-    let api_version = text(doc, "/apiVersion");
-    let kind = text(doc, "/kind");
     if let Some(items) = doc.get("items").and_then(Value::as_array)
-        && kind.ends_with("List")
+        && text(doc, "/kind").ends_with("List")
     {
         for item in items {
             add(snapshot, item);
         }
         return;
     }
+    if let Some(object) = project(doc) {
+        snapshot.push(object);
+    }
+}
+
+/// The projection of one object (not a `List`), or `None` for a kind or version translation
+/// does not read. The watch path projects what the API server sends through this same
+/// function, so a live table and `render`'s agree on the same objects.
+pub fn project(doc: &Value) -> Option<Object> {
+    let api_version = text(doc, "/apiVersion");
+    let kind = text(doc, "/kind");
     let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
-    match (group, kind) {
+    Some(match (group, kind) {
         ("networking.istio.io", "Gateway") if istio_version(version) => {
-            snapshot.gateways.push(gateway(doc))
+            Object::Gateway(gateway(doc))
         }
         ("networking.istio.io", "VirtualService") if istio_version(version) => {
-            snapshot.virtual_services.push(virtual_service(doc))
+            Object::VirtualService(virtual_service(doc))
         }
         ("networking.istio.io", "DestinationRule") if istio_version(version) => {
-            snapshot.destination_rules.push(destination_rule(doc))
+            Object::DestinationRule(destination_rule(doc))
         }
         ("networking.istio.io", "EnvoyFilter") if istio_version(version) => {
-            snapshot.envoy_filters.push(envoy_filter(doc))
+            Object::EnvoyFilter(envoy_filter(doc))
         }
-        ("", "Service") if version == "v1" => snapshot.services.push(service(doc)),
-        ("", "Namespace") if version == "v1" => snapshot.namespaces.push(Namespace {
+        ("", "Service") if version == "v1" => Object::Service(service(doc)),
+        ("", "Namespace") if version == "v1" => Object::Namespace(Namespace {
             meta: meta(doc),
             deleting: doc
                 .pointer("/metadata/deletionTimestamp")
                 .is_some_and(|v| !v.is_null()),
         }),
         ("discovery.k8s.io", "EndpointSlice") if version == "v1" => {
-            snapshot.endpoint_slices.push(endpoint_slice(doc))
+            Object::EndpointSlice(endpoint_slice(doc))
         }
         ("gateway.networking.k8s.io", "TLSRoute")
             if matches!(version, "v1" | "v1alpha2" | "v1alpha3") =>
         {
-            snapshot.tls_routes.push(tls_route(doc))
+            Object::TlsRoute(tls_route(doc))
         }
-        _ => {}
-    }
+        _ => return None,
+    })
 }
 
 fn istio_version(version: &str) -> bool {

@@ -4,11 +4,15 @@
 //! them from manifest files (`trellis controller render`), and [`translate`] turns a
 //! snapshot of them into a table for one gateway: a pure function, no I/O, no runtime;
 //! [`acl`] renders the source allow-lists of RBAC EnvoyFilters onto its routes.
+//! [`watch`] (cargo feature `controller`) is the live path: kube-rs watches feeding the same
+//! projections and translation, the table written to a file.
 
 pub mod acl;
 pub mod manifest;
 pub mod model;
 pub mod translate;
+#[cfg(feature = "controller")]
+pub mod watch;
 
 use std::path::Path;
 

@@ -360,3 +360,41 @@ impl Snapshot {
         ]
     }
 }
+
+/// One object of any kind translation reads: what a watch event or a manifest document
+/// becomes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Object {
+    /// An Istio Gateway.
+    Gateway(Gateway),
+    /// An Istio VirtualService.
+    VirtualService(VirtualService),
+    /// An Istio DestinationRule.
+    DestinationRule(DestinationRule),
+    /// An Istio EnvoyFilter (name only).
+    EnvoyFilter(EnvoyFilter),
+    /// A Service.
+    Service(Service),
+    /// An EndpointSlice.
+    EndpointSlice(EndpointSlice),
+    /// A Namespace.
+    Namespace(Namespace),
+    /// A Gateway API TLSRoute.
+    TlsRoute(TlsRouteObject),
+}
+
+impl Snapshot {
+    /// Adds one object to the list of its kind.
+    pub fn push(&mut self, object: Object) {
+        match object {
+            Object::Gateway(o) => self.gateways.push(o),
+            Object::VirtualService(o) => self.virtual_services.push(o),
+            Object::DestinationRule(o) => self.destination_rules.push(o),
+            Object::EnvoyFilter(o) => self.envoy_filters.push(o),
+            Object::Service(o) => self.services.push(o),
+            Object::EndpointSlice(o) => self.endpoint_slices.push(o),
+            Object::Namespace(o) => self.namespaces.push(o),
+            Object::TlsRoute(o) => self.tls_routes.push(o),
+        }
+    }
+}

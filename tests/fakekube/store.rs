@@ -49,7 +49,8 @@ pub(crate) const RESOURCES: &[Resource] = &[
     r("networking.istio.io", &["v1", "v1beta1"], "gateways", "Gateway", true, &["gw"]),
     r("networking.istio.io", &["v1", "v1beta1"], "virtualservices", "VirtualService", true, &["vs"]),
     r("networking.istio.io", &["v1", "v1beta1"], "destinationrules", "DestinationRule", true, &["dr"]),
-    r("networking.istio.io", &["v1", "v1beta1"], "envoyfilters", "EnvoyFilter", true, &[]),
+    // Istio serves EnvoyFilter only as v1alpha3.
+    r("networking.istio.io", &["v1alpha3"], "envoyfilters", "EnvoyFilter", true, &[]),
     r("gateway.networking.k8s.io", &["v1", "v1alpha2"], "tlsroutes", "TLSRoute", true, &[]),
     r("coordination.k8s.io", &["v1"], "leases", "Lease", true, &[]),
     r("extensions.gardener.cloud", &["v1alpha1"], "clusters", "Cluster", false, &[]),

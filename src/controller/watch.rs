@@ -1,0 +1,581 @@
+//! The live path of `trellis controller`: one kube-rs watcher per kind, the controller's own
+//! stores of projections, a debounced render through [`translate`], the table written to a
+//! file (temporary file + rename) only when its bytes change.
+//!
+//! Each kind's store is a map of projections keyed by namespace and name; an object is
+//! projected ([`manifest::project`], the same function `render` uses) as soon as it arrives
+//! and never held whole. A (re)list fills a buffer (`Init`, `InitApply`) that replaces the
+//! kind's map only at `InitDone`, so a relist after `410 Gone` or an API server restart never
+//! renders from a half-listed kind. Nothing is rendered before every kind's first `InitDone`;
+//! `/ready` answers 200 once the first table is written. Access to the API is read-only.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::stream::{BoxStream, SelectAll};
+use futures_util::{StreamExt, TryStreamExt};
+use kube::api::{Api, ApiResource, DynamicObject};
+use kube::core::PartialObjectMeta;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use serde::Serialize;
+use serde_json::Value;
+use thiserror::Error;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::time::Instant;
+
+use super::model::{Object, Snapshot};
+use super::{Target, manifest, to_json, translate};
+use crate::admin::metrics::{KindLabel, ReasonLabel, ResultLabel};
+use crate::admin::{AdminState, Metrics, Server};
+use crate::config::controller::{ControllerConfig, Output};
+
+/// How long a render waits after the first change (a shoot's objects change together).
+pub const DEBOUNCE: Duration = Duration::from_millis(20);
+
+/// How long after a failed write the table is written again.
+const WRITE_RETRY: Duration = Duration::from_secs(1);
+
+/// Why the controller could not start or stopped.
+#[derive(Debug, Error)]
+pub enum WatchError {
+    /// The configuration names no output file.
+    #[error("output.file is required to run the controller")]
+    NoOutput,
+    /// The kubeconfig file could not be read (the message names it).
+    #[error("kubeconfig: {source}")]
+    Kubeconfig {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong with it.
+        source: kube::config::KubeconfigError,
+    },
+    /// No in-cluster configuration and no `KUBECONFIG`.
+    #[error("no kubeconfig given and none found: {0}")]
+    Infer(#[from] kube::config::InferConfigError),
+    /// The client could not be built from the configuration.
+    #[error("Kubernetes client: {0}")]
+    Client(#[from] kube::Error),
+    /// The admin address could not be bound.
+    #[error("admin endpoint {address}: {source}")]
+    Admin {
+        /// The address.
+        address: std::net::SocketAddr,
+        /// The bind error.
+        source: std::io::Error,
+    },
+    /// Signal handlers could not be installed.
+    #[error("signal handling: {0}")]
+    Signals(std::io::Error),
+}
+
+/// A kind the controller watches: where the API serves it.
+#[derive(Debug, Clone, Copy)]
+struct Kind {
+    group: &'static str,
+    version: &'static str,
+    kind: &'static str,
+    plural: &'static str,
+    /// Watched for metadata only (`PartialObjectMetadata`): its name is all translation reads.
+    metadata_only: bool,
+}
+
+/// Every kind translation reads, in [`Snapshot::counts`] order.
+const KINDS: [Kind; 8] = [
+    kind("networking.istio.io", "v1", "Gateway", "gateways", false),
+    kind(
+        "networking.istio.io",
+        "v1",
+        "VirtualService",
+        "virtualservices",
+        false,
+    ),
+    kind(
+        "networking.istio.io",
+        "v1",
+        "DestinationRule",
+        "destinationrules",
+        false,
+    ),
+    // Istio serves EnvoyFilter only as v1alpha3. Whole objects: the ACL extension's RBAC
+    // filters carry the source allow-lists in their spec.
+    kind(
+        "networking.istio.io",
+        "v1alpha3",
+        "EnvoyFilter",
+        "envoyfilters",
+        false,
+    ),
+    kind("", "v1", "Service", "services", false),
+    kind(
+        "discovery.k8s.io",
+        "v1",
+        "EndpointSlice",
+        "endpointslices",
+        false,
+    ),
+    kind("", "v1", "Namespace", "namespaces", false),
+    kind(
+        "gateway.networking.k8s.io",
+        "v1",
+        "TLSRoute",
+        "tlsroutes",
+        false,
+    ),
+];
+
+const fn kind(
+    group: &'static str,
+    version: &'static str,
+    kind: &'static str,
+    plural: &'static str,
+    metadata_only: bool,
+) -> Kind {
+    Kind {
+        group,
+        version,
+        kind,
+        plural,
+        metadata_only,
+    }
+}
+
+impl Kind {
+    fn api_version(&self) -> String {
+        if self.group.is_empty() {
+            self.version.to_owned()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
+    }
+
+    fn resource(&self) -> ApiResource {
+        ApiResource {
+            group: self.group.to_owned(),
+            version: self.version.to_owned(),
+            api_version: self.api_version(),
+            kind: self.kind.to_owned(),
+            plural: self.plural.to_owned(),
+        }
+    }
+
+    /// The projection of an object of this kind as the API sent it. List items and
+    /// metadata-only objects carry no (or another) `apiVersion` and `kind`: the watch knows
+    /// them.
+    fn project(&self, object: &impl Serialize) -> Option<(Key, Object)> {
+        let mut doc = serde_json::to_value(object).ok()?;
+        let map = doc.as_object_mut()?;
+        map.insert("apiVersion".into(), Value::String(self.api_version()));
+        map.insert("kind".into(), Value::String(self.kind.to_owned()));
+        let key = (
+            text(&doc, "/metadata/namespace"),
+            text(&doc, "/metadata/name"),
+        );
+        Some((key, manifest::project(&doc)?))
+    }
+}
+
+fn text(doc: &Value, pointer: &str) -> String {
+    doc.pointer(pointer)
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// Namespace (empty for cluster-scoped objects) and name.
+type Key = (String, String);
+
+/// One watch event, its object already projected.
+#[derive(Debug)]
+pub enum Change {
+    /// A list starts: a new buffer.
+    Init,
+    /// An object of the list.
+    InitApply(Key, Object),
+    /// The list is complete: the buffer replaces the store.
+    InitDone,
+    /// An object was added or changed.
+    Apply(Key, Object),
+    /// An object was deleted.
+    Delete(Key),
+}
+
+/// One kind's objects: the map translation reads, and the list being received.
+#[derive(Debug, Default)]
+pub struct Store {
+    live: BTreeMap<Key, Object>,
+    buffer: Option<BTreeMap<Key, Object>>,
+    synced: bool,
+}
+
+impl Store {
+    /// Applies one change; true when the objects translation reads changed.
+    pub fn apply(&mut self, change: Change) -> bool {
+        match change {
+            Change::Init => {
+                self.buffer = Some(BTreeMap::new());
+                false
+            }
+            Change::InitApply(key, object) => {
+                self.buffer
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(key, object);
+                false
+            }
+            Change::InitDone => {
+                let listed = self.buffer.take().unwrap_or_default();
+                let changed = !self.synced || listed != self.live;
+                self.live = listed;
+                self.synced = true;
+                changed
+            }
+            Change::Apply(key, object) => {
+                self.live.get(&key) != Some(&object) && {
+                    self.live.insert(key, object);
+                    true
+                }
+            }
+            Change::Delete(key) => self.live.remove(&key).is_some(),
+        }
+    }
+
+    /// Whether the first list has completed.
+    pub fn synced(&self) -> bool {
+        self.synced
+    }
+
+    /// Objects in the store.
+    pub fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Whether the store is empty.
+    pub fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    fn objects(&self) -> impl Iterator<Item = &Object> {
+        self.live.values()
+    }
+}
+
+/// The snapshot of every store, in key order.
+fn snapshot(stores: &[Store]) -> Snapshot {
+    let mut snapshot = Snapshot::default();
+    for object in stores.iter().flat_map(Store::objects) {
+        snapshot.push(object.clone());
+    }
+    snapshot
+}
+
+type Events = BoxStream<'static, (usize, Result<Change, watcher::Error>)>;
+
+fn convert<K: Serialize>(kind: &Kind, event: Event<K>) -> Option<Change> {
+    Some(match event {
+        Event::Init => Change::Init,
+        Event::InitDone => Change::InitDone,
+        Event::InitApply(o) => {
+            let (key, object) = kind.project(&o)?;
+            Change::InitApply(key, object)
+        }
+        Event::Apply(o) => {
+            let (key, object) = kind.project(&o)?;
+            Change::Apply(key, object)
+        }
+        Event::Delete(o) => {
+            let (key, _) = kind.project(&o)?;
+            Change::Delete(key)
+        }
+    })
+}
+
+/// One watcher per kind, retried with kube's default backoff (0.8 s doubling to 30 s).
+fn watches(client: &kube::Client) -> SelectAll<Events> {
+    let mut all = SelectAll::new();
+    for (i, kind) in KINDS.iter().enumerate() {
+        let ar = kind.resource();
+        let config = watcher::Config::default();
+        let events: Events = if kind.metadata_only {
+            let api = Api::<PartialObjectMeta<DynamicObject>>::all_with(client.clone(), &ar);
+            watcher::watcher(api, config)
+                .default_backoff()
+                .map_ok(move |e| convert(&KINDS[i], e))
+                .filter_map(move |r| async move { r.transpose().map(|r| (i, r)) })
+                .boxed()
+        } else {
+            let api = Api::<DynamicObject>::all_with(client.clone(), &ar);
+            watcher::watcher(api, config)
+                .default_backoff()
+                .map_ok(move |e| convert(&KINDS[i], e))
+                .filter_map(move |r| async move { r.transpose().map(|r| (i, r)) })
+                .boxed()
+        };
+        all.push(events);
+    }
+    all
+}
+
+async fn client(config: &ControllerConfig) -> Result<kube::Client, WatchError> {
+    // kube's TLS uses the process' provider; a build linking more than one has no default.
+    // An error means one is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let kube_config = match &config.kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path).map_err(|source| {
+                WatchError::Kubeconfig {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+            kube::Config::from_custom_kubeconfig(file, &Default::default())
+                .await
+                .map_err(|source| WatchError::Kubeconfig {
+                    path: path.clone(),
+                    source,
+                })?
+        }
+        None => kube::Config::infer().await?,
+    };
+    Ok(kube::Client::try_from(kube_config)?)
+}
+
+/// The last table written and what the next write must say.
+struct Writer {
+    path: PathBuf,
+    last: Option<String>,
+    /// When the first change not yet in a written table came.
+    pending_since: Option<Instant>,
+}
+
+impl Writer {
+    /// Renders the stores and writes the table if its bytes changed; false when the write
+    /// failed (it is tried again).
+    fn render(&mut self, stores: &[Store], target: &Target, metrics: &Metrics) -> bool {
+        let (table, report) = translate(&snapshot(stores), target);
+        let json = to_json(&table);
+        let c = &metrics.controller;
+        c.renders.inc();
+        c.routes.set(report.routes as i64);
+        c.skipped.clear();
+        for (reason, n) in &report.skipped {
+            c.skipped
+                .get_or_create(&ReasonLabel {
+                    reason: reason.as_str(),
+                })
+                .set(*n as i64);
+        }
+        let result = |result| ResultLabel { result };
+        if self.last.as_deref() == Some(json.as_str()) {
+            c.writes.get_or_create(&result("unchanged")).inc();
+            self.pending_since = None;
+            tracing::debug!(routes = report.routes, "table unchanged");
+            return true;
+        }
+        match write_atomic(&self.path, json.as_bytes()) {
+            Ok(()) => {
+                c.writes.get_or_create(&result("written")).inc();
+                if let Some(since) = self.pending_since.take() {
+                    c.change_to_write.observe(since.elapsed().as_secs_f64());
+                }
+                tracing::info!(
+                    routes = report.routes,
+                    bytes = json.len(),
+                    skipped = ?report.skipped,
+                    file = %self.path.display(),
+                    "routing table written"
+                );
+                self.last = Some(json);
+                true
+            }
+            Err(e) => {
+                c.writes.get_or_create(&result("failed")).inc();
+                tracing::error!(file = %self.path.display(), error = %e, "writing the routing table failed");
+                false
+            }
+        }
+    }
+}
+
+/// Writes `bytes` to a temporary file beside `path` and renames it over `path`, so a reader
+/// sees the old table or the new one, never a part.
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+/// Runs the controller until SIGTERM or SIGINT.
+pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
+    let Output::File(path) = config.output.clone() else {
+        return Err(WatchError::NoOutput);
+    };
+    let metrics = Arc::new(Metrics::controller());
+    let admin = Arc::new(AdminState::new(metrics.clone()));
+    let _server = match config.admin {
+        Some(address) => {
+            let listener = crate::admin::bind(address)
+                .map_err(|source| WatchError::Admin { address, source })?;
+            Some(
+                Server::start(listener, None, admin.clone())
+                    .map_err(|source| WatchError::Admin { address, source })?,
+            )
+        }
+        None => None,
+    };
+    let mut sigterm = signal(SignalKind::terminate()).map_err(WatchError::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(WatchError::Signals)?;
+    let client = client(&config).await?;
+    let target = Target::from_config(&config);
+    let mut events = watches(&client);
+    let mut stores: Vec<Store> = KINDS.iter().map(|_| Store::default()).collect();
+    let mut writer = Writer {
+        path,
+        last: None,
+        pending_since: None,
+    };
+    let mut render_at: Option<Instant> = None;
+    tracing::info!(
+        kinds = KINDS.len(),
+        file = %writer.path.display(),
+        "controller watching"
+    );
+    loop {
+        tokio::select! {
+            Some((i, event)) = events.next() => {
+                let kind = KINDS[i].kind;
+                let change = match event {
+                    Ok(change) => change,
+                    Err(e) => {
+                        metrics.controller.watch_errors.get_or_create(&KindLabel { kind }).inc();
+                        tracing::warn!(kind, error = %e, "watch failed; retrying");
+                        continue;
+                    }
+                };
+                let first_sync = matches!(change, Change::InitDone) && !stores[i].synced();
+                if stores[i].apply(change) {
+                    metrics.controller.objects.get_or_create(&KindLabel { kind }).set(stores[i].len() as i64);
+                    writer.pending_since.get_or_insert_with(Instant::now);
+                    if stores.iter().all(Store::synced) {
+                        render_at.get_or_insert_with(|| Instant::now() + DEBOUNCE);
+                    }
+                }
+                if first_sync {
+                    tracing::info!(kind, objects = stores[i].len(), "listed");
+                }
+            }
+            () = tokio::time::sleep_until(render_at.unwrap_or_else(Instant::now)), if render_at.is_some() => {
+                render_at = None;
+                if writer.render(&stores, &target, &metrics) {
+                    admin.set_ready(true);
+                } else {
+                    render_at = Some(Instant::now() + WRITE_RETRY);
+                }
+            }
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        }
+    }
+    tracing::info!("controller stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::model::{Meta, Namespace};
+
+    fn ns(name: &str, deleting: bool) -> (Key, Object) {
+        let meta = Meta {
+            name: name.into(),
+            ..Meta::default()
+        };
+        (
+            (String::new(), name.into()),
+            Object::Namespace(Namespace { meta, deleting }),
+        )
+    }
+
+    fn names(store: &Store) -> Vec<&str> {
+        store.live.keys().map(|(_, n)| n.as_str()).collect()
+    }
+
+    #[test]
+    fn a_relist_replaces_the_store_only_when_done() {
+        let mut s = Store::default();
+        assert!(!s.apply(Change::Init));
+        let (k, o) = ns("a", false);
+        assert!(!s.apply(Change::InitApply(k, o)));
+        assert!(!s.synced() && s.is_empty(), "nothing before InitDone");
+        assert!(s.apply(Change::InitDone), "the first list is a change");
+        assert!(s.synced());
+        let (k, o) = ns("b", false);
+        assert!(s.apply(Change::Apply(k, o)));
+        // A relist: a and b still exist, c is new. Until InitDone the store is unchanged.
+        s.apply(Change::Init);
+        for name in ["a", "b"] {
+            let (k, o) = ns(name, false);
+            s.apply(Change::InitApply(k, o));
+        }
+        assert_eq!(names(&s), ["a", "b"]);
+        assert!(
+            !s.apply(Change::InitDone),
+            "the same objects listed again: no change"
+        );
+        // A relist that misses b (deleted while the watch was down) drops it at InitDone.
+        s.apply(Change::Init);
+        let (k, o) = ns("a", false);
+        s.apply(Change::InitApply(k, o));
+        assert_eq!(names(&s), ["a", "b"]);
+        assert!(s.apply(Change::InitDone));
+        assert_eq!(names(&s), ["a"]);
+    }
+
+    #[test]
+    fn unchanged_projections_are_no_change() {
+        let mut s = Store::default();
+        s.apply(Change::InitDone);
+        let (k, o) = ns("a", false);
+        assert!(s.apply(Change::Apply(k.clone(), o.clone())));
+        assert!(!s.apply(Change::Apply(k.clone(), o)), "same projection");
+        let (_, o) = ns("a", true);
+        assert!(s.apply(Change::Apply(k.clone(), o)));
+        assert!(s.apply(Change::Delete(k.clone())));
+        assert!(!s.apply(Change::Delete(k)));
+    }
+
+    #[test]
+    fn list_items_without_types_are_projected_as_their_kind() {
+        let item = serde_json::json!({
+            "metadata": {"name": "a", "creationTimestamp": "2024-01-01T00:00:00Z"},
+        });
+        let namespace = &KINDS[6];
+        assert_eq!(namespace.kind, "Namespace");
+        let (key, object) = namespace.project(&item).unwrap();
+        assert_eq!(key, (String::new(), "a".to_owned()));
+        let Object::Namespace(n) = object else {
+            panic!("{object:?}")
+        };
+        assert_eq!(n.meta.created.as_deref(), Some("2024-01-01T00:00:00Z"));
+        // A metadata-only object says `PartialObjectMetadata`; the watch knows better.
+        let meta = serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+            "metadata": {"name": "x-istio-tls-termination", "namespace": "x"}});
+        let (_, object) = KINDS[3].project(&meta).unwrap();
+        assert!(matches!(object, Object::EnvoyFilter(_)), "{object:?}");
+    }
+
+    #[test]
+    fn kinds_are_in_snapshot_order() {
+        let names: Vec<_> = KINDS.iter().map(|k| k.kind).collect();
+        let counts: Vec<_> = Snapshot::default().counts().map(|c| c.0).to_vec();
+        assert_eq!(names, counts);
+    }
+}

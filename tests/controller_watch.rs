@@ -1,0 +1,496 @@
+//! The real `trellis controller --config` against the fake Kubernetes API server: the live
+//! table equals what `render` makes of the same objects; creating, changing and deleting a
+//! shoot's objects changes it; a relist or a restart of the API server never shrinks it;
+//! failed lists are retried and readiness waits for the first table.
+
+#![allow(clippy::unwrap_used, unreachable_pub)]
+
+mod common;
+mod fakekube;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{TestDir, free_port, http_get};
+use fakekube::{FakeKube, Fault};
+use serde_json::Value;
+
+const ALPHA: &str = "shoot--dev--alpha";
+
+fn seed_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/controller/seed")
+}
+
+/// The objects of one seed fixture file, `List`s unpacked.
+fn objects(file: &str) -> Vec<Value> {
+    let path = seed_dir().join(file);
+    let bytes = std::fs::read(&path).unwrap();
+    let mut out = Vec::new();
+    for doc in trellis::controller::manifest::documents(&path, &bytes).unwrap() {
+        match doc["items"].as_array() {
+            Some(items) if doc["kind"].as_str().unwrap_or("").ends_with("List") => {
+                out.extend(items.iter().cloned())
+            }
+            _ if doc.is_object() => out.push(doc),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Every seed fixture file but `except`.
+fn seed_files(except: &[&str]) -> Vec<String> {
+    let mut files: Vec<String> = std::fs::read_dir(seed_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with(".yaml") || f.ends_with(".json"))
+        .filter(|f| !except.iter().any(|e| f.starts_with(e)))
+        .collect();
+    files.sort();
+    files
+}
+
+/// A running `trellis controller --config`, killed when dropped.
+struct Controller {
+    child: Child,
+    dir: TestDir,
+    admin: std::net::SocketAddr,
+}
+
+impl Controller {
+    fn start(kube: &FakeKube) -> Controller {
+        let dir = TestDir::new("controller");
+        kube.write_kubeconfig(&dir.path("kubeconfig"));
+        let admin = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+        std::fs::write(
+            dir.path("controller.yaml"),
+            format!(
+                "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: ControllerConfiguration
+kubeconfig: kubeconfig
+gateway:
+  selector: {{app: istio-ingressgateway, istio: ingressgateway, istio-role: seed}}
+  parentRefs: [infra/public]
+fallback: {{address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}}
+output: {{file: out/routes.json}}
+admin: {{address: \"{admin}\"}}
+"
+            ),
+        )
+        .unwrap();
+        std::fs::create_dir(dir.path("out")).unwrap();
+        let log = std::fs::File::create(dir.path("controller.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(["--log-format", "json", "controller", "--config"])
+            .arg(dir.path("controller.yaml"))
+            .env("TRELLIS_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        Controller { child, dir, admin }
+    }
+
+    fn table_path(&self) -> PathBuf {
+        self.dir.path("out/routes.json")
+    }
+
+    fn table(&self) -> Option<String> {
+        std::fs::read_to_string(self.table_path()).ok()
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(self.dir.path("controller.log")).unwrap_or_default()
+    }
+
+    /// Waits (at most 10 s) until the table satisfies `pred`; returns it.
+    async fn wait_table(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let start = Instant::now();
+        loop {
+            if let Some(t) = self.table().and_then(|t| serde_json::from_str(&t).ok())
+                && pred(&t)
+            {
+                return t;
+            }
+            if start.elapsed() > Duration::from_secs(10) {
+                panic!(
+                    "no table with {what} within 10 s; last: {:?}\n{}",
+                    self.table(),
+                    self.logs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn get(&self, path: &str) -> Option<(u16, String)> {
+        let (addr, path) = (self.admin, path.to_owned());
+        tokio::task::spawn_blocking(move || http_get(addr, &path))
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn route<'a>(table: &'a Value, name: &str) -> Option<&'a Value> {
+    table["routes"]
+        .as_array()?
+        .iter()
+        .find(|r| r["name"] == name)
+}
+
+fn route_names(table: &Value) -> BTreeSet<String> {
+    table["routes"]
+        .as_array()
+        .map(|rs| {
+            rs.iter()
+                .filter_map(|r| r["name"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn backends(table: &Value, name: &str) -> Vec<String> {
+    route(table, name).map_or_else(Vec::new, |r| {
+        r["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["address"].as_str().unwrap().to_owned())
+            .collect()
+    })
+}
+
+/// `trellis controller render` of `objects` (as the fake stores them) with the same target.
+fn render(objects: &[Value], config: &Path) -> String {
+    let dir = TestDir::new("render");
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects});
+    std::fs::write(dir.path("objects.json"), list.to_string()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(["controller", "render", "--manifests"])
+        .arg(&dir.0)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Seeds the fake with every fixture file but `except`; returns the objects as stored.
+fn seed(kube: &FakeKube, except: &[&str]) -> Vec<Value> {
+    seed_files(except)
+        .iter()
+        .flat_map(|f| objects(f))
+        .map(|o| kube.put(o))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_table_is_renders_and_follows_a_shoot_created_changed_and_deleted() {
+    let kube = FakeKube::start().await;
+    let mut stored = seed(&kube, &[ALPHA]);
+    let c = Controller::start(&kube);
+    let first = c
+        .wait_table("the seed's shoots", |t| {
+            route(t, "shoot--dev--beta").is_some()
+        })
+        .await;
+    assert!(route(&first, ALPHA).is_none());
+    // The same objects rendered offline give the same bytes.
+    let config = c.dir.path("controller.yaml");
+    let offline = render(&stored, &config);
+    assert_eq!(
+        c.table().unwrap(),
+        offline,
+        "live table differs from render's"
+    );
+    assert!(c.logs().contains("routing table written"), "{}", c.logs());
+
+    // A shoot's objects created: its routes appear.
+    let alpha: Vec<Value> = objects(&format!("{ALPHA}.yaml"))
+        .into_iter()
+        .map(|o| kube.put(o))
+        .collect();
+    let t = c.wait_table("alpha", |t| route(t, ALPHA).is_some()).await;
+    assert_eq!(backends(&t, ALPHA), ["100.96.1.10:443"]);
+    assert!(route(&t, &format!("{ALPHA}--vpn-seed-server")).is_some());
+    stored.extend(alpha.iter().cloned());
+    assert_eq!(c.table().unwrap(), render(&stored, &config));
+
+    // Its EndpointSlice changes (the starting pod became ready): backends follow.
+    let mut slice = alpha
+        .iter()
+        .find(|o| o["metadata"]["name"] == "kube-apiserver-x7k2p")
+        .unwrap()
+        .clone();
+    slice["endpoints"][1]["conditions"]["ready"] = Value::Bool(true);
+    kube.put(slice);
+    let t = c
+        .wait_table("alpha's second backend", |t| backends(t, ALPHA).len() == 2)
+        .await;
+    assert_eq!(backends(&t, ALPHA), ["100.96.1.10:443", "100.96.2.11:443"]);
+
+    // A change the table does not show (a terminating endpoint moves zone): rendered, not
+    // written; the file is the same file.
+    use std::os::unix::fs::MetadataExt;
+    let inode = std::fs::metadata(c.table_path()).unwrap().ino();
+    let unchanged = || async {
+        let m = c.get("/metrics").await.unwrap().1;
+        common::metric_in(&m, "trellis_controller_writes_total{result=\"unchanged\"}")
+    };
+    let before_unchanged = unchanged().await;
+    let mut slice = kube
+        .get(
+            "discovery.k8s.io/v1",
+            "EndpointSlice",
+            ALPHA,
+            "kube-apiserver-x7k2p",
+        )
+        .unwrap();
+    slice["endpoints"][2]["zone"] = Value::String("eu-1d".into());
+    kube.put(slice);
+    let start = Instant::now();
+    while unchanged().await == before_unchanged {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no render left the table unchanged"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(std::fs::metadata(c.table_path()).unwrap().ino(), inode);
+
+    // Its VirtualService deleted: the SNI route goes; other shoots stay.
+    let before = route_names(&t);
+    kube.delete(
+        "networking.istio.io/v1",
+        "VirtualService",
+        ALPHA,
+        "kube-apiserver",
+    )
+    .unwrap();
+    let t = c
+        .wait_table("alpha gone", |t| route(t, ALPHA).is_none())
+        .await;
+    let mut expected = before.clone();
+    expected.remove(ALPHA);
+    expected.remove(&format!("{ALPHA}--vpn-seed-server"));
+    assert_eq!(route_names(&t), expected);
+
+    // /ready after the first write, and the controller's metrics.
+    assert_eq!(c.get("/ready").await.unwrap().0, 200);
+    let metrics = c.get("/metrics").await.unwrap().1;
+    for needle in [
+        "trellis_controller_objects{kind=\"EndpointSlice\"}",
+        "trellis_controller_writes_total{result=\"written\"}",
+        "trellis_controller_routes ",
+        "trellis_controller_skipped{reason=\"l7\"} 1",
+    ] {
+        assert!(metrics.contains(needle), "{needle} not in\n{metrics}");
+    }
+}
+
+/// Reads the table file every millisecond until stopped (and once more then); returns every
+/// distinct table seen. Returns once the thread runs.
+fn watch_file(path: PathBuf, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Vec<String>> {
+    let (running, started) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        let _ = running.send(());
+        let mut seen = Vec::<String>::new();
+        loop {
+            let stopped = stop.load(Ordering::SeqCst);
+            if let Ok(t) = std::fs::read_to_string(&path)
+                && seen.last() != Some(&t)
+            {
+                seen.push(t);
+            }
+            if stopped {
+                return seen;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+    started.recv().unwrap();
+    thread
+}
+
+/// LIST requests (not watches) so far, per resource path.
+fn lists(kube: &FakeKube, plural: &str) -> usize {
+    kube.requests()
+        .iter()
+        .filter(|r| r.contains(&format!("/{plural}?")) && !r.contains("watch=true"))
+        .count()
+}
+
+const PLURALS: [&str; 8] = [
+    "gateways",
+    "virtualservices",
+    "destinationrules",
+    "envoyfilters",
+    "services",
+    "endpointslices",
+    "namespaces",
+    "tlsroutes",
+];
+
+/// Breaks the API server with `disrupt` while the table file is watched; waits until every
+/// kind has listed again, then checks that no table written meanwhile lost a route and that
+/// the watches still deliver.
+async fn survives(
+    kube: &FakeKube,
+    c: &Controller,
+    new_backend: &str,
+    disrupt: impl FnOnce(&FakeKube),
+) {
+    let baseline: Value = serde_json::from_str(&c.table().unwrap()).unwrap();
+    let routes = route_names(&baseline);
+    let listed: Vec<usize> = PLURALS.iter().map(|p| lists(kube, p)).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = watch_file(c.table_path(), stop.clone());
+    disrupt(kube);
+    let start = Instant::now();
+    while PLURALS
+        .iter()
+        .zip(&listed)
+        .any(|(p, n)| lists(kube, p) <= *n)
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "not every kind listed again: {:#?}\n{}",
+            kube.requests(),
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The watches deliver again: a new ready endpoint for beta shows up.
+    let mut slice = kube
+        .get(
+            "discovery.k8s.io/v1",
+            "EndpointSlice",
+            "shoot--dev--beta",
+            "kube-apiserver-v4abc",
+        )
+        .unwrap();
+    let n = backends(&baseline, "shoot--dev--beta").len();
+    let mut endpoint = slice["endpoints"][0].clone();
+    endpoint["addresses"] = serde_json::json!([new_backend]);
+    slice["endpoints"].as_array_mut().unwrap().push(endpoint);
+    kube.put(slice);
+    c.wait_table("beta's new backend", |t| {
+        backends(t, "shoot--dev--beta").len() == n + 1
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    let seen = watcher.join().unwrap();
+    for table in &seen {
+        let t: Value = serde_json::from_str(table).unwrap_or_else(|e| panic!("{e}: {table}"));
+        let names = route_names(&t);
+        let missing: Vec<_> = routes.difference(&names).collect();
+        assert!(missing.is_empty(), "a table lost {missing:?}:\n{table}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relist_or_an_api_server_restart_never_shrinks_the_table() {
+    let kube = FakeKube::start().await;
+    seed(&kube, &[]);
+    let c = Controller::start(&kube);
+    c.wait_table("every shoot", |t| route(t, ALPHA).is_some())
+        .await;
+    // Watches expire (410 in the stream) and the relists' first requests fail, so each kind
+    // sits between `Init` and `InitDone` for a backoff (~1 s).
+    survives(&kube, &c, "100.96.77.1", |k| {
+        k.expire_watches();
+        k.fail_next(12, Fault::Internal);
+    })
+    .await;
+    // A write no watch sees, the log compacted and every connection closed: every watch
+    // resumes from a version that is gone and must relist; some lists fail again.
+    survives(&kube, &c, "100.96.77.2", |k| {
+        k.put(serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "unwatched", "namespace": "default"}}));
+        k.compact();
+        k.restart();
+        k.fail_next(12, Fault::TooManyRequests);
+    })
+    .await;
+    let errors = c.get("/metrics").await.unwrap().1;
+    assert!(
+        common::metric_in(&errors, "trellis_controller_watch_errors_total") > 0.0,
+        "{errors}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_lists_are_retried_and_nothing_is_written_or_ready_before_every_kind_listed() {
+    let kube = FakeKube::start().await;
+    seed(&kube, &[]);
+    // Every kind's first lists fail; the kinds' retries (jittered backoffs) list at
+    // different times.
+    kube.fail_next(8, Fault::TooManyRequests);
+    kube.fail_next(12, Fault::Internal);
+    let c = Controller::start(&kube);
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = watch_file(c.table_path(), stop.clone());
+    let start = Instant::now();
+    while c.table().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(20), "{}", c.logs());
+        if let Some((status, _)) = c.get("/ready").await
+            && c.table().is_none()
+        {
+            assert_eq!(status, 503, "ready before the first table");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let last = c
+        .wait_table("every shoot", |t| route(t, ALPHA).is_some())
+        .await;
+    assert_eq!(c.get("/ready").await.unwrap().0, 200);
+    stop.store(true, Ordering::SeqCst);
+    let seen = watcher.join().unwrap();
+    let all = route_names(&last);
+    for table in &seen {
+        let names = route_names(&serde_json::from_str(table).unwrap());
+        assert_eq!(names, all, "a table before every kind listed:\n{table}");
+    }
+    let retried = PLURALS.iter().filter(|p| lists(&kube, p) >= 2).count();
+    assert_eq!(retried, PLURALS.len(), "{:#?}", kube.requests());
+}
+
+#[test]
+fn without_a_config_or_with_no_output_it_says_so() {
+    let dir = TestDir::new("controller-bad");
+    let config = dir.path("c.yaml");
+    std::fs::write(
+        &config,
+        "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: ControllerConfiguration\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(["controller", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("output.file is required"), "{stderr}");
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .arg("controller")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
