@@ -18,6 +18,13 @@ use tokio::sync::mpsc;
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_trellis");
 
+/// The TLS provider of the test peers, named: with the `controller` feature, kube brings
+/// rustls's `ring` provider next to the default `aws-lc-rs` one, and rustls then has no
+/// process default.
+pub(crate) fn crypto() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+}
+
 /// A directory removed when dropped.
 pub(crate) struct TestDir(pub PathBuf);
 
@@ -434,7 +441,9 @@ impl TlsBackend {
         let cert_der = ck.cert.der().to_vec();
         let key =
             rustls::pki_types::PrivateKeyDer::try_from(ck.signing_key.serialize_der()).unwrap();
-        let config = rustls::ServerConfig::builder()
+        let config = rustls::ServerConfig::builder_with_provider(crypto())
+            .with_safe_default_protocol_versions()
+            .unwrap()
             .with_no_client_auth()
             .with_single_cert(vec![ck.cert.der().clone()], key)
             .unwrap();
@@ -540,7 +549,9 @@ pub(crate) fn trusting(backend: &TlsBackend) -> tokio_rustls::TlsConnector {
             backend.cert_der.clone(),
         ))
         .unwrap();
-    let config = rustls::ClientConfig::builder()
+    let config = rustls::ClientConfig::builder_with_provider(crypto())
+        .with_safe_default_protocol_versions()
+        .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
     tokio_rustls::TlsConnector::from(Arc::new(config))
@@ -560,7 +571,9 @@ pub(crate) async fn connect_with_mss(
 
 /// A real ClientHello, as rustls (with its default post-quantum key share) writes it.
 pub(crate) fn rustls_client_hello(sni: &str) -> Vec<u8> {
-    let config = rustls::ClientConfig::builder()
+    let config = rustls::ClientConfig::builder_with_provider(crypto())
+        .with_safe_default_protocol_versions()
+        .unwrap()
         .with_root_certificates(rustls::RootCertStore::empty())
         .with_no_client_auth();
     let name = rustls::pki_types::ServerName::try_from(sni.to_string()).unwrap();
