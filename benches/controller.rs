@@ -9,7 +9,8 @@
 //!   controller's stores keep), and with the rendered table and its JSON beside it (target:
 //!   the controller ≤ 64 MiB);
 //! - one offline render (`trellis controller render`'s path: manifest reader, translate,
-//!   JSON) of the same 2,000 shoots written as YAML files, for information.
+//!   JSON) of the same 2,000 shoots written as YAML files, for information; with
+//!   `TRELLIS_BENCH_CONTROLLER_MANIFESTS=DIR` the files are written to DIR and kept.
 //!
 //! Per shoot `shoot--<project>--<name>`: Namespace; Gateway, VirtualService and
 //! DestinationRule `kube-apiserver` (3 server names); Service `kube-apiserver` and its
@@ -46,6 +47,9 @@ const RSS_TARGET_MIB: f64 = 64.0;
 
 /// Set in the child process that measures memory: the number of shoots to hold.
 const MEMORY_CHILD: &str = "TRELLIS_BENCH_CONTROLLER_MEMORY";
+
+/// When set, the directory the YAML seed is written to and left in.
+const MANIFESTS_DIR: &str = "TRELLIS_BENCH_CONTROLLER_MANIFESTS";
 
 /// The fallback backend of the target gateway (Gardener's Envoy ingress gateway).
 const FALLBACK: &str = "istio-ingressgateway.istio-ingress.svc.cluster.local:443";
@@ -441,8 +445,12 @@ fn summary() {
         mib(with_table) / RSS_TARGET_MIB
     );
 
-    // Offline: the same seed as YAML files, one per shoot, through `render`.
-    let dir = std::env::temp_dir().join(format!("trellis-bench-controller-{}", std::process::id()));
+    // Offline: the same seed as YAML files, one per shoot, through `render`; kept in
+    // $TRELLIS_BENCH_CONTROLLER_MANIFESTS when set (to run `trellis controller render` on).
+    let keep = std::env::var_os(MANIFESTS_DIR).map(std::path::PathBuf::from);
+    let dir = keep.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("trellis-bench-controller-{}", std::process::id()))
+    });
     std::fs::create_dir_all(&dir).unwrap();
     let mut bytes = 0;
     for i in 0..LARGE {
@@ -453,7 +461,9 @@ fn summary() {
     let start = Instant::now();
     let rendered = trellis::controller::render(&dir, &config());
     let t = start.elapsed();
-    std::fs::remove_dir_all(&dir).unwrap();
+    if keep.is_none() {
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
     let (rendered, _) = rendered.unwrap();
     assert_eq!(rendered, json, "the YAML seed renders the same table");
     println!(
