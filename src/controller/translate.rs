@@ -640,7 +640,34 @@ fn proxy_destination(service: &Service) -> Option<String> {
         .iter()
         .find_map(|ip| ip.parse::<Ipv4Addr>().ok())?;
     let [_, b, c, d] = ip.octets();
-    Some(SocketAddr::from((Ipv4Addr::new(240, b, c, d), KUBE_APISERVER.1)).to_string())
+    Some(address_text(SocketAddr::from((
+        Ipv4Addr::new(240, b, c, d),
+        KUBE_APISERVER.1,
+    ))))
+}
+
+/// `address.to_string()`, without the formatting machinery for IPv4 (a render writes
+/// thousands).
+fn address_text(address: SocketAddr) -> String {
+    fn decimal(out: &mut String, n: u16) {
+        if n >= 10 {
+            decimal(out, n / 10);
+        }
+        out.push(char::from(b'0' + (n % 10) as u8));
+    }
+    let SocketAddr::V4(v4) = address else {
+        return address.to_string();
+    };
+    let mut out = String::with_capacity(21);
+    for (i, octet) in v4.ip().octets().into_iter().enumerate() {
+        if i > 0 {
+            out.push('.');
+        }
+        decimal(&mut out, octet.into());
+    }
+    out.push(':');
+    decimal(&mut out, v4.port());
+    out
 }
 
 /// The Service a destination names, relative to the namespace of the object naming it.
@@ -737,7 +764,8 @@ impl<'a> Index<'a> {
     /// Every ready endpoint of the Service's port named `port_name`, sorted and unique.
     fn backends(&self, service: &Service, port_name: &str) -> Vec<BackendDoc> {
         let key = (service.meta.namespace.as_str(), service.meta.name.as_str());
-        let mut out: BTreeMap<SocketAddr, Option<String>> = BTreeMap::new();
+        // Sorted and deduplicated at the end, the first endpoint of an address keeping it.
+        let mut out: Vec<(SocketAddr, &Option<String>)> = Vec::new();
         for slice in self.slices.get(&key).into_iter().flatten() {
             if !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
                 continue;
@@ -758,14 +786,15 @@ impl<'a> Index<'a> {
                 else {
                     continue;
                 };
-                out.entry(SocketAddr::new(ip, port))
-                    .or_insert_with(|| endpoint.zone.clone());
+                out.push((SocketAddr::new(ip, port), &endpoint.zone));
             }
         }
+        out.sort_by_key(|(address, _)| *address);
+        out.dedup_by_key(|(address, _)| *address);
         out.into_iter()
             .map(|(address, zone)| BackendDoc {
-                address: address.to_string(),
-                zone,
+                address: address_text(address),
+                zone: zone.clone(),
             })
             .collect()
     }
@@ -1735,5 +1764,22 @@ mod tests {
             crate::controller::to_json(&first),
             crate::controller::to_json(&second)
         );
+    }
+
+    #[test]
+    fn addresses_are_written_as_std_writes_them() {
+        for ip in [
+            "0.0.0.0",
+            "1.2.3.4",
+            "10.0.100.255",
+            "255.255.255.255",
+            "::1",
+            "fd00::a:1",
+        ] {
+            for port in [0, 1, 9, 10, 99, 443, 1194, 9443, 65535] {
+                let address = SocketAddr::new(ip.parse().unwrap(), port);
+                assert_eq!(address_text(address), address.to_string());
+            }
+        }
     }
 }
