@@ -36,7 +36,7 @@
 //! The output is ordered by route name, each list sorted: the same snapshot gives the same
 //! bytes. Nothing here does I/O.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use serde::Serialize;
@@ -222,8 +222,8 @@ struct RouteKey {
     port: Option<u32>,
 }
 
-/// An owned [`Meta::age`]: the order in which routes keep contested keys.
-type Age = (bool, String, String, String, String);
+/// A [`Meta::age`]: the order in which routes keep contested keys.
+type Age<'a> = (bool, &'a str, &'a str, &'a str, &'a str);
 
 /// A server name claimed for a route by an object.
 struct Claim<'a> {
@@ -255,7 +255,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             );
         }
     };
-    let gateways: BTreeMap<(&str, &str), &Gateway> = snapshot
+    let gateways: HashMap<(&str, &str), &Gateway> = snapshot
         .gateways
         .iter()
         .filter(|g| target.serves(g))
@@ -280,7 +280,8 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         if bound.is_empty() {
             continue;
         }
-        let object = format!("VirtualService {}", vs.meta.key());
+        // Formatted only for a skip: most objects are routed.
+        let object = || format!("VirtualService {}", vs.meta.key());
         if deleting.contains(ns) {
             skip_deleting(&mut report, ns);
             continue;
@@ -293,7 +294,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                 let [destination] = tls.destinations.as_slice() else {
                     report.skip(
                         Reason::Unsupported,
-                        object.clone(),
+                        object(),
                         format!("{} destinations; one is supported", tls.destinations.len()),
                     );
                     continue;
@@ -301,7 +302,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                 let Some(route) = route_key(destination, ns) else {
                     report.skip(
                         Reason::Unsupported,
-                        object.clone(),
+                        object(),
                         format!(
                             "host {:?} is not a Service of this cluster",
                             destination.host
@@ -337,7 +338,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         if https {
             report.skip(
                 Reason::Https,
-                object,
+                object(),
                 "TLS terminated by Istio, left to the fallback",
             );
         }
@@ -393,10 +394,10 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         .iter()
         .filter_map(|f| f.meta.name.strip_suffix(TLS_TERMINATION_FILTER))
         .collect();
-    let claimed: BTreeSet<String> = claims.iter().map(|c| c.route.namespace.clone()).collect();
-    for ns in &claimed {
-        if filters.contains(ns.as_str()) {
-            l7.insert(ns.clone());
+    let claimed: BTreeSet<&str> = claims.iter().map(|c| c.route.namespace.as_str()).collect();
+    for ns in claimed {
+        if filters.contains(ns) {
+            l7.insert(ns.to_owned());
         }
     }
     l7.retain(|ns| {
@@ -410,15 +411,14 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
 
     // Each server name goes to the route of its oldest claim.
     claims.sort_by(|a, b| (&a.host, a.owner.age()).cmp(&(&b.host, b.owner.age())));
-    let mut sni: BTreeMap<RouteKey, (BTreeSet<String>, &Meta)> = BTreeMap::new();
+    let mut sni: BTreeMap<&RouteKey, (BTreeSet<String>, &Meta)> = BTreeMap::new();
     let mut winner: Option<(&str, &RouteKey, &Meta, &str)> = None;
     for c in &claims {
         match winner {
             Some((host, route, owner, kind)) if host == c.host => {
                 if *route != c.route {
                     // The route keeps what else it has (its CONNECT keys, other names).
-                    sni.entry(c.route.clone())
-                        .or_insert((BTreeSet::new(), c.owner));
+                    sni.entry(&c.route).or_insert((BTreeSet::new(), c.owner));
                     report.skip(
                         Reason::Conflict,
                         format!("{} {}", c.kind, c.owner.key()),
@@ -433,9 +433,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             }
             _ => winner = Some((&c.host, &c.route, c.owner, c.kind)),
         }
-        let entry = sni
-            .entry(c.route.clone())
-            .or_insert((BTreeSet::new(), c.owner));
+        let entry = sni.entry(&c.route).or_insert((BTreeSet::new(), c.owner));
         entry.0.insert(c.host.clone());
         if c.owner.age() < entry.1.age() {
             entry.1 = c.owner;
@@ -444,17 +442,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
 
     let index = Index::new(snapshot);
     // Routes with their owner (the oldest object behind them), before key conflicts.
-    let mut built: Vec<(RouteDoc, Age)> = Vec::new();
-    let age = |m: &Meta| {
-        let (none, t, ns, name, uid) = m.age();
-        (
-            none,
-            t.to_owned(),
-            ns.to_owned(),
-            name.to_owned(),
-            uid.to_owned(),
-        )
-    };
+    let mut built: Vec<(RouteDoc, Age<'_>)> = Vec::new();
     let fallback_keys =
         |index: &Index<'_>, ns: &str, keys: &mut (BTreeSet<String>, BTreeSet<String>)| {
             keys.0
@@ -492,13 +480,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                 allowed_source_ranges: Vec::new(),
             },
             // The fallback is set up by the operator: it wins every key it holds.
-            (
-                false,
-                String::new(),
-                String::new(),
-                String::new(),
-                String::new(),
-            ),
+            (false, "", "", "", ""),
         ));
     }
     let multi_port: BTreeSet<(String, String)> = {
@@ -512,14 +494,14 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         multi
     };
     let mut routed_namespaces = BTreeSet::new();
-    for (key, (hosts, owner)) in &sni {
-        routed_namespaces.insert(key.namespace.clone());
-        let object = format!("Service {}/{}", key.namespace, key.service);
+    for (key, (hosts, owner)) in sni {
+        routed_namespaces.insert(key.namespace.as_str());
+        let object = || format!("Service {}/{}", key.namespace, key.service);
         let Some(service) = index
             .services
             .get(&(key.namespace.as_str(), key.service.as_str()))
         else {
-            report.skip(Reason::NoService, object, "the Service does not exist");
+            report.skip(Reason::NoService, object(), "the Service does not exist");
             continue;
         };
         let port = match key.port {
@@ -532,14 +514,14 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                 Some(p) => format!("the Service has no port {p}"),
                 None => "no destination port, and the Service has several".to_owned(),
             };
-            report.skip(Reason::NoService, object, detail);
+            report.skip(Reason::NoService, object(), detail);
             continue;
         };
         let backends = index.backends(service, &port.name);
         if backends.is_empty() {
             report.skip(
                 Reason::NoEndpoints,
-                object,
+                object(),
                 format!("no ready endpoint for port {}", port.port),
             );
             continue;
@@ -563,7 +545,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         built.push((
             RouteDoc {
                 name,
-                sni: hosts.iter().cloned().collect(),
+                sni: hosts.into_iter().collect(),
                 destinations,
                 proxy_destinations,
                 backends,
@@ -571,21 +553,21 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                     .max_connection_duration(&key.namespace, &key.service),
                 allowed_source_ranges: Vec::new(),
             },
-            age(owner),
+            owner.age(),
         ));
     }
     for ns in &routed_namespaces {
         for service in index.vpn_services(ns) {
-            let object = format!("Service {}", service.meta.key());
+            let object = || format!("Service {}", service.meta.key());
             let Some(port) = service.ports.iter().find(|p| p.port == VPN_SEED_SERVER.1) else {
-                report.skip(Reason::NoService, object, "the Service has no port 1194");
+                report.skip(Reason::NoService, object(), "the Service has no port 1194");
                 continue;
             };
             let backends = index.backends(service, &port.name);
             if backends.is_empty() {
                 report.skip(
                     Reason::NoEndpoints,
-                    object,
+                    object(),
                     "no ready endpoint for port 1194",
                 );
                 continue;
@@ -600,20 +582,27 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                     max_connection_duration: index.max_connection_duration(ns, &service.meta.name),
                     allowed_source_ranges: Vec::new(),
                 },
-                age(&service.meta),
+                service.meta.age(),
             ));
         }
     }
 
     // Route names and CONNECT/PROXY keys: the oldest route keeps each.
-    built.sort_by(|a, b| (&a.1, &a.0.name).cmp(&(&b.1, &b.0.name)));
-    let mut names = BTreeSet::new();
-    let mut keys: BTreeMap<String, String> = BTreeMap::new();
+    // Sorted by position: moving the routes themselves costs more than comparing them.
+    let mut order: Vec<usize> = (0..built.len()).collect();
+    order.sort_by(|&a, &b| (&built[a].1, &built[a].0.name).cmp(&(&built[b].1, &built[b].0.name)));
+    let mut built: Vec<Option<RouteDoc>> = built.into_iter().map(|(r, _)| Some(r)).collect();
+    let mut names = HashSet::new();
+    let mut keys: HashMap<String, String> = HashMap::new();
     let mut routes = Vec::new();
-    for (mut route, _) in built {
-        let object = format!("route {}", route.name);
+    for mut route in order.into_iter().filter_map(|i| built[i].take()) {
+        let object = || format!("route {}", route.name);
         if !names.insert(route.name.clone()) {
-            report.skip(Reason::Conflict, object, "an older route has the same name");
+            report.skip(
+                Reason::Conflict,
+                object(),
+                "an older route has the same name",
+            );
             continue;
         }
         for list in [&mut route.destinations, &mut route.proxy_destinations] {
@@ -621,7 +610,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                 Some(holder) => {
                     report.skip(
                         Reason::Conflict,
-                        object.clone(),
+                        object(),
                         format!("{k:?} is held by the older route {holder}"),
                     );
                     false
@@ -666,12 +655,49 @@ fn proxy_destination(service: &Service) -> Option<String> {
         .iter()
         .find_map(|ip| ip.parse::<Ipv4Addr>().ok())?;
     let [_, b, c, d] = ip.octets();
-    Some(SocketAddr::from((Ipv4Addr::new(240, b, c, d), KUBE_APISERVER.1)).to_string())
+    Some(address_text(SocketAddr::from((
+        Ipv4Addr::new(240, b, c, d),
+        KUBE_APISERVER.1,
+    ))))
+}
+
+/// `address.to_string()`, without the formatting machinery for IPv4 (a render writes
+/// thousands).
+fn address_text(address: SocketAddr) -> String {
+    fn decimal(out: &mut String, n: u16) {
+        if n >= 10 {
+            decimal(out, n / 10);
+        }
+        out.push(char::from(b'0' + (n % 10) as u8));
+    }
+    let SocketAddr::V4(v4) = address else {
+        return address.to_string();
+    };
+    let mut out = String::with_capacity(21);
+    for (i, octet) in v4.ip().octets().into_iter().enumerate() {
+        if i > 0 {
+            out.push('.');
+        }
+        decimal(&mut out, octet.into());
+    }
+    out.push(':');
+    decimal(&mut out, v4.port());
+    out
 }
 
 /// The Service a destination names, relative to the namespace of the object naming it.
 fn route_key(destination: &Destination, namespace: &str) -> Option<RouteKey> {
-    let host = destination.host.trim_end_matches('.');
+    let (service, namespace) = service_host(&destination.host, namespace)?;
+    Some(RouteKey {
+        namespace: namespace.to_owned(),
+        service: service.to_owned(),
+        port: destination.port,
+    })
+}
+
+/// The (service, namespace) a host names, relative to `namespace`; see [`route_key`].
+fn service_host<'h>(host: &'h str, namespace: &'h str) -> Option<(&'h str, &'h str)> {
+    let host = host.trim_end_matches('.');
     let (service, namespace) = match host.strip_suffix(CLUSTER_DOMAIN) {
         Some(rest) => rest.strip_suffix('.')?.split_once('.')?,
         None if !host.contains('.') => (host, namespace),
@@ -680,11 +706,7 @@ fn route_key(destination: &Destination, namespace: &str) -> Option<RouteKey> {
     if service.is_empty() || namespace.is_empty() || namespace.contains('.') {
         return None;
     }
-    Some(RouteKey {
-        namespace: namespace.to_owned(),
-        service: service.to_owned(),
-        port: destination.port,
-    })
+    Some((service, namespace))
 }
 
 /// Server names compare case-insensitively, without a trailing dot.
@@ -694,37 +716,48 @@ fn normalize(host: &str) -> String {
 
 /// Lookups by namespace and name.
 struct Index<'a> {
-    services: BTreeMap<(&'a str, &'a str), &'a Service>,
-    slices: BTreeMap<(&'a str, &'a str), Vec<&'a EndpointSlice>>,
+    services: HashMap<(&'a str, &'a str), &'a Service>,
+    /// `vpn-seed-server` and `vpn-seed-server-<N>` per namespace, by name.
+    vpn: HashMap<&'a str, Vec<&'a Service>>,
+    slices: HashMap<(&'a str, &'a str), Vec<&'a EndpointSlice>>,
     /// The oldest DestinationRule per Service (namespace, name).
-    max_duration: BTreeMap<(String, String), (&'a Meta, Option<std::time::Duration>)>,
+    max_duration: HashMap<(&'a str, &'a str), (&'a Meta, Option<std::time::Duration>)>,
 }
 
 impl<'a> Index<'a> {
     fn new(snapshot: &'a Snapshot) -> Self {
-        let services = snapshot
+        let sorted: BTreeMap<_, _> = snapshot
             .services
             .iter()
             .map(|s| ((s.meta.namespace.as_str(), s.meta.name.as_str()), s))
             .collect();
-        let mut slices: BTreeMap<_, Vec<_>> = BTreeMap::new();
+        let mut vpn: HashMap<_, Vec<_>> = HashMap::new();
+        for (&(namespace, name), &service) in &sorted {
+            let vpn_name = name.strip_prefix(VPN_SEED_SERVER.0).is_some_and(|rest| {
+                rest.is_empty()
+                    || rest
+                        .strip_prefix('-')
+                        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            });
+            if vpn_name {
+                vpn.entry(namespace).or_default().push(service);
+            }
+        }
+        let services = sorted.into_iter().collect();
+        let mut slices: HashMap<_, Vec<_>> = HashMap::new();
         for s in &snapshot.endpoint_slices {
             slices
                 .entry((s.meta.namespace.as_str(), s.service.as_str()))
                 .or_default()
                 .push(s);
         }
-        let mut max_duration: BTreeMap<_, (&Meta, _)> = BTreeMap::new();
+        let mut max_duration: HashMap<_, (&Meta, _)> = HashMap::new();
         for dr in &snapshot.destination_rules {
-            let host = Destination {
-                host: dr.host.clone(),
-                port: None,
-            };
-            let Some(key) = route_key(&host, &dr.meta.namespace) else {
+            let Some((service, namespace)) = service_host(&dr.host, &dr.meta.namespace) else {
                 continue;
             };
             let entry = max_duration
-                .entry((key.namespace, key.service))
+                .entry((namespace, service))
                 .or_insert((&dr.meta, dr.max_connection_duration));
             if dr.meta.age() < entry.0.age() {
                 *entry = (&dr.meta, dr.max_connection_duration);
@@ -732,6 +765,7 @@ impl<'a> Index<'a> {
         }
         Index {
             services,
+            vpn,
             slices,
             max_duration,
         }
@@ -739,25 +773,14 @@ impl<'a> Index<'a> {
 
     /// `vpn-seed-server` and `vpn-seed-server-<N>` in `namespace`.
     fn vpn_services(&self, namespace: &str) -> Vec<&'a Service> {
-        self.services
-            .range((namespace, "")..)
-            .take_while(move |((ns, _), _)| *ns == namespace)
-            .filter(|((_, name), _)| {
-                name.strip_prefix(VPN_SEED_SERVER.0).is_some_and(|rest| {
-                    rest.is_empty()
-                        || rest
-                            .strip_prefix('-')
-                            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-                })
-            })
-            .map(|(_, s)| *s)
-            .collect()
+        self.vpn.get(namespace).cloned().unwrap_or_default()
     }
 
     /// Every ready endpoint of the Service's port named `port_name`, sorted and unique.
     fn backends(&self, service: &Service, port_name: &str) -> Vec<BackendDoc> {
         let key = (service.meta.namespace.as_str(), service.meta.name.as_str());
-        let mut out: BTreeMap<SocketAddr, Option<String>> = BTreeMap::new();
+        // Sorted and deduplicated at the end, the first endpoint of an address keeping it.
+        let mut out: Vec<(SocketAddr, &Option<String>)> = Vec::new();
         for slice in self.slices.get(&key).into_iter().flatten() {
             if !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
                 continue;
@@ -778,21 +801,22 @@ impl<'a> Index<'a> {
                 else {
                     continue;
                 };
-                out.entry(SocketAddr::new(ip, port))
-                    .or_insert_with(|| endpoint.zone.clone());
+                out.push((SocketAddr::new(ip, port), &endpoint.zone));
             }
         }
+        out.sort_by_key(|(address, _)| *address);
+        out.dedup_by_key(|(address, _)| *address);
         out.into_iter()
             .map(|(address, zone)| BackendDoc {
-                address: address.to_string(),
-                zone,
+                address: address_text(address),
+                zone: zone.clone(),
             })
             .collect()
     }
 
     fn max_connection_duration(&self, namespace: &str, service: &str) -> Option<String> {
         self.max_duration
-            .get(&(namespace.to_owned(), service.to_owned()))
+            .get(&(namespace, service))
             .and_then(|(_, d)| *d)
             .map(crate::config::duration_text)
     }
@@ -1756,5 +1780,22 @@ mod tests {
             crate::controller::to_json(&first),
             crate::controller::to_json(&second)
         );
+    }
+
+    #[test]
+    fn addresses_are_written_as_std_writes_them() {
+        for ip in [
+            "0.0.0.0",
+            "1.2.3.4",
+            "10.0.100.255",
+            "255.255.255.255",
+            "::1",
+            "fd00::a:1",
+        ] {
+            for port in [0, 1, 9, 10, 99, 443, 1194, 9443, 65535] {
+                let address = SocketAddr::new(ip.parse().unwrap(), port);
+                assert_eq!(address_text(address), address.to_string());
+            }
+        }
     }
 }
