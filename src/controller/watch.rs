@@ -17,7 +17,6 @@ use std::time::Duration;
 use futures_util::stream::{BoxStream, SelectAll};
 use futures_util::{StreamExt, TryStreamExt};
 use kube::api::{Api, ApiResource, DynamicObject};
-use kube::core::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use serde::Serialize;
@@ -78,26 +77,22 @@ struct Kind {
     version: &'static str,
     kind: &'static str,
     plural: &'static str,
-    /// Watched for metadata only (`PartialObjectMetadata`): its name is all translation reads.
-    metadata_only: bool,
 }
 
 /// Every kind translation reads, in [`Snapshot::counts`] order.
 const KINDS: [Kind; 8] = [
-    kind("networking.istio.io", "v1", "Gateway", "gateways", false),
+    kind("networking.istio.io", "v1", "Gateway", "gateways"),
     kind(
         "networking.istio.io",
         "v1",
         "VirtualService",
         "virtualservices",
-        false,
     ),
     kind(
         "networking.istio.io",
         "v1",
         "DestinationRule",
         "destinationrules",
-        false,
     ),
     // Istio serves EnvoyFilter only as v1alpha3. Whole objects: the ACL extension's RBAC
     // filters carry the source allow-lists in their spec.
@@ -106,24 +101,11 @@ const KINDS: [Kind; 8] = [
         "v1alpha3",
         "EnvoyFilter",
         "envoyfilters",
-        false,
     ),
-    kind("", "v1", "Service", "services", false),
-    kind(
-        "discovery.k8s.io",
-        "v1",
-        "EndpointSlice",
-        "endpointslices",
-        false,
-    ),
-    kind("", "v1", "Namespace", "namespaces", false),
-    kind(
-        "gateway.networking.k8s.io",
-        "v1",
-        "TLSRoute",
-        "tlsroutes",
-        false,
-    ),
+    kind("", "v1", "Service", "services"),
+    kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
+    kind("", "v1", "Namespace", "namespaces"),
+    kind("gateway.networking.k8s.io", "v1", "TLSRoute", "tlsroutes"),
 ];
 
 const fn kind(
@@ -131,14 +113,12 @@ const fn kind(
     version: &'static str,
     kind: &'static str,
     plural: &'static str,
-    metadata_only: bool,
 ) -> Kind {
     Kind {
         group,
         version,
         kind,
         plural,
-        metadata_only,
     }
 }
 
@@ -297,21 +277,12 @@ fn watches(client: &kube::Client) -> SelectAll<Events> {
     for (i, kind) in KINDS.iter().enumerate() {
         let ar = kind.resource();
         let config = watcher::Config::default();
-        let events: Events = if kind.metadata_only {
-            let api = Api::<PartialObjectMeta<DynamicObject>>::all_with(client.clone(), &ar);
-            watcher::watcher(api, config)
-                .default_backoff()
-                .map_ok(move |e| convert(&KINDS[i], e))
-                .filter_map(move |r| async move { r.transpose().map(|r| (i, r)) })
-                .boxed()
-        } else {
-            let api = Api::<DynamicObject>::all_with(client.clone(), &ar);
-            watcher::watcher(api, config)
-                .default_backoff()
-                .map_ok(move |e| convert(&KINDS[i], e))
-                .filter_map(move |r| async move { r.transpose().map(|r| (i, r)) })
-                .boxed()
-        };
+        let api = Api::<DynamicObject>::all_with(client.clone(), &ar);
+        let events: Events = watcher::watcher(api, config)
+            .default_backoff()
+            .map_ok(move |e| convert(&KINDS[i], e))
+            .filter_map(move |r| async move { r.transpose().map(|r| (i, r)) })
+            .boxed();
         all.push(events);
     }
     all
