@@ -67,12 +67,17 @@ impl SourceRanges {
     }
 
     /// Whether `ip` is in one of the networks; an IPv4-mapped IPv6 address counts as the
-    /// IPv4 address it carries.
+    /// IPv4 address it carries. The unspecified address (`0.0.0.0`, `::`) is no client's
+    /// address — only a PROXY header can claim it — and is never admitted, so `0.0.0.0/32`
+    /// and `::/128` admit nobody.
     pub fn contains(&self, ip: IpAddr) -> bool {
         let ip = match ip {
             IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
             v4 => v4,
         };
+        if ip.is_unspecified() {
+            return false;
+        }
         match ip {
             IpAddr::V4(a) => {
                 let a = u32::from(a);
@@ -160,6 +165,17 @@ mod tests {
             r.networks().map(|n| n.to_string()).collect::<Vec<_>>(),
             ["203.0.113.0/24", "2001:db8::/32"]
         );
+    }
+
+    #[test]
+    fn the_unspecified_address_is_never_admitted() {
+        let nobody = ranges(&[("0.0.0.0", 32), ("::", 128)]);
+        for client in ["0.0.0.0", "::", "::ffff:0.0.0.0", "10.0.0.1", "::1"] {
+            assert!(!nobody.contains(ip(client)), "{client}");
+        }
+        let everyone = ranges(&[("0.0.0.0", 0), ("::", 0)]);
+        assert!(!everyone.contains(ip("0.0.0.0")) && !everyone.contains(ip("::")));
+        assert!(everyone.contains(ip("10.0.0.1")) && everyone.contains(ip("2001:db8::1")));
     }
 
     #[test]
