@@ -615,7 +615,9 @@ fn seed_gateway_survives_rollouts_zones_and_evictions() {
         json!({"apiVersion": "apps/v1", "kind": "Deployment", "name": "trellis-gateway"})
     );
     assert!(hpa["spec"]["minReplicas"].as_u64().unwrap() >= 2);
-    assert_eq!(hpa["spec"]["metrics"][0]["resource"]["name"], "cpu");
+    let cpu = &hpa["spec"]["metrics"][0]["containerResource"];
+    assert_eq!(cpu["name"], "cpu");
+    assert_eq!(cpu["container"], container["name"], "the gateway's CPU");
 
     // The configs are mounted read-only.
     for m in container["volumeMounts"].as_array().unwrap() {
