@@ -3,18 +3,20 @@
 //! [`model`] holds compact projections of the objects translation reads, [`manifest`] fills
 //! them from manifest files (`trellis controller render`), and [`translate`] turns a
 //! snapshot of them into a table for one gateway: a pure function, no I/O, no runtime;
-//! [`acl`] renders the source allow-lists of RBAC EnvoyFilters onto its routes.
+//! [`acl`] renders the source allow-lists of RBAC EnvoyFilters onto its routes; [`kinds`]
+//! lists the API kinds read.
 //! [`watch`] (cargo feature `controller`) is the live path: kube-rs watches feeding the same
 //! projections and translation, the table written to a file.
 
 pub mod acl;
+pub mod kinds;
 pub mod manifest;
 pub mod model;
 pub mod translate;
 #[cfg(feature = "controller")]
 pub mod watch;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::config::controller::ControllerConfig;
 
@@ -37,4 +39,15 @@ pub fn to_json(table: &Table) -> String {
     let mut json = serde_json::to_string_pretty(table).unwrap_or_default();
     json.push('\n');
     json
+}
+
+/// The temporary file a table is written to before it is renamed over `output`: beside it,
+/// so the rename stays on one file system (the volume the output is on), and named after
+/// the process, so two writers never share one.
+pub fn temporary_file(output: &Path) -> PathBuf {
+    let name = output
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    output.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }

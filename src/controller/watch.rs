@@ -25,8 +25,9 @@ use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::time::Instant;
 
+use super::kinds::{WATCHED, WatchedKind};
 use super::model::{Object, Snapshot};
-use super::{Target, manifest, to_json, translate};
+use super::{Target, manifest, temporary_file, to_json, translate};
 use crate::admin::metrics::{KindLabel, ReasonLabel, ResultLabel};
 use crate::admin::{AdminState, Metrics, Server};
 use crate::config::controller::{ControllerConfig, Output};
@@ -70,67 +71,8 @@ pub enum WatchError {
     Signals(std::io::Error),
 }
 
-/// A kind the controller watches: where the API serves it.
-#[derive(Debug, Clone, Copy)]
-struct Kind {
-    group: &'static str,
-    version: &'static str,
-    kind: &'static str,
-    plural: &'static str,
-}
-
-/// Every kind translation reads, in [`Snapshot::counts`] order.
-const KINDS: [Kind; 8] = [
-    kind("networking.istio.io", "v1", "Gateway", "gateways"),
-    kind(
-        "networking.istio.io",
-        "v1",
-        "VirtualService",
-        "virtualservices",
-    ),
-    kind(
-        "networking.istio.io",
-        "v1",
-        "DestinationRule",
-        "destinationrules",
-    ),
-    // Istio serves EnvoyFilter only as v1alpha3. Whole objects: the ACL extension's RBAC
-    // filters carry the source allow-lists in their spec.
-    kind(
-        "networking.istio.io",
-        "v1alpha3",
-        "EnvoyFilter",
-        "envoyfilters",
-    ),
-    kind("", "v1", "Service", "services"),
-    kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
-    kind("", "v1", "Namespace", "namespaces"),
-    kind("gateway.networking.k8s.io", "v1", "TLSRoute", "tlsroutes"),
-];
-
-const fn kind(
-    group: &'static str,
-    version: &'static str,
-    kind: &'static str,
-    plural: &'static str,
-) -> Kind {
-    Kind {
-        group,
-        version,
-        kind,
-        plural,
-    }
-}
-
-impl Kind {
-    fn api_version(&self) -> String {
-        if self.group.is_empty() {
-            self.version.to_owned()
-        } else {
-            format!("{}/{}", self.group, self.version)
-        }
-    }
-
+/// Where and how a watched kind is read (its entry in [`WATCHED`]).
+impl WatchedKind {
     fn resource(&self) -> ApiResource {
         ApiResource {
             group: self.group.to_owned(),
@@ -252,7 +194,7 @@ fn snapshot(stores: &[Store]) -> Snapshot {
 
 type Events = BoxStream<'static, (usize, Result<Change, watcher::Error>)>;
 
-fn convert<K: Serialize>(kind: &Kind, event: Event<K>) -> Option<Change> {
+fn convert<K: Serialize>(kind: &WatchedKind, event: Event<K>) -> Option<Change> {
     Some(match event {
         Event::Init => Change::Init,
         Event::InitDone => Change::InitDone,
@@ -274,13 +216,13 @@ fn convert<K: Serialize>(kind: &Kind, event: Event<K>) -> Option<Change> {
 /// One watcher per kind, retried with kube's default backoff (0.8 s doubling to 30 s).
 fn watches(client: &kube::Client) -> SelectAll<Events> {
     let mut all = SelectAll::new();
-    for (i, kind) in KINDS.iter().enumerate() {
+    for (i, kind) in WATCHED.iter().enumerate() {
         let ar = kind.resource();
         let config = watcher::Config::default();
         let api = Api::<DynamicObject>::all_with(client.clone(), &ar);
         let events: Events = watcher::watcher(api, config)
             .default_backoff()
-            .map_ok(move |e| convert(&KINDS[i], e))
+            .map_ok(move |e| convert(&WATCHED[i], e))
             .filter_map(move |r| async move { r.transpose().map(|r| (i, r)) })
             .boxed();
         all.push(events);
@@ -372,11 +314,7 @@ impl Writer {
 /// Writes `bytes` to a temporary file beside `path` and renames it over `path`, so a reader
 /// sees the old table or the new one, never a part.
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let tmp = temporary_file(path);
     let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -407,7 +345,7 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
     let client = client(&config).await?;
     let target = Target::from_config(&config);
     let mut events = watches(&client);
-    let mut stores: Vec<Store> = KINDS.iter().map(|_| Store::default()).collect();
+    let mut stores: Vec<Store> = WATCHED.iter().map(|_| Store::default()).collect();
     let mut writer = Writer {
         path,
         last: None,
@@ -415,14 +353,14 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
     };
     let mut render_at: Option<Instant> = None;
     tracing::info!(
-        kinds = KINDS.len(),
+        kinds = WATCHED.len(),
         file = %writer.path.display(),
         "controller watching"
     );
     loop {
         tokio::select! {
             Some((i, event)) = events.next() => {
-                let kind = KINDS[i].kind;
+                let kind = WATCHED[i].kind;
                 let change = match event {
                     Ok(change) => change,
                     Err(e) => {
@@ -528,7 +466,7 @@ mod tests {
         let item = serde_json::json!({
             "metadata": {"name": "a", "creationTimestamp": "2024-01-01T00:00:00Z"},
         });
-        let namespace = &KINDS[6];
+        let namespace = &WATCHED[6];
         assert_eq!(namespace.kind, "Namespace");
         let (key, object) = namespace.project(&item).unwrap();
         assert_eq!(key, (String::new(), "a".to_owned()));
@@ -539,14 +477,7 @@ mod tests {
         // A metadata-only object says `PartialObjectMetadata`; the watch knows better.
         let meta = serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
             "metadata": {"name": "x-istio-tls-termination", "namespace": "x"}});
-        let (_, object) = KINDS[3].project(&meta).unwrap();
+        let (_, object) = WATCHED[3].project(&meta).unwrap();
         assert!(matches!(object, Object::EnvoyFilter(_)), "{object:?}");
-    }
-
-    #[test]
-    fn kinds_are_in_snapshot_order() {
-        let names: Vec<_> = KINDS.iter().map(|k| k.kind).collect();
-        let counts: Vec<_> = Snapshot::default().counts().map(|c| c.0).to_vec();
-        assert_eq!(names, counts);
     }
 }

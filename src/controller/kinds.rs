@@ -1,0 +1,91 @@
+//! The API kinds the controller reads: where the API server serves each one. The live watch
+//! ([`super::watch`], cargo feature `controller`) opens one watcher per entry, and the
+//! ClusterRole in `deploy/seed/` grants get, list and watch on exactly these (group,
+//! resource) pairs, checked against this list by the deploy tests. No Kubernetes client
+//! here: the list is data, available in every build.
+
+/// A kind the controller watches: where the API serves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WatchedKind {
+    /// API group; empty for the core group.
+    pub group: &'static str,
+    /// Version watched.
+    pub version: &'static str,
+    /// Kind, as objects name it.
+    pub kind: &'static str,
+    /// Resource name in the API's paths (what RBAC rules name).
+    pub plural: &'static str,
+}
+
+impl WatchedKind {
+    /// `group/version`, or `version` for the core group.
+    pub fn api_version(&self) -> String {
+        if self.group.is_empty() {
+            self.version.to_owned()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
+    }
+}
+
+/// Every kind translation reads, in [`super::model::Snapshot::counts`] order.
+pub const WATCHED: [WatchedKind; 8] = [
+    kind("networking.istio.io", "v1", "Gateway", "gateways"),
+    kind(
+        "networking.istio.io",
+        "v1",
+        "VirtualService",
+        "virtualservices",
+    ),
+    kind(
+        "networking.istio.io",
+        "v1",
+        "DestinationRule",
+        "destinationrules",
+    ),
+    // Istio serves EnvoyFilter only as v1alpha3. Whole objects: the ACL extension's RBAC
+    // filters carry the source allow-lists in their spec.
+    kind(
+        "networking.istio.io",
+        "v1alpha3",
+        "EnvoyFilter",
+        "envoyfilters",
+    ),
+    kind("", "v1", "Service", "services"),
+    kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
+    kind("", "v1", "Namespace", "namespaces"),
+    kind("gateway.networking.k8s.io", "v1", "TLSRoute", "tlsroutes"),
+];
+
+const fn kind(
+    group: &'static str,
+    version: &'static str,
+    kind: &'static str,
+    plural: &'static str,
+) -> WatchedKind {
+    WatchedKind {
+        group,
+        version,
+        kind,
+        plural,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::model::Snapshot;
+
+    #[test]
+    fn kinds_are_in_snapshot_order() {
+        let names: Vec<_> = WATCHED.iter().map(|k| k.kind).collect();
+        let counts: Vec<_> = Snapshot::default().counts().map(|c| c.0).to_vec();
+        assert_eq!(names, counts);
+    }
+
+    #[test]
+    fn api_versions() {
+        assert_eq!(WATCHED[4].api_version(), "v1");
+        assert_eq!(WATCHED[5].api_version(), "discovery.k8s.io/v1");
+    }
+}
