@@ -3,11 +3,28 @@
 //!
 //! `cargo bench --bench side_by_side` (installs the peers with apt-get when missing).
 //! Environment: `BENCH_SECONDS` (per figure and round, default 2), `BENCH_PEERS` (default
-//! `haproxy,nginx,floor`; `floor` is a reference, not a peer: see `floor.rs`), `BENCH_IDLE` (idle connections for the memory figure, default 5000),
-//! `BENCH_JOBS` (default `sni,proxy-destination,http-connect`), `BENCH_ROUNDS` (default 5),
-//! `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single thread), `BENCH_TRELLIS_BIN`
-//! (another trellis binary to measure, e.g. a previous build), `BENCH_FIGURES` (default
-//! `throughput,rate,latency`: which round figures to measure; the others print as NaN).
+//! `haproxy,nginx,floor`; `floor` is a reference, not a peer: see `floor.rs`; `haproxy-b`
+//! adds a second HAProxy, the A/A row), `BENCH_IDLE` (idle connections for the memory
+//! figure, default 5000), `BENCH_JOBS` (default `sni,proxy-destination,http-connect`),
+//! `BENCH_ROUNDS` (default 9), `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single
+//! thread), `BENCH_TRELLIS_BIN` (another trellis binary to measure, e.g. a previous build),
+//! `BENCH_FIGURES` (default `throughput,rate,latency,syscalls,storm`: which figures to
+//! measure; the others print as NaN), `BENCH_STORM` (clients of the reconnect storm,
+//! default 20000), `BENCH_PIN=1` (each proxy on CPU 0, clients and backend on CPU 1, and
+//! the A/A row), `BENCH_SYSCALLS_DETAIL=1` (also a per-syscall breakdown from `strace -c`).
+//!
+//! The headline figures are what the proxy itself spends, from its own CPU time in
+//! `/proc/PID/stat` (children included): CPU per new connection (and its user-space part),
+//! per round trip on long-lived connections, per GB relayed, and system calls per new
+//! connection (`perf stat -e raw_syscalls:sys_enter` in a separate pass, so counting costs
+//! no other figure anything). On a 2-core machine shared by client, backend and proxy, the
+//! wall-clock figures (throughput, connections per second, latency) are set largely by the
+//! client and the backend; they are printed as information.
+//!
+//! The reconnect storm: `BENCH_STORM` clients (in processes of 4,000, so no process runs
+//! out of descriptors) connect at one instant, as after a gateway rollout, each until it
+//! has made one round trip (a failed attempt is retried after 50 ms); the figures are the
+//! time until the last has, and the proxy's CPU time meanwhile.
 //!
 //! Jobs: `sni` (TLS passthrough by SNI), `proxy-destination` (routed by a PROXY v2 header's
 //! destination), `http-connect` (CONNECT relay; no peer config does this, so trellis only).
@@ -37,6 +54,10 @@ const PP_DEST: &str = "10.0.1.10:443";
 const CONNECT_DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
 const TRELLIS_ADMIN: &str = "127.0.0.1:8449";
 const FLOOR_SNI: &str = "127.0.0.1:8448";
+const FLOOR_PP: &str = "127.0.0.1:8458";
+const FLOOR_CONNECT: &str = "127.0.0.1:8468";
+/// Connections per storm client process.
+const STORM_PER_PROCESS: usize = 4000;
 const CONN_WORKERS: usize = 8;
 const STREAMS: usize = 8;
 const LATENCY_CONNS: usize = 8;
@@ -47,6 +68,41 @@ enum Preamble {
     None,
     ProxyV2,
     Connect,
+}
+
+impl Preamble {
+    fn name(self) -> &'static str {
+        match self {
+            Preamble::None => "none",
+            Preamble::ProxyV2 => "proxy",
+            Preamble::Connect => "connect",
+        }
+    }
+
+    fn parse(s: &str) -> Self {
+        match s {
+            "proxy" => Preamble::ProxyV2,
+            "connect" => Preamble::Connect,
+            _ => Preamble::None,
+        }
+    }
+}
+
+/// `BENCH_PIN=1`: proxies on CPU 0, the bench (clients, backend) on CPU 1.
+fn pinned() -> bool {
+    std::env::var("BENCH_PIN").is_ok_and(|v| v == "1")
+}
+
+/// A command for a proxy: under `BENCH_PIN=1` run by `taskset -c 0` (which execs it, so
+/// the process is the proxy).
+fn proxy_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    if pinned() {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "0"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
 }
 
 #[derive(Clone)]
@@ -157,9 +213,15 @@ fn hello() -> Vec<u8> {
 }
 
 async fn backend() {
-    let listener = TcpListener::bind(BACKEND)
-        .await
-        .expect("backend port 7001 must be free");
+    // The proxies' backlog (4096), so a storm finds no shorter queue here than at the proxy.
+    let listener = trellis::net::socket::bind_std_with(
+        BACKEND.parse().unwrap(),
+        trellis::net::socket::LISTEN_BACKLOG,
+        false,
+        None,
+    )
+    .expect("backend port 7001 must be free");
+    let listener = TcpListener::from_std(listener).unwrap();
     loop {
         let Ok((mut s, _)) = listener.accept().await else {
             continue;
@@ -253,8 +315,8 @@ async fn works(t: &Target) -> bool {
     false
 }
 
-/// Gbit/s over `streams` parallel uploads.
-async fn throughput(t: &Target, streams: usize, secs: f64) -> f64 {
+/// Gbit/s over `streams` parallel uploads, and the bytes relayed.
+async fn throughput(t: &Target, streams: usize, secs: f64) -> (f64, u64) {
     let start = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..streams {
@@ -276,41 +338,72 @@ async fn throughput(t: &Target, streams: usize, secs: f64) -> f64 {
     for t in tasks {
         bytes += t.await.ok().flatten().unwrap_or(0);
     }
-    bytes as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9
+    (
+        bytes as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9,
+        bytes,
+    )
+}
+
+/// A running connection load: `CONN_WORKERS` clients each connecting, sending the preamble
+/// and ClientHello, making one round trip and closing, over and over.
+struct ConnLoad {
+    done: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl ConnLoad {
+    fn start(t: &Target) -> Self {
+        let done = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut workers = Vec::new();
+        for _ in 0..CONN_WORKERS {
+            let (done, stop, t) = (done.clone(), stop.clone(), t.clone());
+            workers.push(tokio::spawn(async move {
+                let mut back = [0u8; 1];
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(mut s) = open(&t, b'E').await else {
+                        continue;
+                    };
+                    if s.write_all(b"x").await.is_ok() && s.read_exact(&mut back).await.is_ok() {
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+        ConnLoad {
+            done,
+            stop,
+            workers,
+        }
+    }
+
+    fn done(&self) -> u64 {
+        self.done.load(Ordering::Relaxed)
+    }
+
+    async fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for w in self.workers {
+            let _ = w.await;
+        }
+    }
 }
 
 /// New connections per second: connect, preamble + ClientHello, one round trip, close.
 async fn conn_rate(t: &Target, secs: f64) -> f64 {
-    let done = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
-    let mut workers = Vec::new();
-    for _ in 0..CONN_WORKERS {
-        let (done, stop, t) = (done.clone(), stop.clone(), t.clone());
-        workers.push(tokio::spawn(async move {
-            let mut back = [0u8; 1];
-            while !stop.load(Ordering::Relaxed) {
-                let Ok(mut s) = open(&t, b'E').await else {
-                    continue;
-                };
-                if s.write_all(b"x").await.is_ok() && s.read_exact(&mut back).await.is_ok() {
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }));
-    }
+    let load = ConnLoad::start(t);
     tokio::time::sleep(Duration::from_secs_f64(secs)).await;
-    stop.store(true, Ordering::Relaxed);
+    let done = load.done();
     let elapsed = start.elapsed().as_secs_f64();
-    for w in workers {
-        let _ = w.await;
-    }
-    done.load(Ordering::Relaxed) as f64 / elapsed
+    load.stop().await;
+    done as f64 / elapsed
 }
 
-/// Request/response round-trip times on long-lived connections: (p50, p99) in µs, and how
-/// many round trips were made.
-async fn latency(t: &Target, secs: f64) -> (f64, f64, usize) {
+/// Request/response round-trip times on long-lived connections: (p50, p99, p99.9) in µs,
+/// and how many round trips were made.
+async fn latency(t: &Target, secs: f64) -> (f64, f64, f64, usize) {
     let mut tasks = Vec::new();
     for _ in 0..LATENCY_CONNS {
         let t = t.clone();
@@ -337,11 +430,11 @@ async fn latency(t: &Target, secs: f64) -> (f64, f64, usize) {
         all.extend(t.await.unwrap_or_default());
     }
     if all.is_empty() {
-        return (f64::NAN, f64::NAN, 0);
+        return (f64::NAN, f64::NAN, f64::NAN, 0);
     }
     all.sort_by(|a, b| a.total_cmp(b));
     let pct = |p: f64| all[((all.len() as f64 * p) as usize).min(all.len() - 1)];
-    (pct(0.50), pct(0.99), all.len())
+    (pct(0.50), pct(0.99), pct(0.999), all.len())
 }
 
 /// Bytes of proxy RSS per idle proxied connection, with `n` open.
@@ -382,6 +475,215 @@ async fn idle_memory(t: &Target, pid: u32, n: usize) -> f64 {
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     after.saturating_sub(before) as f64 / opened.max(1) as f64
+}
+
+/// System calls the proxy makes per new connection: `perf stat -e raw_syscalls:sys_enter`
+/// on all its processes for `secs` while the connection load runs (NaN without `perf`).
+/// With `BENCH_SYSCALLS_DETAIL=1` also `strace -c` for the same load, printed per call.
+async fn syscalls_per_conn(t: &Target, pid: u32, secs: f64) -> f64 {
+    let pids: Vec<String> = tree(pid).iter().map(u32::to_string).collect();
+    let pids = pids.join(",");
+    let out = std::env::temp_dir().join(format!("trellis-bench-perf-{}.txt", std::process::id()));
+    let load = ConnLoad::start(t);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = load.done();
+    let perf = Command::new("perf")
+        .args([
+            "stat",
+            "-x",
+            ",",
+            "-e",
+            "raw_syscalls:sys_enter",
+            "-p",
+            &pids,
+            "-o",
+        ])
+        .arg(&out)
+        .args(["--", "sleep", &secs.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    let counted = match perf {
+        Ok(mut perf) => {
+            let _ = tokio::task::spawn_blocking(move || perf.wait()).await;
+            std::fs::read_to_string(&out).ok().and_then(|text| {
+                text.lines()
+                    .find(|l| l.contains("raw_syscalls:sys_enter"))
+                    .and_then(|l| l.split(',').next())
+                    .and_then(|n| n.trim().parse::<f64>().ok())
+            })
+        }
+        Err(_) => None,
+    };
+    let conns = load.done() - before;
+    let _ = std::fs::remove_file(&out);
+    if std::env::var("BENCH_SYSCALLS_DETAIL").is_ok_and(|v| v == "1") {
+        let detail = out.with_extension("strace");
+        if let Ok(mut strace) = Command::new("strace")
+            .args(["-c", "-f", "-o"])
+            .arg(&detail)
+            .args(pids.split(',').flat_map(|p| ["-p", p]))
+            .stderr(Stdio::null())
+            .spawn()
+        {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let before = load.done();
+            tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+            let conns = load.done() - before;
+            let _ = Command::new("kill")
+                .args(["-INT", &strace.id().to_string()])
+                .status();
+            let _ = tokio::task::spawn_blocking(move || strace.wait()).await;
+            let text = std::fs::read_to_string(&detail).unwrap_or_default();
+            eprintln!(
+                "  {} {}: strace -c over {conns} connections:",
+                t.proxy, t.job
+            );
+            for line in text.lines().filter(|l| !l.starts_with('-')).take(16) {
+                eprintln!("    {line}");
+            }
+            let _ = std::fs::remove_file(&detail);
+        }
+    }
+    load.stop().await;
+    match counted {
+        Some(n) if conns > 0 => n / conns as f64,
+        _ => f64::NAN,
+    }
+}
+
+/// The reconnect storm against `t` (see the module documentation): the time until every
+/// client has made its round trip (ms) and the proxy's CPU time meanwhile (ms).
+async fn storm(t: &Target, pid: Option<u32>, clients: usize) -> (f64, f64) {
+    let start_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        + 1500;
+    let mut children = Vec::new();
+    for k in 0..clients.div_ceil(STORM_PER_PROCESS) {
+        let n = STORM_PER_PROCESS.min(clients - k * STORM_PER_PROCESS);
+        let child = Command::new(std::env::current_exe().unwrap())
+            .env(
+                "BENCH_STORM_CLIENT",
+                format!("{},{},{n},{start_ms}", t.addr, t.preamble.name()),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        children.push(child);
+    }
+    let before = pid.map(tree_cpu);
+    let outputs = tokio::task::spawn_blocking(move || {
+        children
+            .into_iter()
+            .map(|c| {
+                c.wait_with_output()
+                    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    let cpu_ms = match (before, pid.map(tree_cpu)) {
+        (Some(a), Some(b)) => (b.0 + b.1 - a.0 - a.1) * 1e3,
+        _ => f64::NAN,
+    };
+    let (mut last_ms, mut retries, mut failed) = (0f64, 0u64, 0u64);
+    for out in outputs {
+        let f: Vec<f64> = out
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        if let [ms, r, x] = f[..] {
+            last_ms = last_ms.max(ms);
+            retries += r as u64;
+            failed += x as u64;
+        } else {
+            failed += STORM_PER_PROCESS as u64;
+        }
+    }
+    eprintln!(
+        "  storm {:8} {:18} {clients} clients: all served after {last_ms:.0} ms, {retries} retried attempts, {failed} never served, proxy CPU {cpu_ms:.0} ms",
+        t.proxy, t.job
+    );
+    if failed > 0 {
+        (f64::NAN, cpu_ms)
+    } else {
+        (last_ms, cpu_ms)
+    }
+}
+
+/// A storm client process (`BENCH_STORM_CLIENT=addr,preamble,n,start_unix_ms`): at the
+/// start instant opens `n` connections at once, each retried until it has made one round
+/// trip; prints the ms from the start until the last did, the retried attempts and the
+/// clients that gave up (after 60 s).
+fn storm_client(spec: &str) -> ! {
+    let f: Vec<&str> = spec.split(',').collect();
+    let t = Target {
+        proxy: "storm",
+        job: "storm",
+        addr: f[0].parse().unwrap(),
+        preamble: Preamble::parse(f[1]),
+    };
+    let n: usize = f[2].parse().unwrap();
+    let start_ms: u128 = f[3].parse().unwrap();
+    let _ = trellis::net::socket::raise_nofile_limit();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (last, retries, failed) = rt.block_on(async move {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis();
+        tokio::time::sleep(Duration::from_millis(start_ms.saturating_sub(now) as u64)).await;
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..n)
+            .map(|_| {
+                let t = t.clone();
+                tokio::spawn(async move {
+                    let mut retries = 0u64;
+                    while start.elapsed() < Duration::from_secs(60) {
+                        let attempt = async {
+                            let mut s = open(&t, b'E').await?;
+                            s.write_all(b"x").await?;
+                            let mut b = [0u8; 1];
+                            s.read_exact(&mut b).await?;
+                            std::io::Result::Ok(())
+                        };
+                        if let Ok(Ok(())) =
+                            tokio::time::timeout(Duration::from_secs(30), attempt).await
+                        {
+                            return (Some(start.elapsed()), retries);
+                        }
+                        retries += 1;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    (None, retries)
+                })
+            })
+            .collect();
+        let (mut last, mut retries, mut failed) = (Duration::ZERO, 0, 0);
+        for task in tasks {
+            match task.await.unwrap() {
+                (Some(d), r) => {
+                    last = last.max(d);
+                    retries += r;
+                }
+                (None, r) => {
+                    failed += 1;
+                    retries += r;
+                }
+            }
+        }
+        (last, retries, failed)
+    });
+    println!("{} {retries} {failed}", last.as_secs_f64() * 1e3);
+    std::process::exit(0)
 }
 
 fn ensure_installed(bin: &str, packages: &[&str]) -> bool {
@@ -451,8 +753,9 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
         dir.join("gateway.yaml"),
         format!(
             "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:8440\", protocol: sni}}\n- {{name: pp, address: \"127.0.0.1:8450\", protocol: proxy-destination}}\n- {{name: connect, address: \"127.0.0.1:8460\", protocol: http-connect}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: {}}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
-            // Room for the idle connections, within the open files the host allows.
-            idle_connections() + 1000,
+            // Room for the idle connections and the storm, within the open files the host
+            // allows (the gateway caps it to that).
+            idle_connections().max(storm_clients()) + 1000,
             std::env::var("BENCH_TRELLIS_WORKERS").unwrap_or_else(|_| "1".into())
         ),
     )
@@ -460,7 +763,7 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
     // BENCH_TRELLIS_BIN compares another build (e.g. the previous commit's) in the same run.
     let bin = std::env::var("BENCH_TRELLIS_BIN")
         .unwrap_or_else(|_| env!("CARGO_BIN_EXE_trellis").to_string());
-    let child = own_session(&mut Command::new(bin))
+    let child = own_session(&mut proxy_command(bin))
         .args(["gateway", "--config"])
         .arg(dir.join("gateway.yaml"))
         .env("TRELLIS_LOG", "warn")
@@ -499,16 +802,16 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
 
 /// The floor (`floor.rs`): this bench binary again, in a session of its own.
 fn start_floor() -> Option<(Proxy, Vec<Target>)> {
-    let child = own_session(&mut Command::new(std::env::current_exe().ok()?))
-        .env("BENCH_FLOOR_SERVE", FLOOR_SNI)
+    let child = own_session(&mut proxy_command(std::env::current_exe().ok()?))
+        .env("BENCH_FLOOR_SERVE", "1")
         .stderr(Stdio::inherit())
         .spawn()
         .ok()?;
-    let target = Target {
+    let target = |job, addr: &str, preamble| Target {
         proxy: "floor",
-        job: "sni",
-        addr: FLOOR_SNI.parse().unwrap(),
-        preamble: Preamble::None,
+        job,
+        addr: addr.parse().unwrap(),
+        preamble,
     };
     Some((
         Proxy {
@@ -516,40 +819,69 @@ fn start_floor() -> Option<(Proxy, Vec<Target>)> {
             child: Some(child),
             pidfile: None,
         },
-        vec![target],
+        vec![
+            target("sni", FLOOR_SNI, Preamble::None),
+            target("proxy-destination", FLOOR_PP, Preamble::ProxyV2),
+            target("http-connect", FLOOR_CONNECT, Preamble::Connect),
+        ],
     ))
 }
 
-fn start_haproxy(peers: &Path) -> Option<(Proxy, Vec<Target>)> {
+/// Clients of the reconnect storm (`BENCH_STORM`, 0 = none).
+fn storm_clients() -> usize {
+    std::env::var("BENCH_STORM")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20000)
+}
+
+/// HAProxy with the peer config; `second` runs another instance of it on ports + 100 (the
+/// A/A row: what the runner's own spread is).
+fn start_haproxy(peers: &Path, second: bool) -> Option<(Proxy, Vec<Target>)> {
     if !ensure_installed("haproxy", &["haproxy"]) {
         return None;
     }
-    let pidfile = PathBuf::from("/tmp/peer-haproxy.pid");
-    let ok = Command::new("haproxy")
+    let (name, shift, suffix) = if second {
+        ("haproxy-b", 100, "-b")
+    } else {
+        ("haproxy", 0, "")
+    };
+    let mut config = peers.join("haproxy.cfg");
+    if second {
+        let text = std::fs::read_to_string(&config).ok()?;
+        config = std::env::temp_dir().join(format!("peer-haproxy-b-{}.cfg", std::process::id()));
+        std::fs::write(
+            &config,
+            text.replace(":8441", ":8541").replace(":8451", ":8551"),
+        )
+        .ok()?;
+    }
+    let pidfile = PathBuf::from(format!("/tmp/peer-haproxy{suffix}.pid"));
+    let ok = proxy_command("haproxy")
         .arg("-f")
-        .arg(peers.join("haproxy.cfg"))
+        .arg(&config)
         .args(["-D", "-p"])
         .arg(&pidfile)
         .status()
         .is_ok_and(|s| s.success());
     let targets = vec![
         Target {
-            proxy: "haproxy",
+            proxy: name,
             job: "sni",
-            addr: "127.0.0.1:8441".parse().unwrap(),
+            addr: SocketAddr::from(([127, 0, 0, 1], 8441 + shift)),
             preamble: Preamble::None,
         },
         Target {
-            proxy: "haproxy",
+            proxy: name,
             job: "proxy-destination",
-            addr: "127.0.0.1:8451".parse().unwrap(),
+            addr: SocketAddr::from(([127, 0, 0, 1], 8451 + shift)),
             preamble: Preamble::ProxyV2,
         },
     ];
     ok.then(|| {
         (
             Proxy {
-                name: "haproxy",
+                name,
                 child: None,
                 pidfile: Some(pidfile),
             },
@@ -562,7 +894,7 @@ fn start_nginx(peers: &Path) -> Option<(Proxy, Vec<Target>)> {
     if !ensure_installed("nginx", &["nginx", "libnginx-mod-stream"]) {
         return None;
     }
-    let child = own_session(&mut Command::new("nginx"))
+    let child = own_session(&mut proxy_command("nginx"))
         .arg("-c")
         .arg(peers.join("nginx.conf"))
         .stderr(Stdio::null())
@@ -596,21 +928,63 @@ fn start_nginx(peers: &Path) -> Option<(Proxy, Vec<Target>)> {
 struct Row {
     proxy: &'static str,
     job: &'static str,
-    figures: [f64; 6],
+    figures: [f64; NFIG],
 }
 
-const FIGURES: [(&str, bool); 6] = [
-    ("throughput, 1 stream (Gbit/s)", true),
-    ("throughput, 8 streams (Gbit/s)", true),
-    ("new connections per second", true),
-    ("latency p50 (µs)", false),
-    ("latency p99 (µs)", false),
-    ("memory per idle connection (bytes)", false),
+const NFIG: usize = 14;
+// Indices into a row's figures.
+const CPU_CONN: usize = 0;
+const USER_CONN: usize = 1;
+const CPU_TRIP: usize = 2;
+const CPU_GB: usize = 3;
+const SYSCALLS: usize = 4;
+const MEMORY: usize = 5;
+const STORM_MS: usize = 6;
+const STORM_CPU: usize = 7;
+const TPUT1: usize = 8;
+const TPUT8: usize = 9;
+const RATE: usize = 10;
+const P50: usize = 11;
+const P99: usize = 12;
+const P999: usize = 13;
+
+/// Label, whether higher is better, and whether it is a headline figure (what the proxy
+/// spends) rather than information (what the shared machine allows).
+const FIGURES: [(&str, bool, bool); NFIG] = [
+    ("CPU per new connection (µs)", false, true),
+    ("  of that in user space (µs)", false, true),
+    ("CPU per round trip (µs)", false, true),
+    ("CPU per GB, 8 streams (ms)", false, true),
+    ("system calls per new connection", false, true),
+    ("memory per idle connection (bytes)", false, true),
+    ("storm: until all served (ms)", false, true),
+    ("storm: proxy CPU (ms)", false, true),
+    ("throughput, 1 stream (Gbit/s)", true, false),
+    ("throughput, 8 streams (Gbit/s)", true, false),
+    ("new connections per second", true, false),
+    ("latency p50 (µs)", false, false),
+    ("latency p99 (µs)", false, false),
+    ("latency p99.9 (µs)", false, false),
 ];
 
+/// Rows that are not peers: left out of "best".
+fn reference(proxy: &str) -> bool {
+    matches!(proxy, "trellis" | "floor" | "haproxy-b")
+}
+
 fn main() {
-    if let Ok(listen) = std::env::var("BENCH_FLOOR_SERVE") {
-        floor::serve(&listen, BACKEND.parse().unwrap());
+    if std::env::var("BENCH_FLOOR_SERVE").is_ok() {
+        floor::serve(
+            &[
+                (FLOOR_SNI.parse().unwrap(), floor::Mode::Sni),
+                (FLOOR_PP.parse().unwrap(), floor::Mode::ProxyV2),
+                (FLOOR_CONNECT.parse().unwrap(), floor::Mode::Connect),
+            ],
+            BACKEND.parse().unwrap(),
+        );
+    }
+    if let Ok(spec) = std::env::var("BENCH_STORM_CLIENT") {
+        storm_client(&spec);
     }
     // `cargo bench` passes `--bench`; a filter that excludes us means skip.
     let args: Vec<String> = std::env::args()
@@ -621,18 +995,27 @@ fn main() {
         return;
     }
     let _ = trellis::net::socket::raise_nofile_limit();
+    if pinned() {
+        // Before any other thread exists: every thread of the bench (clients, backend) and
+        // the storm's client processes inherit CPU 1.
+        let ok = Command::new("taskset")
+            .args(["-p", "-c", "1", &std::process::id().to_string()])
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "BENCH_PIN=1 needs taskset and two CPUs");
+    }
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
     let secs: f64 = env("BENCH_SECONDS", "2").parse().unwrap_or(2.0);
-    let rounds: usize = env("BENCH_ROUNDS", "5").parse().unwrap_or(5);
+    let rounds: usize = env("BENCH_ROUNDS", "9").parse().unwrap_or(9);
     let idle = idle_connections();
+    let storm_n = storm_clients();
     let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,floor");
     let jobs = env("BENCH_JOBS", "sni,proxy-destination,http-connect");
-    let figures = env("BENCH_FIGURES", "throughput,rate,latency");
-    let (want_tput, want_rate, want_lat) = (
-        figures.split(',').any(|f| f == "throughput"),
-        figures.split(',').any(|f| f == "rate"),
-        figures.split(',').any(|f| f == "latency"),
-    );
+    let figures = env("BENCH_FIGURES", "throughput,rate,latency,syscalls,storm");
+    let want = |f: &str| figures.split(',').any(|g| g == f);
+    let (want_tput, want_rate, want_lat) = (want("throughput"), want("rate"), want("latency"));
+    let (want_sys, want_storm) = (want("syscalls"), want("storm") && storm_n > 0);
     let peers_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/side_by_side/peers");
     let work = std::env::temp_dir().join(format!("trellis-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work).unwrap();
@@ -646,17 +1029,21 @@ fn main() {
         tokio::spawn(backend());
         type Starter<'a> = Box<dyn Fn() -> Option<(Proxy, Vec<Target>)> + 'a>;
         let mut starters: Vec<Starter> = vec![Box::new(|| Some(start_trellis(&work)))];
+        let peer_list: Vec<&str> = peers_wanted.split(',').collect();
         if peers_dir.exists() {
-            if peers_wanted.contains("haproxy") {
-                starters.push(Box::new(|| start_haproxy(&peers_dir)));
+            if peer_list.contains(&"haproxy") {
+                starters.push(Box::new(|| start_haproxy(&peers_dir, false)));
             }
-            if peers_wanted.contains("nginx") {
+            if peer_list.contains(&"haproxy-b") || pinned() {
+                starters.push(Box::new(|| start_haproxy(&peers_dir, true)));
+            }
+            if peer_list.contains(&"nginx") {
                 starters.push(Box::new(|| start_nginx(&peers_dir)));
             }
         } else {
             eprintln!("no peer configs at {}; measuring trellis only", peers_dir.display());
         }
-        if peers_wanted.contains("floor") {
+        if peer_list.contains(&"floor") {
             starters.push(Box::new(start_floor));
         }
         let mut rows = Vec::new();
@@ -686,10 +1073,11 @@ fn main() {
                 }
                 running.push((proxy, t));
             }
-            let mut samples: Vec<[Vec<f64>; 6]> = running.iter().map(|_| Default::default()).collect();
+            let mut samples: Vec<[Vec<f64>; NFIG]> =
+                running.iter().map(|_| Default::default()).collect();
             for (i, (proxy, t)) in running.iter().enumerate() {
                 if let Some(pid) = proxy.pid() {
-                    samples[i][5].push(idle_memory(t, pid, idle).await);
+                    samples[i][MEMORY].push(idle_memory(t, pid, idle).await);
                 }
             }
             for round in 0..rounds {
@@ -698,40 +1086,75 @@ fn main() {
                 for k in 0..running.len() {
                     let i = (k + round) % running.len();
                     let (proxy, t) = &running[i];
-                    let (one, eight) = if want_tput {
-                        (throughput(t, 1, secs).await, throughput(t, STREAMS, secs).await)
-                    } else {
-                        (f64::NAN, f64::NAN)
-                    };
-                    // The proxy's CPU time (all, user space) in µs per event of a figure.
-                    let per = |a: Option<(f64, f64)>, n: f64| match (a, proxy.pid().map(tree_cpu)) {
-                        (Some(a), Some(b)) => (
-                            (b.0 + b.1 - a.0 - a.1) * 1e6 / n.max(1.0),
-                            (b.0 - a.0) * 1e6 / n.max(1.0),
+                    let cpu = || proxy.pid().map(tree_cpu);
+                    // The proxy's CPU time (all, user space) since `before`, in µs per event.
+                    let per = |before: Option<(f64, f64)>, n: f64| match (before, cpu()) {
+                        (Some(a), Some(b)) if n > 0.0 => (
+                            (b.0 + b.1 - a.0 - a.1) * 1e6 / n,
+                            (b.0 - a.0) * 1e6 / n,
                         ),
                         _ => (f64::NAN, f64::NAN),
                     };
-                    let before = proxy.pid().map(tree_cpu).filter(|_| want_rate);
+                    let (mut one, mut eight, mut per_gb) = (f64::NAN, f64::NAN, f64::NAN);
+                    if want_tput {
+                        one = throughput(t, 1, secs).await.0;
+                        let before = cpu();
+                        let (gbps, bytes) = throughput(t, STREAMS, secs).await;
+                        eight = gbps;
+                        // µs per byte × 1e9 bytes / 1e3 = ms per GB.
+                        per_gb = per(before, bytes as f64).0 * 1e6;
+                    }
+                    let before = cpu();
                     let rate = if want_rate { conn_rate(t, secs).await } else { f64::NAN };
                     // The proxy's own CPU per proxied connection (and its user-space part):
                     // what the rate costs it.
                     let (cpu_us, user_us) = per(before, rate * secs);
-                    let before = proxy.pid().map(tree_cpu).filter(|_| want_lat);
-                    let (p50, p99, trips) = if want_lat {
+                    let before = cpu();
+                    let (p50, p99, p999, trips) = if want_lat {
                         latency(t, secs).await
                     } else {
-                        (f64::NAN, f64::NAN, 0)
+                        (f64::NAN, f64::NAN, f64::NAN, 0)
                     };
                     let (trip_us, _) = per(before, trips as f64);
                     eprintln!(
-                        "round {round} {:8} {:18} 1x {one:6.2} Gbit/s  8x {eight:6.2} Gbit/s  {rate:7.0} conn/s ({cpu_us:4.1} µs CPU each, {user_us:3.1} in user space)  p50 {p50:6.1} µs  p99 {p99:7.1} µs ({:.0} round trips/s, {trip_us:4.1} µs CPU each)",
+                        "round {round} {:9} {:18} {rate:7.0} conn/s, {cpu_us:5.1} µs CPU each ({user_us:4.1} user); {:6.0} trips/s, {trip_us:4.1} µs CPU each, p50 {p50:6.1} p99 {p99:7.1} p99.9 {p999:7.1} µs; {one:5.2} / {eight:5.2} Gbit/s, {per_gb:5.1} ms CPU per GB",
                         t.proxy,
                         t.job,
                         trips as f64 / secs,
                     );
-                    for (k, v) in [one, eight, rate, p50, p99].into_iter().enumerate() {
+                    for (k, v) in [
+                        (CPU_CONN, cpu_us),
+                        (USER_CONN, user_us),
+                        (CPU_TRIP, trip_us),
+                        (CPU_GB, per_gb),
+                        (TPUT1, one),
+                        (TPUT8, eight),
+                        (RATE, rate),
+                        (P50, p50),
+                        (P99, p99),
+                        (P999, p999),
+                    ] {
                         samples[i][k].push(v);
                     }
+                }
+            }
+            // Separate passes: counting system calls slows the proxy (a little with perf, a
+            // lot with strace), and the storm leaves a heap and queues behind.
+            if want_sys {
+                for (i, (proxy, t)) in running.iter().enumerate() {
+                    if let Some(pid) = proxy.pid() {
+                        let n = syscalls_per_conn(t, pid, secs).await;
+                        eprintln!("  syscalls {:9} {:18} {n:.1} per connection", t.proxy, t.job);
+                        samples[i][SYSCALLS].push(n);
+                    }
+                }
+            }
+            if want_storm {
+                for (i, (proxy, t)) in running.iter().enumerate() {
+                    let (ms, cpu_ms) = storm(t, proxy.pid(), storm_n).await;
+                    samples[i][STORM_MS].push(ms);
+                    samples[i][STORM_CPU].push(cpu_ms);
+                    tokio::time::sleep(Duration::from_millis(500)).await;
                 }
             }
             for (i, (proxy, t)) in running.iter().enumerate() {
@@ -744,7 +1167,7 @@ fn main() {
         rows
     });
     let _ = std::fs::remove_dir_all(&work);
-    print_table(&rows, secs, rounds, idle);
+    print_table(&rows, secs, rounds, idle, storm_n);
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -756,12 +1179,17 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize) {
+fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize, storm: usize) {
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(0);
     println!(
-        "\nside-by-side on loopback: medians of {rounds} interleaved rounds of {secs} s per figure; {idle} idle connections; {cores} cores shared by client, proxies and backend"
+        "\nside-by-side on loopback: medians of {rounds} interleaved rounds of {secs} s per figure; {idle} idle connections; storm of {storm} clients; {cores} cores {}",
+        if pinned() {
+            "(pinned: each proxy on CPU 0, clients and backend on CPU 1)"
+        } else {
+            "shared by client, proxies and backend"
+        }
     );
     let mut jobs: Vec<&str> = Vec::new();
     for r in rows {
@@ -769,59 +1197,95 @@ fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize) {
             jobs.push(r.job);
         }
     }
+    let trellis_sni = rows
+        .iter()
+        .find(|r| r.proxy == "trellis" && r.job == "sni")
+        .map(|r| r.figures[CPU_CONN]);
     for job in jobs {
         let in_job: Vec<&Row> = rows.iter().filter(|r| r.job == job).collect();
+        let find = |name: &str| in_job.iter().find(|r| r.proxy == name).map(|r| r.figures);
+        let (trellis, floor, aa, haproxy) = (
+            find("trellis"),
+            find("floor"),
+            find("haproxy-b"),
+            find("haproxy"),
+        );
         println!("\n{job}");
         print!("{:38}", "figure");
         for r in &in_job {
-            print!("{:>12}", r.proxy);
+            print!("{:>11}", r.proxy);
         }
-        let floor = in_job.iter().find(|r| r.proxy == "floor");
         print!("{:>14}", "trellis/best");
-        println!(
-            "{}",
-            if floor.is_some() {
-                "    floor/best"
-            } else {
-                ""
-            }
-        );
-        for (i, (label, higher_is_better)) in FIGURES.iter().enumerate() {
-            print!("{label:38}");
-            for r in &in_job {
-                print!("{:>12.2}", r.figures[i]);
-            }
-            let trellis = in_job
-                .iter()
-                .find(|r| r.proxy == "trellis")
-                .map(|r| r.figures[i]);
-            let peers = in_job
-                .iter()
-                .filter(|r| r.proxy != "trellis" && r.proxy != "floor")
-                .map(|r| r.figures[i])
-                .filter(|v| v.is_finite());
-            let best = if *higher_is_better {
-                peers.fold(f64::NAN, f64::max)
-            } else {
-                peers.fold(f64::NAN, f64::min)
-            };
-            let ratio = |v: Option<f64>| match v {
-                Some(v) if best.is_finite() && v.is_finite() => format!("{:>13.2}x", v / best),
-                _ => format!("{:>14}", "-"),
-            };
-            print!("{}", ratio(trellis));
+        if floor.is_some() {
+            print!("{:>15}{:>14}", "trellis/floor", "floor/best");
+        }
+        if aa.is_some() {
+            print!("{:>10}", "A/A");
+        }
+        println!();
+        for headline in [true, false] {
             println!(
                 "{}",
-                floor.map(|f| ratio(Some(f.figures[i]))).unwrap_or_default()
+                if headline {
+                    "-- what the proxy spends (headline)"
+                } else {
+                    "-- what the shared machine allows (information)"
+                }
+            );
+            for (i, &(label, higher_is_better, _)) in
+                FIGURES.iter().enumerate().filter(|(_, f)| f.2 == headline)
+            {
+                print!("{label:38}");
+                for r in &in_job {
+                    print!("{:>11.2}", r.figures[i]);
+                }
+                let peers = in_job
+                    .iter()
+                    .filter(|r| !reference(r.proxy))
+                    .map(|r| r.figures[i])
+                    .filter(|v| v.is_finite());
+                let best = if higher_is_better {
+                    peers.fold(f64::NAN, f64::max)
+                } else {
+                    peers.fold(f64::NAN, f64::min)
+                };
+                let ratio = |a: Option<f64>, b: f64, w: usize| match a {
+                    Some(a) if a.is_finite() && b.is_finite() => {
+                        format!("{:>w$.2}x", a / b, w = w - 1)
+                    }
+                    _ => format!("{:>w$}", "-"),
+                };
+                print!("{}", ratio(trellis.map(|f| f[i]), best, 14));
+                if let Some(f) = floor {
+                    print!("{}", ratio(trellis.map(|t| t[i]), f[i], 15));
+                    print!("{}", ratio(Some(f[i]), best, 14));
+                }
+                if let (Some(b), Some(a)) = (aa, haproxy) {
+                    print!("{}", ratio(Some(b[i]), a[i], 10));
+                }
+                println!();
+            }
+        }
+        if job == "http-connect"
+            && let (Some(t), Some(sni)) = (trellis, trellis_sni)
+        {
+            println!(
+                "trellis CPU per new connection, http-connect / sni: {:.2}x",
+                t[CPU_CONN] / sni
             );
         }
     }
     println!(
-        "\nratios: for throughput and connections higher is better; for latency and memory lower is better"
+        "\nratios: for throughput and connections per second higher is better; for everything else lower is better"
     );
     if rows.iter().any(|r| r.proxy == "floor") {
         println!(
             "floor: a reference, not a peer (left out of \"best\"): one bare epoll loop that waits for the first bytes, connects and copies; no parsing, timers, limits or splice"
+        );
+    }
+    if rows.iter().any(|r| r.proxy == "haproxy-b") {
+        println!(
+            "A/A: a second HAProxy with the same config (haproxy-b / haproxy): the runner's own spread"
         );
     }
 }

@@ -5,8 +5,17 @@
 //! accept; wait for the first bytes (a real proxy must, to route by SNI); connect to the one
 //! backend; forward them; then copy both ways, with half-close, until both sides are done.
 //! Bytes that cannot be written at once wait in a buffer while reading from the other side
-//! pauses. It is started by the bench binary itself (`BENCH_FLOOR_SERVE=<listen address>`)
-//! in a session of its own, like the proxies, and runs only the `sni` job.
+//! pauses. It is started by the bench binary itself (`BENCH_FLOOR_SERVE=1`) in a session of
+//! its own, like the proxies, with one listener per job:
+//! - `sni`: the first bytes go to the backend as they are;
+//! - `proxy-destination`: the PROXY v2 header at the start of the first bytes (the bench
+//!   client writes it together with the ClientHello) is dropped, the rest forwarded;
+//! - `http-connect`: the first bytes are the request head (the bench client waits for the
+//!   answer before it sends more); `200 Connection established` goes back once the backend
+//!   connection is up, the head itself nowhere.
+//!
+//! `BENCH_FLOOR_DEFER=1` sets `TCP_DEFER_ACCEPT` on its listeners, so a connection is
+//! accepted only with its first bytes: the floor rebuilt with that technique.
 
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::OwnedFd;
@@ -21,9 +30,26 @@ const LISTENER: u64 = u64::MAX;
 /// rather than an `Option`, which would make every connection 8 bytes larger.
 const GONE: EventFlags = EventFlags::from_bits_retain(u32::MAX);
 
+/// What a listener's connections start with (see the module documentation).
+#[derive(Clone, Copy, PartialEq)]
+pub enum Mode {
+    /// A TLS ClientHello.
+    Sni,
+    /// A PROXY v2 header, then the ClientHello.
+    ProxyV2,
+    /// An HTTP CONNECT request head.
+    Connect,
+}
+
+const CONNECTED: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
+
 /// One proxied connection: side 0 is the client, side 1 the backend (`None` until the first
 /// bytes arrive). Dropping it closes its sockets, which removes them from the epoll set.
 struct Conn {
+    /// `http-connect`: the answer still owed to the client once the backend is connected.
+    reply: bool,
+    /// What the connection starts with.
+    mode: Mode,
     fds: [Option<OwnedFd>; 2],
     /// Bytes waiting to be written to `fds[i]`.
     pending: [Vec<u8>; 2],
@@ -111,30 +137,77 @@ impl Conn {
         if !self.eof[i] && self.pending[1 - i].is_empty() {
             events |= EventFlags::IN;
         }
-        if !self.pending[i].is_empty() {
+        if !self.pending[i].is_empty() || (i == 1 && self.reply) {
             events |= EventFlags::OUT;
         }
         events
     }
 }
 
-/// Runs the floor proxy on `listen`, forwarding to `backend`; never returns.
-pub fn serve(listen: &str, backend: SocketAddr) -> ! {
-    // trellis's own listener set-up (backlog 4096, non-blocking), without its socket options.
-    let addr: SocketAddr = listen.parse().expect("floor: listen address");
-    let listener: TcpListener = trellis::net::socket::bind_std_with(
-        addr,
-        trellis::net::socket::LISTEN_BACKLOG,
-        false,
-        None,
-    )
-    .expect("floor: bind");
-    SockRef::from(&listener)
-        .set_tcp_nodelay(true) // inherited by accepted sockets
-        .expect("floor: TCP_NODELAY");
+/// Sets `TCP_DEFER_ACCEPT` (seconds to wait for a connection's first bytes before it is
+/// accepted anyway), which neither rustix nor socket2 wraps.
+#[allow(unsafe_code)] // setsockopt has no safe wrapper for this option.
+fn set_defer_accept(listener: &TcpListener, secs: libc::c_int) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open for the call, and the option value is a c_int whose
+    // size is passed with it.
+    let r = unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            (&secs as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The length of the PROXY v2 header at the start of `data` (0 if there is none).
+fn proxy_v2_len(data: &[u8]) -> usize {
+    const SIG: &[u8] = b"\r\n\r\n\0\r\nQUIT\n";
+    if data.len() >= 16 && data.starts_with(SIG) {
+        (16 + u16::from_be_bytes([data[14], data[15]]) as usize).min(data.len())
+    } else {
+        0
+    }
+}
+
+/// Runs the floor proxy on `listens` (address and what its connections start with),
+/// forwarding to `backend`; never returns.
+pub fn serve(listens: &[(SocketAddr, Mode)], backend: SocketAddr) -> ! {
+    let defer = std::env::var("BENCH_FLOOR_DEFER").is_ok_and(|v| v == "1");
     let ep = epoll::create(CreateFlags::CLOEXEC).expect("floor: epoll_create1");
-    epoll::add(&ep, &listener, EventData::new_u64(LISTENER), EventFlags::IN)
+    let mut listeners = Vec::new();
+    for (k, &(addr, mode)) in listens.iter().enumerate() {
+        // trellis's own listener set-up (backlog 4096, non-blocking), without its socket
+        // options.
+        let listener: TcpListener = trellis::net::socket::bind_std_with(
+            addr,
+            trellis::net::socket::LISTEN_BACKLOG,
+            false,
+            None,
+        )
+        .expect("floor: bind");
+        SockRef::from(&listener)
+            .set_tcp_nodelay(true) // inherited by accepted sockets
+            .expect("floor: TCP_NODELAY");
+        if defer {
+            set_defer_accept(&listener, 10).expect("floor: TCP_DEFER_ACCEPT");
+        }
+        epoll::add(
+            &ep,
+            &listener,
+            EventData::new_u64(LISTENER - k as u64),
+            EventFlags::IN,
+        )
         .expect("floor: epoll_ctl");
+        listeners.push((listener, mode));
+    }
     let mut conns: Vec<Option<Conn>> = Vec::new();
     let mut free: Vec<usize> = Vec::new();
     let mut freed: Vec<usize> = Vec::new();
@@ -151,10 +224,11 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
         let n = epoll::wait(&ep, &mut events[..], None).unwrap_or(0);
         for &ev in &events[..n] {
             let (token, what) = (ev.data.u64(), ev.flags);
-            if token == LISTENER {
+            if token > LISTENER - listeners.len() as u64 {
+                let (listener, mode) = &listeners[(LISTENER - token) as usize];
                 loop {
                     let fd = match rustix::net::accept_with(
-                        &listener,
+                        listener,
                         SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
                     ) {
                         Ok(fd) => fd,
@@ -172,6 +246,8 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
                     });
                     let _ = epoll::add(&ep, &fd, conn_data(slot, 0), EventFlags::IN);
                     conns[slot] = Some(Conn {
+                        reply: false,
+                        mode: *mode,
                         fds: [Some(fd), None],
                         pending: [Vec::new(), Vec::new()],
                         eof: [false; 2],
@@ -187,7 +263,13 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
             };
             let mut ok = !what.contains(EventFlags::ERR);
             if ok && what.contains(EventFlags::OUT) {
-                ok = c.flush(i);
+                if i == 1 && c.reply {
+                    // Connected: now the client may start.
+                    c.reply = false;
+                    c.pending[0].extend_from_slice(CONNECTED);
+                    ok = c.flush(0);
+                }
+                ok = ok && c.flush(i);
                 c.forward_eof(i);
             }
             // EPOLLHUP cannot be masked: once both directions of a socket are shut it is
@@ -214,7 +296,12 @@ pub fn serve(listen: &str, backend: SocketAddr) -> ! {
                             match connect(backend) {
                                 Some(fd) => {
                                     c.fds[1] = Some(fd);
-                                    c.pending[1].extend_from_slice(data);
+                                    match c.mode {
+                                        Mode::Sni => c.pending[1].extend_from_slice(data),
+                                        Mode::ProxyV2 => c.pending[1]
+                                            .extend_from_slice(&data[proxy_v2_len(data)..]),
+                                        Mode::Connect => c.reply = true,
+                                    }
                                     ok = c.flush(1);
                                     let want = c.wanted(1);
                                     c.armed[1] = want;
