@@ -10,7 +10,7 @@ use serde::Deserialize;
 use super::decode::{Kind, Raw};
 use super::gateway::RawAdmin;
 use super::{ConfigError, Errors};
-use crate::route::BackendAddress;
+use crate::route::{BackendAddress, ProxyVersion};
 
 mapping_only!(RawController, RawTarget, RawFallback, RawOutput);
 
@@ -91,12 +91,27 @@ fn labels<'de, D: serde::Deserializer<'de>>(
     d.deserialize_any(Labels).map(Some)
 }
 
-/// The fallback backend as written.
+/// The fallback backends as written.
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawFallback {
-    /// `IP:port` or `DNS-name:port` of the fallback (e.g. the Envoy gateway's Service).
+    /// `IP:port` or `DNS-name:port` of the fallback for TLS (e.g. the Envoy gateway's
+    /// Service, port 443): route `fallback`, the `sni` listener's `defaultRoute`.
     pub address: String,
+    /// The fallback's CONNECT proxy for `X-Gardener-Destination` (Envoy's port 8443): route
+    /// `fallback-connect`, which forwards the CONNECT as received; the `defaultRoute` of the
+    /// gateway's `http-connect` listener on 8443.
+    #[serde(default)]
+    pub connect: Option<String>,
+    /// The fallback's CONNECT proxy for the legacy `Reversed-VPN` header (Envoy's port
+    /// 8132): route `fallback-connect-legacy`, the `defaultRoute` of the listener on 8132.
+    #[serde(default)]
+    pub connect_legacy: Option<String>,
+    /// `v1` or `v2`: the fallback routes start every connection with a PROXY header, so
+    /// the fallback sees the client (Gardener's Envoy takes one with
+    /// `terminateLoadBalancerProxyProtocol`). Left out: none, and the fallback sees trellis.
+    #[serde(default)]
+    pub send_proxy_protocol: Option<String>,
 }
 
 /// The output as written.
@@ -119,6 +134,12 @@ pub struct ControllerConfig {
     pub parent_refs: Vec<(String, String)>,
     /// The fallback backend, if any.
     pub fallback: Option<BackendAddress>,
+    /// The fallback's CONNECT proxy for `X-Gardener-Destination`, if any.
+    pub fallback_connect: Option<BackendAddress>,
+    /// The fallback's CONNECT proxy for `Reversed-VPN`, if any.
+    pub fallback_connect_legacy: Option<BackendAddress>,
+    /// The PROXY header the fallback routes send, if any.
+    pub fallback_proxy_protocol: Option<ProxyVersion>,
     /// Where the table goes.
     pub output: Output,
     /// Address of `/ready`, `/live` and `/metrics`, if any.
@@ -145,6 +166,9 @@ impl Default for ControllerConfig {
                 .collect(),
             parent_refs: Vec::new(),
             fallback: None,
+            fallback_connect: None,
+            fallback_connect_legacy: None,
+            fallback_proxy_protocol: None,
             output: Output::None,
             admin: None,
         }
@@ -205,9 +229,30 @@ pub(super) fn validate(
         }
     }
     if let Some(fallback) = raw.fallback {
-        match BackendAddress::parse(&fallback.address) {
-            Ok(address) => config.fallback = Some(address),
-            Err(e) => errors.push("fallback.address", format!("{e}: {:?}", fallback.address)),
+        let mut address = |path: &str, value: &str| match BackendAddress::parse(value) {
+            Ok(address) => Some(address),
+            Err(e) => {
+                errors.push(path, format!("{e}: {value:?}"));
+                None
+            }
+        };
+        config.fallback = address("fallback.address", &fallback.address);
+        config.fallback_connect = fallback
+            .connect
+            .as_deref()
+            .and_then(|v| address("fallback.connect", v));
+        config.fallback_connect_legacy = fallback
+            .connect_legacy
+            .as_deref()
+            .and_then(|v| address("fallback.connectLegacy", v));
+        if let Some(v) = fallback.send_proxy_protocol.as_deref() {
+            config.fallback_proxy_protocol = ProxyVersion::parse(v);
+            if config.fallback_proxy_protocol.is_none() {
+                errors.push(
+                    "fallback.sendProxyProtocol",
+                    format!("expected v1 or v2, got {v:?}"),
+                );
+            }
         }
     }
     if let Some(output) = raw.output {
@@ -258,7 +303,11 @@ mod tests {
 gateway:
   selector: {{istio: ingressgateway--zone--eu-1a}}
   parentRefs: [infra/public]
-fallback: {{address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}}
+fallback:
+  address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"
+  connect: \"istio-ingressgateway.istio-ingress.svc.cluster.local:8443\"
+  connectLegacy: \"istio-ingressgateway.istio-ingress.svc.cluster.local:8132\"
+  sendProxyProtocol: v2
 output: {{file: routes.json}}
 admin: {{address: \"127.0.0.1:15022\"}}
 "
@@ -271,6 +320,15 @@ admin: {{address: \"127.0.0.1:15022\"}}
             c.fallback.unwrap().to_string(),
             "istio-ingressgateway.istio-ingress.svc.cluster.local:443"
         );
+        assert_eq!(
+            c.fallback_connect.unwrap().to_string(),
+            "istio-ingressgateway.istio-ingress.svc.cluster.local:8443"
+        );
+        assert_eq!(
+            c.fallback_connect_legacy.unwrap().to_string(),
+            "istio-ingressgateway.istio-ingress.svc.cluster.local:8132"
+        );
+        assert_eq!(c.fallback_proxy_protocol, Some(ProxyVersion::V2));
         assert_eq!(c.output, Output::File("/etc/trellis/routes.json".into()));
         assert_eq!(c.admin, Some(SocketAddr::from(([127, 0, 0, 1], 15022))));
         let c = check(&format!("{HEAD}kubeconfig: seed.kubeconfig\n")).unwrap();
@@ -284,7 +342,7 @@ admin: {{address: \"127.0.0.1:15022\"}}
     fn reports_every_error_with_path() {
         let err = check(&format!(
             "{HEAD}gateway: {{selector: {{}}, parentRefs: [nope], extra: 1}}
-fallback: {{address: nope}}
+fallback: {{address: nope, connect: \"envoy\", connectLegacy: \"envoy:x\", sendProxyProtocol: v9}}
 output: {{}}
 admin: {{address: nope, debugAddress: \"127.0.0.1:1\"}}
 "
@@ -294,6 +352,9 @@ admin: {{address: nope, debugAddress: \"127.0.0.1:1\"}}
             "gateway.selector: must name at least one label",
             "gateway.parentRefs[0]: expected NAMESPACE/NAME",
             "fallback.address: expected HOST:PORT",
+            "fallback.connect: expected HOST:PORT",
+            "fallback.connectLegacy: ",
+            "fallback.sendProxyProtocol: expected v1 or v2, got \"v9\"",
             "output: name where the table goes",
             "gateway.extra: unknown field `extra`",
             "admin.address: expected IP:port",

@@ -11,7 +11,8 @@ use super::cidr::Cidr;
 use super::decode::{Kind, Raw};
 use super::{ConfigError, Errors, at};
 use crate::route::{
-    Backend, BackendAddress, BackendRegistry, Route, RouteTimeouts, RoutingTable, SourceRanges,
+    Backend, BackendAddress, BackendRegistry, ProxyVersion, Route, RouteTimeouts, RoutingTable,
+    SourceRanges,
 };
 
 mapping_only!(RawRoutingTable, RawRoute, RawBackend, RawRouteTimeouts);
@@ -64,6 +65,15 @@ pub struct RawRoute {
     /// empty list is an error (it would admit nobody).
     #[serde(default)]
     pub allowed_source_ranges: Option<Vec<String>>,
+    /// Start every backend connection with a PROXY header of this version (`v1` or `v2`):
+    /// source the client address routes admit by, destination the address the client
+    /// reached (a received PROXY header's destination, else the listener's). Left out: none.
+    #[serde(default)]
+    pub send_proxy_protocol: Option<String>,
+    /// The backends are CONNECT proxies: on `http-connect` listeners the request head is
+    /// sent to them as received and they answer it (accepted, and ignored, elsewhere).
+    #[serde(default)]
+    pub forward_connect: bool,
 }
 
 /// One backend as written.
@@ -295,6 +305,16 @@ fn validate_route(
         .allowed_source_ranges
         .as_deref()
         .and_then(|list| source_ranges(path, list, errors));
+    let send_proxy_protocol = raw.send_proxy_protocol.as_deref().and_then(|v| {
+        let version = ProxyVersion::parse(v);
+        if version.is_none() {
+            errors.push(
+                at(path, "sendProxyProtocol"),
+                format!("expected v1 or v2, got {v:?}"),
+            );
+        }
+        version
+    });
     match Route::new(
         &raw.name,
         &sni,
@@ -306,6 +326,8 @@ fn validate_route(
             route.timeouts = timeouts;
             route.max_connection_duration = max_connection_duration;
             route.allowed_sources = allowed_sources;
+            route.send_proxy_protocol = send_proxy_protocol;
+            route.forward_connect = raw.forward_connect;
             Some(route)
         }
         Err(e) => {
@@ -507,6 +529,50 @@ mod tests {
             assert!(err.contains(needle), "{needle} not in {err}");
         }
         assert!(!err.contains("allowedSourceRanges[2]"), "{err}");
+    }
+
+    #[test]
+    fn send_proxy_protocol_and_forward_connect() {
+        let t = check(&format!(
+            "{HEAD}routes:
+- {{name: a, backends: [{{address: \"1.2.3.4:1\"}}], sendProxyProtocol: v1}}
+- {{name: b, backends: [{{address: \"1.2.3.4:1\"}}], sendProxyProtocol: v2, forwardConnect: true}}
+- {{name: c, backends: [{{address: \"1.2.3.4:1\"}}]}}
+"
+        ))
+        .unwrap();
+        let r = t.table.routes();
+        assert_eq!(
+            r.iter()
+                .map(|r| (r.send_proxy_protocol, r.forward_connect))
+                .collect::<Vec<_>>(),
+            [
+                (Some(ProxyVersion::V1), false),
+                (Some(ProxyVersion::V2), true),
+                (None, false)
+            ]
+        );
+        let err = check(&format!(
+            "{HEAD}routes:
+- {{name: a, backends: [{{address: \"1.2.3.4:1\"}}], sendProxyProtocol: v3}}
+- {{name: b, backends: [{{address: \"1.2.3.4:1\"}}], sendProxyProtocol: \"\"}}
+"
+        ))
+        .unwrap_err();
+        for needle in [
+            "routes[0].sendProxyProtocol: expected v1 or v2, got \"v3\"",
+            "routes[1].sendProxyProtocol: expected v1 or v2, got \"\"",
+        ] {
+            assert!(err.contains(needle), "{needle} not in {err}");
+        }
+        let err = check(&format!(
+            "{HEAD}routes:\n- {{name: c, backends: [{{address: \"1.2.3.4:1\"}}], forwardConnect: yes-please}}\n"
+        ))
+        .unwrap_err();
+        assert!(
+            err.contains("routes[0].forwardConnect: invalid boolean"),
+            "{err}"
+        );
     }
 
     #[test]

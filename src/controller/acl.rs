@@ -23,16 +23,23 @@
 //! [`ADMIT_NONE`] (an empty list is not a valid table). PROXY destinations (GEP-08) share the
 //! kube-apiserver route and its list.
 //!
-//! Traffic a filter restricts that trellis hands to the fallback (L7 shoots, server names
-//! no route holds) reaches Envoy from trellis' own address, which the extension always
-//! admits (the seed's pod and node networks): such CONNECT keys are taken off the fallback
-//! route (closed), such server names are reported as `acl_unsupported` (still open).
+//! Traffic trellis hands to the fallback (L7 shoots, server names and CONNECT keys no route
+//! holds) is Envoy's to restrict. With the fallback routes' `sendProxyProtocol` Envoy sees
+//! the client and applies its own filters: nothing is done here. Without it Envoy sees
+//! trellis' own address, which the extension always admits (the seed's pod and node
+//! networks): the L7 shoots' CONNECT keys a filter restricts are claimed by
+//! [`CLOSED_ROUTE`], which admits nobody (else the CONNECT fallback would take them
+//! unrestricted), and such server names are reported as `acl_unsupported` (still open).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use super::model::{EnvoyFilter, Net, Permission, Principal, Rbac, RbacAt, Snapshot};
-use super::translate::{FALLBACK_ROUTE, Reason, Report, RouteDoc, Target};
+use super::translate::{BackendDoc, Handoff, Reason, Report, RouteDoc, Target};
+
+/// The route that claims CONNECT keys a filter restricts which would otherwise reach the
+/// fallback from trellis' own address: it admits nobody.
+pub const CLOSED_ROUTE: &str = "fallback-closed";
 
 /// What a route that admits no client gets: the unspecified addresses, which no TCP client
 /// has.
@@ -292,9 +299,17 @@ fn inner_labels(key: &str) -> impl Iterator<Item = &str> {
     parts.into_iter().skip(1).take(n.saturating_sub(2))
 }
 
-/// Sets `allowed_source_ranges` on `routes` from the RBAC EnvoyFilters that apply to
-/// `target`, and takes restricted CONNECT keys off the fallback route.
-pub fn apply(snapshot: &Snapshot, target: &Target, routes: &mut [RouteDoc], report: &mut Report) {
+/// Sets `allowed_source_ranges` on `routes` (sorted by name) from the RBAC EnvoyFilters
+/// that apply to `target`. `fallback_keys` are the CONNECT keys no route holds that reach
+/// the fallback's CONNECT proxy (the L7 shoots'): without a PROXY header to the fallback,
+/// those a filter restricts are claimed by [`CLOSED_ROUTE`].
+pub fn apply(
+    snapshot: &Snapshot,
+    target: &Target,
+    fallback_keys: &BTreeSet<String>,
+    routes: &mut Vec<RouteDoc>,
+    report: &mut Report,
+) {
     let filters: Vec<&EnvoyFilter> = snapshot
         .envoy_filters
         .iter()
@@ -310,6 +325,28 @@ pub fn apply(snapshot: &Snapshot, target: &Target, routes: &mut [RouteDoc], repo
     if filters.is_empty() {
         return;
     }
+    // Envoy applies its own filters when it is told the client.
+    let enforced_by_fallback = target.fallback_proxy_protocol.is_some();
+    // Evaluated as one more route; left with the keys it must close.
+    let closing = match target.connect_fallback() {
+        Some(address) if !enforced_by_fallback && !fallback_keys.is_empty() => {
+            routes.push(RouteDoc {
+                name: CLOSED_ROUTE.to_owned(),
+                sni: Vec::new(),
+                destinations: fallback_keys.iter().cloned().collect(),
+                proxy_destinations: Vec::new(),
+                backends: vec![BackendDoc {
+                    address: address.to_owned(),
+                    zone: None,
+                }],
+                max_connection_duration: None,
+                allowed_source_ranges: ADMIT_NONE.map(str::to_owned).to_vec(),
+                handoff: Handoff::NONE,
+            });
+            Some(routes.len() - 1)
+        }
+        _ => None,
+    };
     let mut by_sni: BTreeMap<&str, usize> = BTreeMap::new();
     let mut by_label: BTreeMap<&str, BTreeSet<usize>> = BTreeMap::new();
     for (i, r) in routes.iter().enumerate() {
@@ -332,7 +369,7 @@ pub fn apply(snapshot: &Snapshot, target: &Target, routes: &mut [RouteDoc], repo
         ]
     };
     let mut unenforced: Vec<(String, String)> = Vec::new();
-    let mut closed: BTreeSet<(usize, String)> = BTreeSet::new();
+    let mut closed: BTreeSet<String> = BTreeSet::new();
     for f in &filters {
         let object = format!("EnvoyFilter {}", f.meta.key());
         for rbac in &f.rbac {
@@ -341,6 +378,7 @@ pub fn apply(snapshot: &Snapshot, target: &Target, routes: &mut [RouteDoc], repo
                     let h = h.trim_end_matches('.').to_ascii_lowercase();
                     match by_sni.get(h.as_str()) {
                         Some(&i) => paths.entry(i).or_insert_with(fresh)[0].add(f, admitted(rbac, None)),
+                        None if enforced_by_fallback => {}
                         None if target.fallback.is_some() => unenforced.push((
                             object.clone(),
                             format!(
@@ -392,14 +430,14 @@ pub fn apply(snapshot: &Snapshot, target: &Target, routes: &mut [RouteDoc], repo
                         if routes[i].destinations.is_empty() {
                             continue;
                         }
-                        let fallback = routes[i].name == FALLBACK_ROUTE;
+                        let fallback = closing == Some(i);
                         for d in &routes[i].destinations {
                             let result = admitted(rbac, Some((header, d)));
                             if fallback {
                                 if result.0 != Sources::All || !result.1.is_empty() {
-                                    closed.insert((i, d.clone()));
+                                    closed.insert(d.clone());
                                     unenforced.push((object.clone(), format!(
-                                        "CONNECT key {d:?} would go to the fallback, which sees trellis' address: not routed"
+                                        "CONNECT key {d:?} would go to the fallback, which sees trellis' address: closed"
                                     )));
                                 }
                                 continue;
@@ -415,9 +453,8 @@ pub fn apply(snapshot: &Snapshot, target: &Target, routes: &mut [RouteDoc], repo
             }
         }
     }
-    for (i, key) in closed {
-        routes[i].destinations.retain(|d| *d != key);
-    }
+    // The closing route is the last: taken out, the indexes in `paths` still hold.
+    let closing = closing.map(|i| routes.remove(i));
     for (object, detail) in unenforced {
         report.skip(Reason::AclUnsupported, object, detail);
     }
@@ -467,6 +504,13 @@ pub fn apply(snapshot: &Snapshot, target: &Target, routes: &mut [RouteDoc], repo
                 format!("narrowed: {}", inexact.join("; ")),
             );
         }
+    }
+    if let Some(mut route) = closing
+        && !closed.is_empty()
+    {
+        route.destinations = closed.into_iter().collect();
+        let at = routes.partition_point(|r| r.name < route.name);
+        routes.insert(at, route);
     }
 }
 
@@ -574,6 +618,7 @@ mod tests {
             }],
             max_connection_duration: None,
             allowed_source_ranges: Vec::new(),
+            handoff: Handoff::NONE,
         }
     }
 
@@ -605,16 +650,27 @@ mod tests {
             selector: crate::config::controller::ControllerConfig::default().selector,
             parent_refs: Vec::new(),
             fallback: Some("envoy:443".into()),
+            fallback_connect: Some("envoy:8443".into()),
+            ..Target::default()
         }
     }
 
-    fn run(filters: Vec<EnvoyFilter>, routes: &mut [RouteDoc]) -> Report {
+    fn run(filters: Vec<EnvoyFilter>, routes: &mut Vec<RouteDoc>) -> Report {
+        run_with(&target(), &BTreeSet::new(), filters, routes)
+    }
+
+    fn run_with(
+        target: &Target,
+        fallback_keys: &BTreeSet<String>,
+        filters: Vec<EnvoyFilter>,
+        routes: &mut Vec<RouteDoc>,
+    ) -> Report {
         let snapshot = Snapshot {
             envoy_filters: filters,
             ..Snapshot::default()
         };
         let mut report = Report::default();
-        apply(&snapshot, &target(), routes, &mut report);
+        apply(&snapshot, target, fallback_keys, routes, &mut report);
         report
     }
 
@@ -829,41 +885,76 @@ mod tests {
     }
 
     #[test]
-    fn restricted_connect_keys_are_taken_off_the_fallback_and_open_ones_stay() {
-        let mut fallback = route(
-            FALLBACK_ROUTE,
-            &[],
-            &[
-                "outbound|443||kube-apiserver.shoot--a--l7.svc.cluster.local",
-                "outbound|443||kube-apiserver.shoot--a--open.svc.cluster.local",
-            ],
-        );
-        fallback.backends[0].address = "envoy:443".into();
-        let mut routes = vec![fallback];
-        let report = run(
-            both_connect("shoot--a--l7", client(&["192.0.2.0/24"])).to_vec(),
-            &mut routes,
-        );
+    fn restricted_connect_keys_are_closed_when_the_fallback_cannot_see_the_client() {
+        let keys: BTreeSet<String> = [
+            "outbound|443||kube-apiserver.shoot--a--l7.svc.cluster.local",
+            "outbound|1194||vpn-seed-server.shoot--a--l7.svc.cluster.local",
+            "outbound|443||kube-apiserver.shoot--a--open.svc.cluster.local",
+        ]
+        .map(str::to_owned)
+        .into();
+        let filters = both_connect("shoot--a--l7", client(&["192.0.2.0/24"])).to_vec();
+        let mut routes = vec![route("a", &[], &[]), route("z", &[], &[])];
+        let report = run_with(&target(), &keys, filters.clone(), &mut routes);
+        let names: Vec<&str> = routes.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["a", CLOSED_ROUTE, "z"]);
+        let closed = &routes[1];
         assert_eq!(
-            routes[0].destinations,
-            ["outbound|443||kube-apiserver.shoot--a--open.svc.cluster.local"]
+            closed.destinations,
+            [
+                "outbound|1194||vpn-seed-server.shoot--a--l7.svc.cluster.local",
+                "outbound|443||kube-apiserver.shoot--a--l7.svc.cluster.local",
+            ]
         );
-        // The fallback itself never gets a list.
-        assert!(routes[0].allowed_source_ranges.is_empty());
-        assert_eq!(report.skipped.get(&Reason::AclUnsupported), Some(&2));
+        assert_eq!(closed.allowed_source_ranges, ADMIT_NONE);
+        assert_eq!(closed.backends[0].address, "envoy:8443");
+        assert_eq!(closed.handoff, Handoff::NONE);
+        assert_eq!(report.skipped.get(&Reason::AclUnsupported), Some(&4));
+
+        // Envoy told the client: its filters hold, nothing is closed or reported.
+        let proxied = Target {
+            fallback_proxy_protocol: Some(crate::route::ProxyVersion::V2),
+            ..target()
+        };
+        let mut routes = vec![route("a", &[], &[])];
+        let report = run_with(&proxied, &keys, filters.clone(), &mut routes);
+        assert_eq!(routes.len(), 1);
+        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+        // No CONNECT fallback: the keys are not routed at all.
+        let no_connect = Target {
+            fallback_connect: None,
+            ..target()
+        };
+        let mut routes = vec![route("a", &[], &[])];
+        run_with(&no_connect, &keys, filters.clone(), &mut routes);
+        assert_eq!(routes.len(), 1);
+        // Nothing restricted: no closing route.
+        let open: BTreeSet<String> = keys
+            .iter()
+            .filter(|k| k.contains("open"))
+            .cloned()
+            .collect();
+        let mut routes = vec![route("a", &[], &[])];
+        run_with(&target(), &open, filters, &mut routes);
+        assert_eq!(routes.len(), 1);
     }
 
     #[test]
     fn a_server_name_left_to_the_fallback_is_reported() {
         let mut routes = shoot("shoot--a--b").to_vec();
-        let report = run(
-            vec![api("shoot--a--l7", "ALLOW", client(&["192.0.2.0/24"]))],
-            &mut routes,
-        );
+        let filters = vec![api("shoot--a--l7", "ALLOW", client(&["192.0.2.0/24"]))];
+        let report = run(filters.clone(), &mut routes);
         assert!(routes.iter().all(|r| r.allowed_source_ranges.is_empty()));
         assert_eq!(
             skips(&report),
             ["EnvoyFilter istio-ingress/acl-api-shoot--a--l7"]
         );
+        // Envoy told the client enforces it itself.
+        let proxied = Target {
+            fallback_proxy_protocol: Some(crate::route::ProxyVersion::V1),
+            ..target()
+        };
+        let report = run_with(&proxied, &BTreeSet::new(), filters, &mut routes);
+        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
     }
 }

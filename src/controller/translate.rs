@@ -43,9 +43,29 @@ use serde::Serialize;
 
 use super::model::{Destination, EndpointSlice, Gateway, Meta, Service, Snapshot};
 use crate::config::controller::ControllerConfig;
+use crate::route::ProxyVersion;
 
-/// Name of the route that takes everything trellis does not route itself.
+/// Name of the route that takes everything trellis does not route itself by SNI (the `sni`
+/// listener's `defaultRoute`), and the PROXY destinations of L7 shoots.
 pub const FALLBACK_ROUTE: &str = "fallback";
+
+/// Name of the route to the fallback's CONNECT proxy for `X-Gardener-Destination` (the
+/// `defaultRoute` of the `http-connect` listener on 8443).
+pub const FALLBACK_CONNECT_ROUTE: &str = "fallback-connect";
+
+/// Name of the route to the fallback's CONNECT proxy for `Reversed-VPN` (the `defaultRoute`
+/// of the `http-connect` listener on 8132).
+pub const FALLBACK_CONNECT_LEGACY_ROUTE: &str = "fallback-connect-legacy";
+
+/// Whether `name` is one of the fallback routes, which are kept without keys.
+pub fn is_fallback(name: &str) -> bool {
+    [
+        FALLBACK_ROUTE,
+        FALLBACK_CONNECT_ROUTE,
+        FALLBACK_CONNECT_LEGACY_ROUTE,
+    ]
+    .contains(&name)
+}
 
 /// The cluster domain of Service host names (Gardener's seeds use the default).
 const CLUSTER_DOMAIN: &str = "svc.cluster.local";
@@ -68,6 +88,12 @@ pub struct Target {
     pub parent_refs: Vec<(String, String)>,
     /// The fallback backend (`host:port`), if any.
     pub fallback: Option<String>,
+    /// The fallback's CONNECT proxy for `X-Gardener-Destination` (`host:port`), if any.
+    pub fallback_connect: Option<String>,
+    /// The fallback's CONNECT proxy for `Reversed-VPN` (`host:port`), if any.
+    pub fallback_connect_legacy: Option<String>,
+    /// The PROXY header the fallback routes send, if any.
+    pub fallback_proxy_protocol: Option<ProxyVersion>,
 }
 
 impl Target {
@@ -77,7 +103,20 @@ impl Target {
             selector: config.selector.clone(),
             parent_refs: config.parent_refs.clone(),
             fallback: config.fallback.as_ref().map(|f| f.to_string()),
+            fallback_connect: config.fallback_connect.as_ref().map(|f| f.to_string()),
+            fallback_connect_legacy: config
+                .fallback_connect_legacy
+                .as_ref()
+                .map(|f| f.to_string()),
+            fallback_proxy_protocol: config.fallback_proxy_protocol,
         }
+    }
+
+    /// Whether a CONNECT no route holds reaches the fallback (by a listener's default route).
+    pub fn connect_fallback(&self) -> Option<&str> {
+        self.fallback_connect
+            .as_deref()
+            .or(self.fallback_connect_legacy.as_deref())
     }
 
     /// Whether this gateway serves `gateway` (Istio's rule: the selector is a subset of the
@@ -126,6 +165,30 @@ pub struct RouteDoc {
     /// admits every client (the gateway rejects an empty list, so it is never written).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub allowed_source_ranges: Vec<String>,
+    /// How connections are handed to the backends (the fallback routes' only).
+    #[serde(flatten)]
+    pub handoff: Handoff,
+}
+
+/// How a route hands connections to its backends: set on the fallback routes, which lead
+/// to another proxy (the Envoy gateway).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Handoff {
+    /// `v1`/`v2`: a PROXY header in front of every backend connection.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub send_proxy_protocol: Option<&'static str>,
+    /// The backends are CONNECT proxies: the CONNECT goes to them as received.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub forward_connect: bool,
+}
+
+impl Handoff {
+    /// Plain relaying: what every route but the fallbacks gets.
+    pub const NONE: Handoff = Handoff {
+        send_proxy_protocol: None,
+        forward_connect: false,
+    };
 }
 
 /// One backend of a [`RouteDoc`].
@@ -455,29 +518,51 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                     .insert(connect_key(&svc.meta.name, ns, VPN_SEED_SERVER.1));
             }
         };
+    // L7 shoots' CONNECT keys are not rendered: no route holds them, so they reach the
+    // fallback's CONNECT proxy by the listeners' default routes, on the port of the header
+    // they came with. Their PROXY destinations stay on the `fallback` route.
     let mut fallback = (BTreeSet::new(), BTreeSet::new());
     for ns in &l7 {
-        let detail = if target.fallback.is_some() {
-            "Istio terminates its TLS: not routed by SNI, CONNECT to the fallback"
+        let detail = if target.connect_fallback().is_some() {
+            "Istio terminates its TLS: not routed by SNI, CONNECT forwarded to the fallback"
         } else {
-            "Istio terminates its TLS: not routed by SNI; no fallback, CONNECT not routed"
+            "Istio terminates its TLS: not routed by SNI; no CONNECT fallback, CONNECT not routed"
         };
         report.skip(Reason::L7, format!("Namespace {ns}"), detail);
         fallback_keys(&index, ns, &mut fallback);
     }
-    if let Some(address) = &target.fallback {
+    let handoff = |forward_connect| Handoff {
+        send_proxy_protocol: target.fallback_proxy_protocol.map(ProxyVersion::as_str),
+        forward_connect,
+    };
+    let fallbacks = [
+        (FALLBACK_ROUTE, &target.fallback, false),
+        (FALLBACK_CONNECT_ROUTE, &target.fallback_connect, true),
+        (
+            FALLBACK_CONNECT_LEGACY_ROUTE,
+            &target.fallback_connect_legacy,
+            true,
+        ),
+    ];
+    for (name, address, forward_connect) in fallbacks {
+        let Some(address) = address else { continue };
         built.push((
             RouteDoc {
-                name: FALLBACK_ROUTE.to_owned(),
+                name: name.to_owned(),
                 sni: Vec::new(),
-                destinations: fallback.0.into_iter().collect(),
-                proxy_destinations: fallback.1.into_iter().collect(),
+                destinations: Vec::new(),
+                proxy_destinations: if forward_connect {
+                    Vec::new()
+                } else {
+                    std::mem::take(&mut fallback.1).into_iter().collect()
+                },
                 backends: vec![BackendDoc {
                     address: address.clone(),
                     zone: None,
                 }],
                 max_connection_duration: None,
                 allowed_source_ranges: Vec::new(),
+                handoff: handoff(forward_connect),
             },
             // The fallback is set up by the operator: it wins every key it holds.
             (false, "", "", "", ""),
@@ -552,6 +637,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                 max_connection_duration: index
                     .max_connection_duration(&key.namespace, &key.service),
                 allowed_source_ranges: Vec::new(),
+                handoff: Handoff::NONE,
             },
             owner.age(),
         ));
@@ -581,6 +667,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                     backends,
                     max_connection_duration: index.max_connection_duration(ns, &service.meta.name),
                     allowed_source_ranges: Vec::new(),
+                    handoff: Handoff::NONE,
                 },
                 service.meta.age(),
             ));
@@ -624,14 +711,14 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         let keyless = route.sni.is_empty()
             && route.destinations.is_empty()
             && route.proxy_destinations.is_empty();
-        if keyless && route.name != FALLBACK_ROUTE {
+        if keyless && !is_fallback(&route.name) {
             // Every key it had went to older routes (already reported).
             continue;
         }
         routes.push(route);
     }
     routes.sort_by(|a, b| a.name.cmp(&b.name));
-    super::acl::apply(snapshot, target, &mut routes, &mut report);
+    super::acl::apply(snapshot, target, &fallback.0, &mut routes, &mut report);
     report.routes = routes.len();
     (
         Table {
@@ -848,6 +935,7 @@ mod tests {
             selector: default_selector(),
             parent_refs: vec![("infra".into(), "public".into())],
             fallback: Some("istio-ingressgateway.istio-ingress.svc.cluster.local:443".into()),
+            ..Target::default()
         }
     }
 
@@ -986,14 +1074,16 @@ mod tests {
     }
 
     /// The produced document is a table the gateway loads.
-    fn loads(t: &Table) {
+    /// The table as the gateway loads it from the controller's JSON.
+    fn loads(t: &Table) -> crate::route::RoutingTable {
         let json = crate::controller::to_json(t);
         crate::config::routes::parse(
             std::path::Path::new("rendered.json"),
             json.as_bytes(),
             &crate::route::BackendRegistry::default(),
         )
-        .unwrap_or_else(|e| panic!("{e}\n{json}"));
+        .unwrap_or_else(|e| panic!("{e}\n{json}"))
+        .table
     }
 
     #[test]
@@ -1335,9 +1425,57 @@ mod tests {
                 &["api.a.example.com"],
                 1,
             );
-            let (t, report) = translate(&s, &target());
-            loads(&t);
+            let with_connect = Target {
+                fallback_connect: Some("envoy:8443".into()),
+                fallback_connect_legacy: Some("envoy:8132".into()),
+                fallback_proxy_protocol: Some(ProxyVersion::V2),
+                ..target()
+            };
+            let (t, report) = translate(&s, &with_connect);
+            let loaded = loads(&t);
             let case = format!("filter {by_filter}, gateway {by_gateway}");
+            assert_eq!(
+                names(&t),
+                [
+                    "fallback",
+                    "fallback-connect",
+                    "fallback-connect-legacy",
+                    "shoot--dev--a",
+                    "shoot--dev--a--vpn-seed-server"
+                ],
+                "{case}"
+            );
+            // The L7 shoot's CONNECT keys are held by no route: the CONNECT listeners'
+            // default routes forward them to Envoy.
+            for key in [
+                "outbound|1194||vpn-seed-server.shoot--dev--l7.svc.cluster.local",
+                "outbound|443||kube-apiserver.shoot--dev--l7.svc.cluster.local",
+            ] {
+                assert!(loaded.by_destination(key).is_none(), "{case}: {key}");
+            }
+            let fallback = route(&t, FALLBACK_ROUTE);
+            assert!(fallback.destinations.is_empty(), "{case}");
+            assert_eq!(fallback.proxy_destinations, ["240.0.0.3:443"], "{case}");
+            let sends = |name: &str| {
+                loaded
+                    .by_name(name)
+                    .map(|r| (r.send_proxy_protocol, r.forward_connect))
+            };
+            let v2 = Some(ProxyVersion::V2);
+            assert_eq!(sends(FALLBACK_ROUTE), Some((v2, false)), "{case}");
+            assert_eq!(sends(FALLBACK_CONNECT_ROUTE), Some((v2, true)), "{case}");
+            assert_eq!(
+                sends(FALLBACK_CONNECT_LEGACY_ROUTE),
+                Some((v2, true)),
+                "{case}"
+            );
+            assert_eq!(sends("shoot--dev--a"), Some((None, false)), "{case}");
+            let addresses = |name| route(&t, name).backends[0].address.clone();
+            assert_eq!(addresses(FALLBACK_CONNECT_ROUTE), "envoy:8443");
+            assert_eq!(addresses(FALLBACK_CONNECT_LEGACY_ROUTE), "envoy:8132");
+            assert_eq!(report.skipped, BTreeMap::from([(Reason::L7, 1)]), "{case}");
+            // Without a CONNECT fallback the keys are not routed either.
+            let (t, _) = translate(&s, &target());
             assert_eq!(
                 names(&t),
                 [
@@ -1347,17 +1485,7 @@ mod tests {
                 ],
                 "{case}"
             );
-            let fallback = route(&t, FALLBACK_ROUTE);
-            assert_eq!(
-                fallback.destinations,
-                [
-                    "outbound|1194||vpn-seed-server.shoot--dev--l7.svc.cluster.local",
-                    "outbound|443||kube-apiserver.shoot--dev--l7.svc.cluster.local",
-                ],
-                "{case}"
-            );
-            assert_eq!(fallback.proxy_destinations, ["240.0.0.3:443"], "{case}");
-            assert_eq!(report.skipped, BTreeMap::from([(Reason::L7, 1)]), "{case}");
+            assert!(route(&t, FALLBACK_ROUTE).destinations.is_empty(), "{case}");
             // Without a fallback, nothing of it is routed.
             let (t, report) = translate(
                 &s,

@@ -1,9 +1,10 @@
 //! The per-connection pipeline every listener shares: a PROXY header from a load balancer
 //! (per the listener's mode and trusted sources), the per-source limit (the PROXY source
 //! counts as the client), then the listener's own protocol. Everything before routing runs
-//! under one handshake deadline, with bounded buffers.
+//! under one handshake deadline, with bounded buffers. A route with `sendProxyProtocol` gets
+//! a PROXY header in front of the first bytes replayed to its backend.
 
-use std::net::IpAddr;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::TcpStream;
@@ -11,6 +12,7 @@ use tokio::time::Instant;
 
 use super::Shared;
 use crate::config::gateway::{ListenerConfig, ListenerKind, ProxyMode};
+use crate::net::socket::normalize;
 use crate::route::Route;
 use crate::serve::accept::Accepted;
 use crate::serve::forward::{self, Relaying, Reply};
@@ -33,8 +35,13 @@ pub(super) struct Conn {
     pub guard: ConnGuard,
     /// The client address routes' `allowedSourceRanges` are matched against: the PROXY
     /// source from a trusted load balancer, else the peer. Never a listener's own header
-    /// (`proxy-destination`), whose source the client writes itself.
-    pub source: IpAddr,
+    /// (`proxy-destination`), whose source the client writes itself. Also the source of a
+    /// PROXY header sent to backends.
+    pub source: SocketAddr,
+    /// The destination of the last PROXY header received (a load balancer's, then a
+    /// `proxy-destination` listener's): the address the client reached, for a PROXY header
+    /// sent to backends. `None`: the listener socket's own address.
+    pub destination: Option<SocketAddr>,
 }
 
 /// Why a stage could not read what it needs.
@@ -112,15 +119,27 @@ impl Conn {
     /// Takes the connection apart and frees its box (in a plain function: a box moved out
     /// of inside an async fn stays allocated until that future ends).
     #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
-    fn into_parts(self: Box<Self>) -> (TcpStream, Vec<u8>, ConnRecord, ConnGuard) {
+    #[allow(clippy::type_complexity, reason = "a private destructuring helper")]
+    fn into_parts(
+        self: Box<Self>,
+    ) -> (
+        TcpStream,
+        Vec<u8>,
+        ConnRecord,
+        ConnGuard,
+        SocketAddr,
+        Option<SocketAddr>,
+    ) {
         let Conn {
             stream,
             buf,
             record,
             guard,
+            source,
+            destination,
             ..
         } = *self;
-        (stream, buf, record, guard)
+        (stream, buf, record, guard, source, destination)
     }
 
     /// Rejects the connection before routing: counts `outcome`, logs, closes.
@@ -145,7 +164,20 @@ impl Conn {
         shared: &Shared,
     ) {
         let cfg = &shared.config;
-        let (mut stream, buf, record, guard) = self.into_parts();
+        let (mut stream, mut buf, record, guard, source, destination) = self.into_parts();
+        if let Some(version) = route.send_proxy_protocol {
+            // In front of the replayed bytes: the relay writes header and first bytes at once.
+            let destination = destination.unwrap_or_else(|| {
+                stream
+                    .local_addr()
+                    .map(normalize)
+                    // Not seen on a connected socket; the header still carries the client.
+                    .unwrap_or_else(|_| SocketAddr::new(unspecified(source), 0))
+            });
+            let mut out = proxy::encode(version, source, destination);
+            out.extend_from_slice(&buf);
+            buf = out;
+        }
         let relaying = Relaying {
             limits: crate::net::relay::Limits {
                 idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
@@ -193,7 +225,8 @@ pub(super) async fn serve(
         deadline,
         record,
         guard,
-        source: peer.ip(),
+        source: peer,
+        destination: None,
     });
 
     let mode = config.proxy_protocol.mode_for(peer.ip());
@@ -205,6 +238,7 @@ pub(super) async fn serve(
                     .metrics
                     .proxy_header(&config.name, header_result(&info));
                 conn.record.set_proxy(&info);
+                conn.destination = info.destination().map(normalize);
             }
             Ok(None) => shared.metrics.proxy_header(&config.name, "absent"),
             Err((outcome, result, detail)) => {
@@ -218,9 +252,9 @@ pub(super) async fn serve(
 
     // Set here, before the listener's own protocol: what a client writes after this point
     // (a `proxy-destination` header) never decides which routes admit it.
-    conn.source = conn.record.client.ip();
+    conn.source = conn.record.client;
     let per_source = shared.config.limits.max_connections_per_source;
-    let client = conn.source;
+    let client = conn.source.ip();
     if !conn.guard.limit_source(client, per_source) {
         return conn.reject(Outcome::Limited, "per-source connection limit");
     }
@@ -240,6 +274,14 @@ pub(super) fn header_result(info: &ProxyInfo) -> &'static str {
         (None, _) => "local",
         (Some(_), 1) => "v1",
         (Some(_), _) => "v2",
+    }
+}
+
+/// The unspecified address of `addr`'s family.
+fn unspecified(addr: SocketAddr) -> std::net::IpAddr {
+    match addr {
+        SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
     }
 }
 

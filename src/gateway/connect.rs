@@ -5,6 +5,12 @@
 //! backend connection is up; bytes the client sent after the request head are relayed. Every
 //! error answers a status and closes (`403` for a client outside the route's
 //! `allowedSourceRanges`).
+//!
+//! A route with `forwardConnect` leads to CONNECT proxies (Envoy's CONNECT listeners behind
+//! a `defaultRoute`): the gateway does not answer the request; once a backend is connected
+//! it sends the head exactly as received, with any bytes after it, and the backend's answer
+//! reaches the client through the relay. Only a failed connect is answered here
+//! (`502`/`504`).
 
 use super::conn::{Conn, ReadError};
 use super::{Pick, Shared};
@@ -41,7 +47,6 @@ pub(super) async fn handle(
                 return conn.reject(Outcome::BadRequest, &r.to_string());
             }
         };
-    conn.consume(consumed);
     if head.method != "CONNECT" {
         conn.reject_with(&http::response(405, "only CONNECT is supported"))
             .await;
@@ -56,7 +61,7 @@ pub(super) async fn handle(
     }
     conn.record.target = destination.clone();
 
-    let pick = super::pick_route(shared, config, conn.source, |t| {
+    let pick = super::pick_route(shared, config, conn.source.ip(), |t| {
         destination.as_deref().and_then(|d| t.by_destination(d))
     });
     let route = match pick {
@@ -75,5 +80,13 @@ pub(super) async fn handle(
             return conn.reject(Outcome::NoRoute, detail);
         }
     };
-    conn.forward(&route, Reply::Http, shared).await;
+    let reply = if route.forward_connect {
+        // Every byte read stays in the buffer: the head goes to the backend as received.
+        conn.record.forwarded = true;
+        Reply::HttpForwarded
+    } else {
+        conn.consume(consumed);
+        Reply::Http
+    };
+    conn.forward(&route, reply, shared).await;
 }

@@ -3,7 +3,8 @@
 //! TLS) are relayed unchanged. `LOCAL`/`UNKNOWN` headers and unknown destinations are
 //! rejected and counted. Routes' `allowedSourceRanges` are matched against the peer (or a
 //! trusted load balancer's PROXY source), never against this header's source, which the
-//! client writes itself.
+//! client writes itself. A route that sends its backends a PROXY header puts this header's
+//! destination in it.
 
 use super::conn::{Conn, header_result, proxy_stage_error};
 use super::{Pick, Shared};
@@ -39,9 +40,11 @@ pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared:
         );
     };
     conn.record.target = Some(destination.to_string());
+    // What a route's own PROXY header carries on: the address the client meant.
+    conn.destination = Some(destination);
 
     // The header's source is the client's own claim: routes admit by `conn.source`.
-    let pick = super::pick_route(shared, config, conn.source, |t| {
+    let pick = super::pick_route(shared, config, conn.source.ip(), |t| {
         t.by_proxy_destination(&destination)
     });
     let route = match pick {

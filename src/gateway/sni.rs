@@ -45,7 +45,7 @@ pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared:
     conn.record.target = hello.server_name;
 
     // One snapshot of the route for the whole connection.
-    let pick = super::pick_route(shared, config, conn.source, |t| {
+    let pick = super::pick_route(shared, config, conn.source.ip(), |t| {
         conn.record.target.as_deref().and_then(|n| t.by_sni(n))
     });
     let route = match pick {

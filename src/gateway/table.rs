@@ -423,6 +423,10 @@ impl Tables {
             max_connection_duration: Option<String>,
             #[serde(skip_serializing_if = "Option::is_none")]
             allowed_source_ranges: Option<&'a crate::route::SourceRanges>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            send_proxy_protocol: Option<&'static str>,
+            #[serde(skip_serializing_if = "std::ops::Not::not")]
+            forward_connect: bool,
         }
         #[derive(Serialize)]
         struct BackendView<'a> {
@@ -461,6 +465,8 @@ impl Tables {
                 }),
                 max_connection_duration: r.max_connection_duration.map(duration_text),
                 allowed_source_ranges: r.allowed_sources.as_ref(),
+                send_proxy_protocol: r.send_proxy_protocol.map(|v| v.as_str()),
+                forward_connect: r.forward_connect,
             })
             .collect();
         let view = View {

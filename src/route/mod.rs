@@ -24,6 +24,8 @@ use thiserror::Error;
 pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
 pub use ranges::{Network, RangesError, SourceRanges};
 
+pub use crate::wire::proxy::ProxyVersion;
+
 /// One backend of a route.
 #[derive(Debug, Clone)]
 pub struct Backend {
@@ -67,6 +69,13 @@ pub struct Route {
     pub max_connection_duration: Option<Duration>,
     /// The only clients admitted (`allowedSourceRanges`); `None` admits every client.
     pub allowed_sources: Option<SourceRanges>,
+    /// Every backend connection starts with a PROXY header of this version
+    /// (`sendProxyProtocol`): the client the gateway admits by, and the address it reached.
+    pub send_proxy_protocol: Option<ProxyVersion>,
+    /// The backends are CONNECT proxies themselves (`forwardConnect`): an `http-connect`
+    /// listener sends them the request head as received and lets them answer it. Other
+    /// listeners ignore it.
+    pub forward_connect: bool,
 }
 
 /// The keys of one kind of a route, in order.
@@ -146,6 +155,8 @@ impl Route {
             timeouts: RouteTimeouts::default(),
             max_connection_duration: None,
             allowed_sources: None,
+            send_proxy_protocol: None,
+            forward_connect: false,
         })
     }
 

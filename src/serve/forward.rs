@@ -1,6 +1,7 @@
 //! The path every routed connection takes once its protocol has chosen a route: dial a
 //! backend stream, tell the client (a CONNECT `200`, or an error status), replay the bytes
-//! already read, relay until the end, and finish the connection's record.
+//! already read (after a PROXY header, when the route sends one: the caller puts it first),
+//! relay until the end, and finish the connection's record.
 
 use std::time::Duration;
 
@@ -22,6 +23,10 @@ pub(crate) enum Reply {
     None,
     /// An HTTP status: `200` once connected, `502`/`504` when every backend failed.
     Http,
+    /// A CONNECT forwarded to backends that are CONNECT proxies themselves: `502`/`504`
+    /// when every backend failed, nothing once connected (the backend answers the request
+    /// head, which is replayed to it, and its answer reaches the client through the relay).
+    HttpForwarded,
 }
 
 /// How a forwarded connection is relayed.
@@ -63,7 +68,7 @@ pub(crate) async fn forward<C: Leg, D: Dialer>(
             // The access log names the backend tried; the client's answer names nothing
             // (no route, backend or address leaves the process).
             record.backend = e.backend().map(str::to_owned);
-            if reply == Reply::Http {
+            if reply != Reply::None {
                 let (status, detail) = if e.timed_out() {
                     (504, "backend connection timed out")
                 } else {

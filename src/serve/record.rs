@@ -121,6 +121,9 @@ pub(crate) struct Record {
     pub backend: Option<String>,
     /// PROXY header version and TLVs, when one was received.
     pub proxy: Option<String>,
+    /// The CONNECT request head was forwarded to the backend, which answered it (a route
+    /// with `forwardConnect`), rather than answered by the gateway.
+    pub forwarded: bool,
     accepted_at: Instant,
     /// The route's handles, once routed (its active gauge is held until the end).
     route: Option<Arc<RouteMetrics>>,
@@ -151,6 +154,7 @@ impl ConnRecord {
             target: None,
             backend: None,
             proxy: None,
+            forwarded: false,
             accepted_at,
             route: None,
             denied_by: None,
@@ -264,6 +268,7 @@ impl ConnRecord {
             target_name = self.target.as_deref().unwrap_or("-"),
             backend = self.backend.as_deref().unwrap_or("-"),
             proxy = self.proxy.as_deref().unwrap_or("-"),
+            forwarded = self.forwarded,
             rx_bytes = stats.rx,
             tx_bytes = stats.tx,
             duration_ms = self.accepted_at.elapsed().as_millis() as u64,

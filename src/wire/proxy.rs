@@ -193,6 +193,63 @@ fn hex(v: &[u8]) -> String {
     s
 }
 
+/// Which PROXY header a route sends its backends (`sendProxyProtocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ProxyVersion {
+    /// The text header, `PROXY TCP4|TCP6 ...\r\n`.
+    V1,
+    /// The binary header.
+    V2,
+}
+
+impl ProxyVersion {
+    /// The name in routing tables and configuration: `v1` or `v2`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyVersion::V1 => "v1",
+            ProxyVersion::V2 => "v2",
+        }
+    }
+
+    /// The version a routing table or configuration names (`v1`, `v2`).
+    pub fn parse(s: &str) -> Option<ProxyVersion> {
+        match s {
+            "v1" => Some(ProxyVersion::V1),
+            "v2" => Some(ProxyVersion::V2),
+            _ => None,
+        }
+    }
+}
+
+/// Encodes a PROXY header of `version` for a TCP connection from `source` to
+/// `destination`. IPv4-mapped IPv6 addresses are written as IPv4. The header has the family
+/// of the source, which is never altered (it is what the receiver's allow-lists match); a
+/// destination of the other family is written in the source's: an IPv4 destination behind an
+/// IPv6 source as its IPv4-mapped IPv6 address, an IPv6 destination behind an IPv4 source as
+/// `0.0.0.0` with its port (an IPv4 header cannot carry it).
+pub fn encode(version: ProxyVersion, source: SocketAddr, destination: SocketAddr) -> Vec<u8> {
+    let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+    let (source, destination) = (canonical(source), canonical(destination));
+    let destination = match (source, destination) {
+        (SocketAddr::V6(_), SocketAddr::V4(d)) => {
+            SocketAddr::new(d.ip().to_ipv6_mapped().into(), d.port())
+        }
+        (SocketAddr::V4(_), SocketAddr::V6(d)) => {
+            SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), d.port())
+        }
+        _ => destination,
+    };
+    let header =
+        ProxyHeader::with_address(proxy_header::ProxiedAddress::stream(source, destination));
+    let mut out = Vec::with_capacity(V1_MAX);
+    // The families match and there are no TLVs: the encoder has nothing to refuse.
+    let _ = match version {
+        ProxyVersion::V1 => header.encode_v1(&mut out),
+        ProxyVersion::V2 => header.encode_v2(&mut out),
+    };
+    out
+}
+
 /// Encodes a v2 `PROXY` header for a TCP connection from `source` to `destination`.
 pub fn encode_v2(source: SocketAddr, destination: SocketAddr) -> Vec<u8> {
     let mut out = Vec::with_capacity(52);
@@ -414,5 +471,69 @@ mod tests {
         };
         assert_eq!(consumed, h.len());
         assert_eq!(value.destination(), Some("240.1.2.3:443".parse().unwrap()));
+    }
+
+    /// Both versions round-trip through the parser, the family of the source decides the
+    /// header's, and IPv4-mapped addresses are written as IPv4.
+    #[test]
+    fn encode_keeps_the_source_and_reconciles_families() {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let cases = [
+            (
+                "10.0.0.1:1234",
+                "240.1.2.3:443",
+                "10.0.0.1:1234",
+                "240.1.2.3:443",
+            ),
+            (
+                "[2001:db8::1]:5",
+                "[2001:db8::2]:443",
+                "[2001:db8::1]:5",
+                "[2001:db8::2]:443",
+            ),
+            (
+                "[::ffff:10.0.0.1]:7",
+                "[::ffff:10.0.0.2]:8443",
+                "10.0.0.1:7",
+                "10.0.0.2:8443",
+            ),
+            (
+                "[2001:db8::1]:5",
+                "10.0.0.2:8443",
+                "[2001:db8::1]:5",
+                "[::ffff:10.0.0.2]:8443",
+            ),
+            (
+                "10.0.0.1:7",
+                "[2001:db8::2]:443",
+                "10.0.0.1:7",
+                "0.0.0.0:443",
+            ),
+        ];
+        for version in [ProxyVersion::V1, ProxyVersion::V2] {
+            for (src, dst, want_src, want_dst) in cases {
+                let h = encode(version, a(src), a(dst));
+                let Parsed::Complete { value, consumed } = parse(&h, LIMIT).unwrap() else {
+                    panic!("{version:?} {src} {dst}")
+                };
+                assert_eq!(consumed, h.len());
+                assert_eq!(
+                    value.version,
+                    if version == ProxyVersion::V1 { 1 } else { 2 }
+                );
+                assert_eq!(
+                    value.addresses,
+                    Some((a(want_src), a(want_dst))),
+                    "{src} {dst}"
+                );
+            }
+        }
+        assert_eq!(
+            encode(ProxyVersion::V1, a("192.0.2.7:51000"), a("127.0.0.1:8443")),
+            b"PROXY TCP4 192.0.2.7 127.0.0.1 51000 8443\r\n"
+        );
+        assert_eq!(ProxyVersion::parse("v2"), Some(ProxyVersion::V2));
+        assert_eq!(ProxyVersion::parse("V2"), None);
+        assert_eq!(ProxyVersion::V1.as_str(), "v1");
     }
 }
