@@ -1,7 +1,8 @@
 //! The real `trellis controller --config` against the fake Kubernetes API server: the live
 //! table equals what `render` makes of the same objects; creating, changing and deleting a
 //! shoot's objects changes it; a relist or a restart of the API server never shrinks it;
-//! failed lists are retried and readiness waits for the first table.
+//! failed lists are retried and readiness waits for the first table; seeds that serve the
+//! Istio kinds only as `v1beta1`, or not at all, are watched as they are.
 
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
@@ -439,10 +440,11 @@ async fn a_relist_or_an_api_server_restart_never_shrinks_the_table() {
 async fn failed_lists_are_retried_and_nothing_is_written_or_ready_before_every_kind_listed() {
     let kube = FakeKube::start().await;
     seed(&kube, &[]);
-    // Every kind's first lists fail; the kinds' retries (jittered backoffs) list at
-    // different times.
-    kube.fail_next(8, Fault::TooManyRequests);
-    kube.fail_next(12, Fault::Internal);
+    // Every kind's first lists fail (discovery passes); the kinds' retries (jittered
+    // backoffs) list at different times.
+    let is_list = |r: &str| r.contains('?') && !r.contains("watch=true");
+    kube.fail_next_where(8, Fault::TooManyRequests, is_list);
+    kube.fail_next_where(12, Fault::Internal, is_list);
     let c = Controller::start(&kube);
     let stop = Arc::new(AtomicBool::new(false));
     let watcher = watch_file(c.table_path(), stop.clone());
@@ -469,6 +471,115 @@ async fn failed_lists_are_retried_and_nothing_is_written_or_ready_before_every_k
     }
     let retried = PLURALS.iter().filter(|p| lists(&kube, p) >= 2).count();
     assert_eq!(retried, PLURALS.len(), "{:#?}", kube.requests());
+}
+
+/// The controller's JSON log lines whose message is `message`.
+fn logged(c: &Controller, message: &str) -> Vec<Value> {
+    c.logs()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["message"] == message)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_serving_istio_only_as_v1beta1_is_watched_at_v1beta1() {
+    let kube = FakeKube::start().await;
+    kube.serve_group("networking.istio.io", &["v1beta1", "v1alpha3"]);
+    let mut stored = seed(&kube, &[ALPHA]);
+    let c = Controller::start(&kube);
+    c.wait_table("the seed's shoots", |t| {
+        route(t, "shoot--dev--beta").is_some()
+    })
+    .await;
+    let config = c.dir.path("controller.yaml");
+    assert_eq!(c.table().unwrap(), render(&stored, &config));
+    // Changes arrive through the v1beta1 watches.
+    stored.extend(
+        objects(&format!("{ALPHA}.yaml"))
+            .into_iter()
+            .map(|o| kube.put(o)),
+    );
+    c.wait_table("alpha", |t| route(t, ALPHA).is_some()).await;
+    assert_eq!(c.table().unwrap(), render(&stored, &config));
+    let watching: Vec<(String, String)> = logged(&c, "watching")
+        .iter()
+        .map(|l| (l["kind"].to_string(), l["api_version"].to_string()))
+        .collect();
+    for kind in ["Gateway", "VirtualService", "DestinationRule"] {
+        let expected = (
+            format!("{kind:?}"),
+            "\"networking.istio.io/v1beta1\"".to_owned(),
+        );
+        assert!(watching.contains(&expected), "{watching:?}");
+    }
+    let requests = kube.requests();
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.contains("/networking.istio.io/v1beta1/virtualservices?")),
+        "{requests:#?}"
+    );
+    assert!(
+        !requests
+            .iter()
+            .any(|r| r.contains("/networking.istio.io/v1/")),
+        "{requests:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kinds_not_served_are_empty_until_they_are_then_watched() {
+    let kube = FakeKube::start().await;
+    // No Gateway API CRDs and no Istio installed.
+    kube.serve_group("gateway.networking.k8s.io", &[]);
+    kube.serve_group("networking.istio.io", &[]);
+    let stored = seed(&kube, &[]);
+    let c = Controller::start(&kube);
+    // Ready, with a table of what is there: no Istio objects, so no shoot routes.
+    let t = c.wait_table("a first table", |_| true).await;
+    assert_eq!(route_names(&t), BTreeSet::from(["fallback".to_owned()]));
+    let start = Instant::now();
+    while c.get("/ready").await.map(|r| r.0) != Some(200) {
+        assert!(start.elapsed() < Duration::from_secs(10), "{}", c.logs());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let absent = || {
+        let mut kinds: Vec<String> = logged(
+            &c,
+            "not served by the API server; treated as empty until it is",
+        )
+        .iter()
+        .map(|l| l["kind"].as_str().unwrap_or("").to_owned())
+        .collect();
+        kinds.sort();
+        kinds
+    };
+    let expected = [
+        "DestinationRule",
+        "EnvoyFilter",
+        "Gateway",
+        "TLSRoute",
+        "VirtualService",
+    ];
+    assert_eq!(absent(), expected);
+    // The CRDs installed: within a recheck the kinds are watched and the table complete.
+    kube.serve_group("networking.istio.io", &["v1", "v1beta1", "v1alpha3"]);
+    kube.serve_group("gateway.networking.k8s.io", &["v1", "v1alpha2"]);
+    let complete = render(&stored, &c.dir.path("controller.yaml"));
+    let start = Instant::now();
+    while c.table().as_ref() != Some(&complete) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "kinds never watched:\n{}",
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let now_served = logged(&c, "now served; watching").len();
+    assert_eq!(now_served, expected.len(), "{}", c.logs());
+    // Each absence was logged once, not at every recheck.
+    assert_eq!(absent(), expected);
 }
 
 #[test]

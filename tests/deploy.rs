@@ -1160,7 +1160,7 @@ fn a_miswired_controller_sidecar_fails() {
     let mut more = WATCHED.to_vec();
     more.push(WatchedKind {
         group: "gateway.networking.k8s.io",
-        version: "v1alpha2",
+        versions: &["v1alpha2"],
         kind: "TCPRoute",
         plural: "tcproutes",
     });

@@ -9,8 +9,9 @@
 pub struct WatchedKind {
     /// API group; empty for the core group.
     pub group: &'static str,
-    /// Version watched.
-    pub version: &'static str,
+    /// The versions translation reads, preferred first: the watch takes the first one the
+    /// API server serves (discovery at start).
+    pub versions: &'static [&'static str],
     /// Kind, as objects name it.
     pub kind: &'static str,
     /// Resource name in the API's paths (what RBAC rules name).
@@ -19,27 +20,31 @@ pub struct WatchedKind {
 
 impl WatchedKind {
     /// `group/version`, or `version` for the core group.
-    pub fn api_version(&self) -> String {
+    pub fn api_version(&self, version: &str) -> String {
         if self.group.is_empty() {
-            self.version.to_owned()
+            version.to_owned()
         } else {
-            format!("{}/{}", self.group, self.version)
+            format!("{}/{version}", self.group)
         }
     }
 }
 
+/// Istio's Gateway, VirtualService and DestinationRule: `v1`, or `v1beta1` on seeds whose
+/// Istio predates it (the fields translation reads are the same in both).
+const ISTIO: &[&str] = &["v1", "v1beta1"];
+
 /// Every kind translation reads, in [`super::model::Snapshot::counts`] order.
 pub const WATCHED: [WatchedKind; 8] = [
-    kind("networking.istio.io", "v1", "Gateway", "gateways"),
+    kind("networking.istio.io", ISTIO, "Gateway", "gateways"),
     kind(
         "networking.istio.io",
-        "v1",
+        ISTIO,
         "VirtualService",
         "virtualservices",
     ),
     kind(
         "networking.istio.io",
-        "v1",
+        ISTIO,
         "DestinationRule",
         "destinationrules",
     ),
@@ -47,25 +52,37 @@ pub const WATCHED: [WatchedKind; 8] = [
     // filters carry the source allow-lists in their spec.
     kind(
         "networking.istio.io",
-        "v1alpha3",
+        &["v1alpha3"],
         "EnvoyFilter",
         "envoyfilters",
     ),
-    kind("", "v1", "Service", "services"),
-    kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices"),
-    kind("", "v1", "Namespace", "namespaces"),
-    kind("gateway.networking.k8s.io", "v1", "TLSRoute", "tlsroutes"),
+    kind("", &["v1"], "Service", "services"),
+    kind(
+        "discovery.k8s.io",
+        &["v1"],
+        "EndpointSlice",
+        "endpointslices",
+    ),
+    kind("", &["v1"], "Namespace", "namespaces"),
+    // The standard channel serves v1; clusters with only the experimental channel of older
+    // Gateway API releases serve v1alpha2 (or v1alpha3).
+    kind(
+        "gateway.networking.k8s.io",
+        &["v1", "v1alpha3", "v1alpha2"],
+        "TLSRoute",
+        "tlsroutes",
+    ),
 ];
 
 const fn kind(
     group: &'static str,
-    version: &'static str,
+    versions: &'static [&'static str],
     kind: &'static str,
     plural: &'static str,
 ) -> WatchedKind {
     WatchedKind {
         group,
-        version,
+        versions,
         kind,
         plural,
     }
@@ -85,7 +102,7 @@ mod tests {
 
     #[test]
     fn api_versions() {
-        assert_eq!(WATCHED[4].api_version(), "v1");
-        assert_eq!(WATCHED[5].api_version(), "discovery.k8s.io/v1");
+        assert_eq!(WATCHED[4].api_version("v1"), "v1");
+        assert_eq!(WATCHED[5].api_version("v1"), "discovery.k8s.io/v1");
     }
 }

@@ -17,6 +17,7 @@ use std::time::Duration;
 use futures_util::stream::{BoxStream, SelectAll};
 use futures_util::{StreamExt, TryStreamExt};
 use kube::api::{Api, ApiResource, DynamicObject};
+use kube::discovery::Discovery;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use serde::Serialize;
@@ -73,23 +74,39 @@ pub enum WatchError {
 
 /// Where and how a watched kind is read (its entry in [`WATCHED`]).
 impl WatchedKind {
-    fn resource(&self) -> ApiResource {
+    /// The resource at `version`.
+    fn resource(&self, version: &str) -> ApiResource {
         ApiResource {
             group: self.group.to_owned(),
-            version: self.version.to_owned(),
-            api_version: self.api_version(),
+            version: version.to_owned(),
+            api_version: self.api_version(version),
             kind: self.kind.to_owned(),
             plural: self.plural.to_owned(),
         }
     }
 
+    /// The first of this kind's versions that `discovery` found served, if any.
+    fn served(&self, discovery: &Discovery) -> Option<ApiResource> {
+        let group = discovery.get(self.group)?;
+        self.versions.iter().find_map(|v| {
+            group
+                .versioned_resources(v)
+                .into_iter()
+                .any(|(ar, _)| ar.kind == self.kind && ar.plural == self.plural)
+                .then(|| self.resource(v))
+        })
+    }
+
     /// The projection of an object of this kind as the API sent it. List items and
     /// metadata-only objects carry no (or another) `apiVersion` and `kind`: the watch knows
     /// them.
-    fn project(&self, object: &impl Serialize) -> Option<(Key, Object)> {
+    fn project(&self, version: &str, object: &impl Serialize) -> Option<(Key, Object)> {
         let mut doc = serde_json::to_value(object).ok()?;
         let map = doc.as_object_mut()?;
-        map.insert("apiVersion".into(), Value::String(self.api_version()));
+        map.insert(
+            "apiVersion".into(),
+            Value::String(self.api_version(version)),
+        );
         map.insert("kind".into(), Value::String(self.kind.to_owned()));
         let key = (
             text(&doc, "/metadata/namespace"),
@@ -163,6 +180,12 @@ impl Store {
         }
     }
 
+    /// The API server does not serve the kind: it has no objects, and that is as good as
+    /// listed.
+    pub fn absent(&mut self) {
+        self.synced = true;
+    }
+
     /// Whether the first list has completed.
     pub fn synced(&self) -> bool {
         self.synced
@@ -194,40 +217,93 @@ fn snapshot(stores: &[Store]) -> Snapshot {
 
 type Events = BoxStream<'static, (usize, Result<Change, watcher::Error>)>;
 
-fn convert<K: Serialize>(kind: &WatchedKind, event: Event<K>) -> Option<Change> {
+fn convert<K: Serialize>(kind: &WatchedKind, version: &str, event: Event<K>) -> Option<Change> {
     Some(match event {
         Event::Init => Change::Init,
         Event::InitDone => Change::InitDone,
         Event::InitApply(o) => {
-            let (key, object) = kind.project(&o)?;
+            let (key, object) = kind.project(version, &o)?;
             Change::InitApply(key, object)
         }
         Event::Apply(o) => {
-            let (key, object) = kind.project(&o)?;
+            let (key, object) = kind.project(version, &o)?;
             Change::Apply(key, object)
         }
         Event::Delete(o) => {
-            let (key, _) = kind.project(&o)?;
+            let (key, _) = kind.project(version, &o)?;
             Change::Delete(key)
         }
     })
 }
 
-/// One watcher per kind, retried with kube's default backoff (0.8 s doubling to 30 s).
-fn watches(client: &kube::Client) -> SelectAll<Events> {
-    let mut all = SelectAll::new();
-    for (i, kind) in WATCHED.iter().enumerate() {
-        let ar = kind.resource();
-        let config = watcher::Config::default();
-        let api = Api::<DynamicObject>::all_with(client.clone(), &ar);
-        let events: Events = watcher::watcher(api, config)
-            .default_backoff()
-            .map_ok(move |e| convert(&WATCHED[i], e))
-            .filter_map(move |r| async move { r.transpose().map(|r| (i, r)) })
-            .boxed();
-        all.push(events);
+/// The watcher of kind `i` at `resource`, retried with kube's default backoff (0.8 s
+/// doubling to 30 s).
+fn watch(client: &kube::Client, i: usize, resource: &ApiResource) -> Events {
+    let api = Api::<DynamicObject>::all_with(client.clone(), resource);
+    let version = resource.version.clone();
+    watcher::watcher(api, watcher::Config::default())
+        .default_backoff()
+        .map_ok(move |e| convert(&WATCHED[i], &version, e))
+        .filter_map(move |r| async move { r.transpose().map(|r| (i, r)) })
+        .boxed()
+}
+
+/// How often kinds the API server does not serve are looked for again.
+const RECHECK: Duration = Duration::from_secs(10);
+
+/// Discovery of the groups of `kinds` (indices into [`WATCHED`]): the resource each is served
+/// at, `None` for a kind none of whose versions is served.
+async fn discover(
+    client: &kube::Client,
+    kinds: &[usize],
+) -> Result<Vec<(usize, Option<ApiResource>)>, kube::Error> {
+    let mut groups: Vec<&str> = kinds.iter().map(|&i| WATCHED[i].group).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    let discovery = Discovery::new(client.clone()).filter(&groups).run().await?;
+    Ok(kinds
+        .iter()
+        .map(|&i| (i, WATCHED[i].served(&discovery)))
+        .collect())
+}
+
+/// Discovery of every kind, retried (1 s doubling to 30 s) until the API server answers.
+async fn discover_all(client: &kube::Client) -> Vec<(usize, Option<ApiResource>)> {
+    let all: Vec<usize> = (0..WATCHED.len()).collect();
+    let mut wait = Duration::from_secs(1);
+    loop {
+        match discover(client, &all).await {
+            Ok(found) => return found,
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?wait, "API discovery failed; retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(30));
+            }
+        }
     }
-    all
+}
+
+/// Looks for the kinds in `missing` every [`RECHECK`] and sends each once it is served;
+/// ends when all are.
+async fn recheck(
+    client: kube::Client,
+    mut missing: Vec<usize>,
+    found: tokio::sync::mpsc::Sender<(usize, ApiResource)>,
+) {
+    while !missing.is_empty() {
+        tokio::time::sleep(RECHECK).await;
+        let Ok(served) = discover(&client, &missing).await else {
+            continue;
+        };
+        for (i, resource) in served {
+            if let Some(resource) = resource {
+                missing.retain(|m| *m != i);
+                if found.send((i, resource)).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 async fn client(config: &ControllerConfig) -> Result<kube::Client, WatchError> {
@@ -322,6 +398,15 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     written
 }
 
+/// Aborts its task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Runs the controller until SIGTERM or SIGINT.
 pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
     let Output::File(path) = config.output.clone() else {
@@ -344,8 +429,36 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
     let mut sigint = signal(SignalKind::interrupt()).map_err(WatchError::Signals)?;
     let client = client(&config).await?;
     let target = Target::from_config(&config);
-    let mut events = watches(&client);
     let mut stores: Vec<Store> = WATCHED.iter().map(|_| Store::default()).collect();
+    let discovered = tokio::select! {
+        found = discover_all(&client) => found,
+        _ = sigterm.recv() => return Ok(()),
+        _ = sigint.recv() => return Ok(()),
+    };
+    let mut events = SelectAll::new();
+    let mut missing = Vec::new();
+    for (i, resource) in discovered {
+        let kind = WATCHED[i];
+        match resource {
+            Some(resource) => {
+                tracing::info!(kind = kind.kind, api_version = %resource.api_version, "watching");
+                events.push(watch(&client, i, &resource));
+            }
+            None => {
+                tracing::warn!(
+                    kind = kind.kind,
+                    group = kind.group,
+                    versions = ?kind.versions,
+                    recheck = ?RECHECK,
+                    "not served by the API server; treated as empty until it is"
+                );
+                stores[i].absent();
+                missing.push(i);
+            }
+        }
+    }
+    let (found_tx, mut found) = tokio::sync::mpsc::channel(WATCHED.len());
+    let _recheck = AbortOnDrop(tokio::spawn(recheck(client.clone(), missing, found_tx)));
     let mut writer = Writer {
         path,
         last: None,
@@ -357,6 +470,10 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
         file = %writer.path.display(),
         "controller watching"
     );
+    // Nothing to wait for when no kind is served at all.
+    if stores.iter().all(Store::synced) {
+        render_at = Some(Instant::now());
+    }
     loop {
         tokio::select! {
             Some((i, event)) = events.next() => {
@@ -380,6 +497,10 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
                 if first_sync {
                     tracing::info!(kind, objects = stores[i].len(), "listed");
                 }
+            }
+            Some((i, resource)) = found.recv() => {
+                tracing::info!(kind = WATCHED[i].kind, api_version = %resource.api_version, "now served; watching");
+                events.push(watch(&client, i, &resource));
             }
             () = tokio::time::sleep_until(render_at.unwrap_or_else(Instant::now)), if render_at.is_some() => {
                 render_at = None;
@@ -468,7 +589,7 @@ mod tests {
         });
         let namespace = &WATCHED[6];
         assert_eq!(namespace.kind, "Namespace");
-        let (key, object) = namespace.project(&item).unwrap();
+        let (key, object) = namespace.project("v1", &item).unwrap();
         assert_eq!(key, (String::new(), "a".to_owned()));
         let Object::Namespace(n) = object else {
             panic!("{object:?}")
@@ -477,7 +598,7 @@ mod tests {
         // A metadata-only object says `PartialObjectMetadata`; the watch knows better.
         let meta = serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
             "metadata": {"name": "x-istio-tls-termination", "namespace": "x"}});
-        let (_, object) = WATCHED[3].project(&meta).unwrap();
+        let (_, object) = WATCHED[3].project("v1alpha3", &meta).unwrap();
         assert!(matches!(object, Object::EnvoyFilter(_)), "{object:?}");
     }
 }

@@ -42,6 +42,9 @@ pub(crate) enum Fault {
     Drop,
 }
 
+/// Which requests a fault is for (given `METHOD /path?query`).
+type Which = fn(&str) -> bool;
+
 /// What every connection and watch listens to; each counter moves when that happens.
 #[derive(Debug, Clone, Copy, Default)]
 struct Signal {
@@ -59,7 +62,10 @@ struct Signal {
 struct Shared {
     store: Mutex<Store>,
     signal: watch::Sender<Signal>,
-    faults: Mutex<VecDeque<Fault>>,
+    /// Faults to come, each for the first request its filter (if any) accepts.
+    faults: Mutex<VecDeque<(Fault, Option<Which>)>>,
+    /// Groups served at other versions than [`RESOURCES`] says (none: not served at all).
+    served: Mutex<HashMap<&'static str, Vec<&'static str>>>,
     requests: Mutex<Vec<String>>,
     bookmark_every: Mutex<Duration>,
     gone_as_status: Mutex<bool>,
@@ -88,6 +94,7 @@ impl FakeKube {
             store: Mutex::new(Store::default()),
             signal: watch::Sender::new(Signal::default()),
             faults: Mutex::new(VecDeque::new()),
+            served: Mutex::new(HashMap::new()),
             requests: Mutex::new(Vec::new()),
             bookmark_every: Mutex::new(Duration::from_secs(1)),
             gone_as_status: Mutex::new(false),
@@ -189,7 +196,20 @@ impl FakeKube {
 
     /// The next `n` requests fail with `fault`.
     pub(crate) fn fail_next(&self, n: usize, fault: Fault) {
-        lock(&self.shared.faults).extend(std::iter::repeat_n(fault, n));
+        lock(&self.shared.faults).extend(std::iter::repeat_n((fault, None), n));
+    }
+
+    /// The next `n` requests for which `which` holds (given `METHOD /path?query`) fail with
+    /// `fault`; others pass.
+    pub(crate) fn fail_next_where(&self, n: usize, fault: Fault, which: fn(&str) -> bool) {
+        lock(&self.shared.faults).extend(std::iter::repeat_n((fault, Some(which)), n));
+    }
+
+    /// Serves `group` only at `versions` (those of them [`RESOURCES`] lists), as an API
+    /// server with older CRDs installed does; with none, the group is not served at all (its
+    /// CRDs are not installed). Discovery and requests follow at once; objects stay.
+    pub(crate) fn serve_group(&self, group: &'static str, versions: &[&'static str]) {
+        lock(&self.shared.served).insert(group, versions.to_vec());
     }
 
     /// How often watches that allow bookmarks get one (default 1 s).
@@ -304,8 +324,14 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
             .map(|p| p.as_str())
             .unwrap_or("/")
     );
+    let fault = {
+        let mut faults = lock(&shared.faults);
+        let at = faults
+            .iter()
+            .position(|(_, which)| which.is_none_or(|w| w(&line)));
+        at.and_then(|i| faults.remove(i)).map(|(f, _)| f)
+    };
     lock(&shared.requests).push(line);
-    let fault = lock(&shared.faults).pop_front();
     match fault {
         Some(Fault::Drop) => return Err(io::Error::other("fault injected: drop")),
         Some(Fault::TooManyRequests) => {
@@ -347,7 +373,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
         ),
         ["api"] => ok(&json!({"kind": "APIVersions", "versions": ["v1"],
             "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]})),
-        ["apis"] => ok(&group_list()),
+        ["apis"] => ok(&group_list(&shared)),
         ["openapi", "v3"] => ok(&openapi_index()),
         ["openapi", "v3", "api", "v1"] => ok(&openapi("", "v1")),
         ["openapi", "v3", "apis", group, version] => ok(&openapi(group, version)),
@@ -364,18 +390,42 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     Ok(resp)
 }
 
+/// The versions `r` is served at now, preferred first.
+fn served(shared: &Shared, r: &store::Resource) -> Vec<&'static str> {
+    match lock(&shared.served).get(r.group) {
+        Some(only) => r
+            .versions
+            .iter()
+            .filter(|v| only.contains(v))
+            .copied()
+            .collect(),
+        None => r.versions.to_vec(),
+    }
+}
+
+/// Whether any resource is served at `group`/`version` now.
+fn serves(shared: &Shared, group: &str, version: &str) -> bool {
+    RESOURCES
+        .iter()
+        .any(|r| r.group == group && served(shared, r).contains(&version))
+}
+
 /// `/apis`: every group with its versions.
-fn group_list() -> Value {
+fn group_list(shared: &Shared) -> Value {
     let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
     for r in RESOURCES.iter().filter(|r| !r.group.is_empty()) {
+        let versions = served(shared, r);
+        if versions.is_empty() {
+            continue;
+        }
         match groups.iter_mut().find(|(g, _)| *g == r.group) {
             Some((_, vs)) => vs.extend(
-                r.versions
+                versions
                     .iter()
                     .filter(|v| !vs.contains(v))
                     .collect::<Vec<_>>(),
             ),
-            None => groups.push((r.group, r.versions.to_vec())),
+            None => groups.push((r.group, versions)),
         }
     }
     let groups: Vec<Value> = groups
@@ -434,10 +484,10 @@ fn openapi(group: &str, version: &str) -> Value {
 }
 
 /// `/api/v1`, `/apis/<group>/<version>`: the resources served there.
-fn resource_list(group: &str, version: &str) -> Value {
+fn resource_list(shared: &Shared, group: &str, version: &str) -> Value {
     let resources: Vec<Value> = RESOURCES
         .iter()
-        .filter(|r| r.group == group && r.versions.contains(&version))
+        .filter(|r| r.group == group && served(shared, r).contains(&version))
         .map(|r| {
             json!({"name": r.plural, "singularName": r.kind.to_lowercase(), "namespaced": r.namespaced, "kind": r.kind,
                    "shortNames": r.short,
@@ -462,11 +512,8 @@ async fn resource(
     q: &HashMap<String, String>,
 ) -> Response<Body> {
     if rest.is_empty() {
-        if RESOURCES
-            .iter()
-            .any(|r| r.group == group && r.versions.contains(&version))
-        {
-            return ok(&resource_list(group, version));
+        if serves(shared, group, version) {
+            return ok(&resource_list(shared, group, version));
         }
         return error(&ApiError::new(
             404,
@@ -493,6 +540,9 @@ async fn resource(
     let Some(rid) = find(group, version, plural) else {
         return not_found();
     };
+    if !served(shared, &RESOURCES[rid]).contains(&version) {
+        return not_found();
+    }
     if !ns.is_empty() && !RESOURCES[rid].namespaced {
         return not_found();
     }

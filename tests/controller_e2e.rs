@@ -1,0 +1,352 @@
+//! The controller and the gateway together, on loopback: the fake Kubernetes API server,
+//! the real `trellis controller` writing its table, a real `trellis gateway` serving it.
+//! A shoot's objects created, changed and deleted in the API move what a TLS client with
+//! its server name reaches.
+
+#![allow(clippy::unwrap_used, unreachable_pub)]
+
+mod common;
+mod e2e;
+mod fakekube;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use e2e::{Controller, NamedBackend, gateway_for, host, namespace, wait_served};
+use fakekube::FakeKube;
+
+/// How long a change may take to reach a client before the test gives up (the target is a
+/// second at p99; this is a deadline, not a measurement).
+const LIMIT: Duration = Duration::from_secs(10);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_fed_by_the_controller_serves_a_shoot_created_moved_and_deleted() {
+    let names = e2e::test_names(&["alpha", "unknown"]);
+    let fallback = NamedBackend::start("fallback", [127, 0, 0, 1], &names).await;
+    let first = NamedBackend::start("first", [127, 0, 0, 2], &names).await;
+    let second = NamedBackend::start("second", [127, 0, 0, 3], &names).await;
+    let client = e2e::client(&[&fallback, &first, &second]);
+
+    let kube = FakeKube::start().await;
+    let c = Controller::start(&kube, fallback.addr);
+    // An empty seed: the table is the fallback alone, which lets the gateway start.
+    let t = c.wait_table("the fallback", LIMIT, |t| {
+        e2e::route_names(t) == [e2e::FALLBACK]
+    });
+    assert_eq!(
+        t["routes"][0]["backends"][0]["address"],
+        fallback.addr.to_string()
+    );
+    let gw = gateway_for(&c, "");
+    let alpha = host("alpha");
+    assert_eq!(
+        e2e::who(&client, gw.tls, &alpha).await.as_deref(),
+        Ok("fallback")
+    );
+
+    // The shoot's objects created: its name reaches its API server.
+    e2e::put_all(&kube, e2e::shoot("alpha", first.addr));
+    wait_served(&client, gw.tls, &alpha, "first", LIMIT).await;
+    // Other names still go to the fallback.
+    assert_eq!(
+        e2e::who(&client, gw.tls, &host("unknown")).await.as_deref(),
+        Ok("fallback")
+    );
+
+    // Its EndpointSlice now points at another pod: new connections reach that one.
+    kube.put(e2e::endpoint_slice("alpha", second.addr));
+    wait_served(&client, gw.tls, &alpha, "second", LIMIT).await;
+    for _ in 0..5 {
+        assert_eq!(
+            e2e::who(&client, gw.tls, &alpha).await.as_deref(),
+            Ok("second")
+        );
+    }
+
+    // Its VirtualService deleted: the name falls through to the fallback.
+    kube.delete(
+        "networking.istio.io/v1",
+        "VirtualService",
+        &namespace("alpha"),
+        "kube-apiserver",
+    )
+    .unwrap();
+    wait_served(&client, gw.tls, &alpha, "fallback", LIMIT).await;
+    assert!(
+        !e2e::served_routes(&gw).contains(&namespace("alpha")),
+        "{:?}",
+        e2e::served_routes(&gw)
+    );
+    assert!(
+        gw.metric("trellis_routing_table_reloads_total{result=\"applied\"}") >= 3.0,
+        "{}",
+        gw.metrics()
+    );
+}
+
+/// Shoots whose connections stream through the churn.
+const STEADY_SHOOTS: usize = 10;
+/// Long-lived connections, spread evenly over the steady shoots.
+const CONNECTIONS: usize = 1_000;
+/// Shoots created and deleted, one after the other, while they stream.
+const CHURN_SHOOTS: usize = 50;
+/// Bytes per round trip on each connection; one round every [`PACE`].
+const CHUNK: usize = 512;
+const PACE: Duration = Duration::from_millis(100);
+
+/// Raises this process' open-files limit (the gateway, started from here, inherits it) as
+/// far as allowed; returns the soft limit now.
+fn raise_nofile(want: u64) -> u64 {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let now = getrlimit(Resource::Nofile);
+    let raised = Rlimit {
+        current: Some(want),
+        maximum: Some(want.max(now.maximum.unwrap_or(want))),
+    };
+    // Raising the hard limit needs root; without it, up to the hard limit.
+    if setrlimit(Resource::Nofile, raised).is_err() {
+        let soft = Rlimit {
+            current: now.maximum,
+            maximum: now.maximum,
+        };
+        let _ = setrlimit(Resource::Nofile, soft);
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+/// A shoot's API server for the streaming connections: reads the ClientHello record the
+/// client sends (the gateway routed on it and replayed it), then echoes every byte back and
+/// half-closes after the client does.
+async fn echo_after_hello(ip: [u8; 4]) -> std::net::SocketAddr {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind(std::net::SocketAddr::from((ip, 0)))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut header = [0u8; 5];
+                if s.read_exact(&mut header).await.is_err() || header[0] != 0x16 {
+                    return;
+                }
+                let mut hello = vec![0u8; u16::from_be_bytes([header[3], header[4]]) as usize];
+                if s.read_exact(&mut hello).await.is_err() {
+                    return;
+                }
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+                let _ = tokio::io::AsyncWriteExt::shutdown(&mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+/// The byte at `offset` of connection `id`'s stream: a counter pattern that differs per
+/// connection, so a byte lost, repeated, reordered or from another connection shows.
+fn pattern(id: usize, offset: u64) -> u8 {
+    (offset.wrapping_mul(7).wrapping_add(id as u64 * 13) % 251) as u8
+}
+
+/// One streaming connection: its round trips so far, and how it ended if it did.
+struct Stream {
+    rounds: std::sync::atomic::AtomicU64,
+    failed: std::sync::Mutex<Option<String>>,
+}
+
+/// Sends a ClientHello for `sni`, then every [`PACE`] a [`CHUNK`] of its pattern, reads it
+/// back and checks it, until `stop`; then half-closes and expects a clean end of stream.
+async fn stream(
+    id: usize,
+    gateway: std::net::SocketAddr,
+    hello: Arc<Vec<u8>>,
+    state: Arc<Stream>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let run = async {
+        let mut s = tokio::net::TcpStream::connect(gateway).await?;
+        s.write_all(&hello).await?;
+        let (mut offset, mut out, mut back) = (0u64, vec![0u8; CHUNK], vec![0u8; CHUNK]);
+        let mut tick = tokio::time::interval(PACE);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        while !*stop.borrow() {
+            tick.tick().await;
+            for (i, b) in out.iter_mut().enumerate() {
+                *b = pattern(id, offset + i as u64);
+            }
+            s.write_all(&out).await?;
+            tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back))
+                .await
+                .map_err(|_| std::io::Error::other("no echo within 10 s"))??;
+            if back != out {
+                let at = back.iter().zip(&out).position(|(a, b)| a != b).unwrap_or(0);
+                return Err(std::io::Error::other(format!(
+                    "corrupted at byte {}",
+                    offset + at as u64
+                )));
+            }
+            offset += CHUNK as u64;
+            state.rounds.fetch_add(1, Ordering::SeqCst);
+        }
+        s.shutdown().await?;
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest))
+            .await
+            .map_err(|_| std::io::Error::other("no end of stream within 10 s"))??;
+        if !rest.is_empty() {
+            return Err(std::io::Error::other(format!(
+                "{} bytes after the end",
+                rest.len()
+            )));
+        }
+        Ok::<_, std::io::Error>(())
+    };
+    if let Err(e) = run.await {
+        let rounds = state.rounds.load(Ordering::SeqCst);
+        *state.failed.lock().unwrap() =
+            Some(format!("{e} (kind {:?}) after {rounds} rounds", e.kind()));
+    }
+}
+
+/// Every connection's round count now.
+fn rounds(streams: &[Arc<Stream>]) -> Vec<u64> {
+    streams
+        .iter()
+        .map(|s| s.rounds.load(std::sync::atomic::Ordering::SeqCst))
+        .collect()
+}
+
+/// Fails with the connections that failed, and with those that did not move since `before`.
+fn check_moving(streams: &[Arc<Stream>], before: &[u64], when: &str) -> Vec<u64> {
+    let failed: Vec<String> = streams
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            s.failed
+                .lock()
+                .unwrap()
+                .clone()
+                .map(|e| format!("#{i}: {e}"))
+        })
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {CONNECTIONS} connections failed {when}; first: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    let now = rounds(streams);
+    let stalled = now.iter().zip(before).filter(|(n, b)| n <= b).count();
+    assert_eq!(stalled, 0, "{stalled} connections moved no bytes {when}");
+    now
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shoots_created_and_deleted_leave_other_shoots_connections_untouched() {
+    // Here a descriptor per client and per echo, in the gateway two per connection.
+    let needed = 2 * CONNECTIONS as u64 + 1_000;
+    let limit = raise_nofile(16_384);
+    if limit < needed {
+        println!(
+            "SKIP shoots_created_and_deleted_leave_other_shoots_connections_untouched: needs an \
+             open-files limit of {needed}; this process may raise its own only to {limit}"
+        );
+        return;
+    }
+    let churn_names: Vec<String> = (0..CHURN_SHOOTS).map(|j| format!("churn-{j}")).collect();
+    let sans: Vec<String> = churn_names.iter().map(|n| host(n)).collect();
+    let fallback = NamedBackend::start("fallback", [127, 0, 0, 1], &sans).await;
+    let churn_backend = NamedBackend::start("churn", [127, 0, 0, 4], &sans).await;
+    let client = e2e::client(&[&fallback, &churn_backend]);
+
+    let kube = FakeKube::start().await;
+    for i in 0..STEADY_SHOOTS {
+        let echo = echo_after_hello([127, 0, 0, 10 + i as u8]).await;
+        e2e::put_all(&kube, e2e::shoot(&format!("steady-{i}"), echo));
+    }
+    let c = Controller::start(&kube, fallback.addr);
+    c.wait_table("the steady shoots", LIMIT, |t| {
+        e2e::route_names(t).len() == STEADY_SHOOTS + 1
+    });
+    let gw = gateway_for(&c, "");
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let hellos: Vec<Arc<Vec<u8>>> = (0..STEADY_SHOOTS)
+        .map(|i| Arc::new(common::rustls_client_hello(&host(&format!("steady-{i}")))))
+        .collect();
+    let mut streams = Vec::new();
+    let mut tasks = Vec::new();
+    for id in 0..CONNECTIONS {
+        let state = Arc::new(Stream {
+            rounds: Default::default(),
+            failed: Default::default(),
+        });
+        streams.push(state.clone());
+        let hello = hellos[id % STEADY_SHOOTS].clone();
+        tasks.push(tokio::spawn(stream(
+            id,
+            gw.tls,
+            hello,
+            state,
+            stop_rx.clone(),
+        )));
+    }
+    // Every connection established and streaming before the churn starts.
+    let start = std::time::Instant::now();
+    while rounds(&streams).contains(&0) {
+        let idle = rounds(&streams).iter().filter(|r| **r == 0).count();
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{idle} connections never completed a round trip"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut seen = check_moving(&streams, &vec![0; CONNECTIONS], "before the churn");
+    assert!(
+        gw.metric("trellis_downstream_connections_active{") >= CONNECTIONS as f64,
+        "{}",
+        gw.metrics()
+    );
+    let reloads = || gw.metric("trellis_routing_table_reloads_total{result=\"applied\"}");
+    let reloads_before = reloads();
+
+    // Each churn shoot: objects created, its route served by the gateway, objects deleted,
+    // its name back at the fallback. Every tenth shoot, each connection must have moved.
+    for (j, name) in churn_names.iter().enumerate() {
+        e2e::put_all(&kube, e2e::shoot(name, churn_backend.addr));
+        wait_served(&client, gw.tls, &host(name), "churn", LIMIT).await;
+        e2e::delete_shoot(&kube, name);
+        wait_served(&client, gw.tls, &host(name), "fallback", LIMIT).await;
+        if j % 10 == 9 {
+            seen = check_moving(
+                &streams,
+                &seen,
+                &format!("during churn shoots {}..={j}", j - 9),
+            );
+        }
+    }
+    let reloaded = reloads() - reloads_before;
+    assert!(
+        reloaded >= 2.0 * CHURN_SHOOTS as f64,
+        "the gateway applied only {reloaded} tables during the churn"
+    );
+    // A last stretch after the churn, then every connection ends cleanly.
+    tokio::time::sleep(3 * PACE).await;
+    check_moving(&streams, &seen, "after the churn");
+    stop_tx.send(true).unwrap();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    check_moving(&streams, &vec![0; CONNECTIONS], "at their end");
+    assert_eq!(
+        e2e::route_names(&c.table().unwrap()).len(),
+        STEADY_SHOOTS + 1,
+        "the churn left routes behind"
+    );
+}
