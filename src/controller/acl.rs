@@ -41,6 +41,25 @@ use super::translate::{BackendDoc, Handoff, Reason, Report, RouteDoc, Target};
 /// fallback from trellis' own address: it admits nobody.
 pub const CLOSED_ROUTE: &str = "fallback-closed";
 
+/// The name of the route that takes a restricted server name `host` no route holds to the
+/// fallback: `fallback-acl-<host>` (`*` spelt `_`, which no DNS name has), within the 253
+/// characters a route name may have.
+pub fn acl_route_name(host: &str) -> String {
+    let name = format!("fallback-acl-{}", host.replace('*', "_"));
+    if name.len() <= 253 {
+        return name;
+    }
+    // FNV-1a: stable across runs and builds, unlike the standard library's hasher.
+    let hash = host.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let mut cut = 253 - 17;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}-{hash:016x}", &name[..cut])
+}
+
 /// What a route that admits no client gets: the unspecified addresses, which no TCP client
 /// has.
 pub const ADMIT_NONE: [&str; 2] = ["0.0.0.0/32", "::/128"];
@@ -327,6 +346,13 @@ pub fn apply(
     }
     // Envoy applies its own filters when it is told the client.
     let enforced_by_fallback = target.fallback_proxy_protocol.is_some();
+    // Routes added for restricted server names no route holds, and those of them dropped
+    // again (see below).
+    let mut added = BTreeSet::new();
+    let mut dropped = BTreeSet::new();
+    if !enforced_by_fallback && let Some(address) = &target.fallback {
+        added = restricted_names_to_fallback(snapshot, target, &filters, address, routes);
+    }
     // Evaluated as one more route; left with the keys it must close.
     let closing = match target.connect_fallback() {
         Some(address) if !enforced_by_fallback && !fallback_keys.is_empty() => {
@@ -378,14 +404,8 @@ pub fn apply(
                     let h = h.trim_end_matches('.').to_ascii_lowercase();
                     match by_sni.get(h.as_str()) {
                         Some(&i) => paths.entry(i).or_insert_with(fresh)[0].add(f, admitted(rbac, None)),
-                        None if enforced_by_fallback => {}
-                        None if target.fallback.is_some() => unenforced.push((
-                            object.clone(),
-                            format!(
-                                "server name {h:?} is left to the fallback, which sees trellis' address: not enforced"
-                            ),
-                        )),
-                        // Not routed at all: closed.
+                        // Envoy enforces it (PROXY header), or nothing routes the name at
+                        // all (no fallback): closed.
                         None => {}
                     }
                 }
@@ -496,6 +516,23 @@ pub fn apply(
                 ));
             }
         }
+        if added.contains(&route.name) && !inexact.is_empty() {
+            // A rule trellis cannot match at L4 (e.g. on the HTTP host, as the extension's
+            // filters for the shared observability wildcard have) would narrow the route to
+            // nobody, closing every name of that filter chain for every shoot: left open to
+            // the fallback instead, and reported.
+            report.skip(
+                Reason::AclUnsupported,
+                format!("route {}", route.name),
+                format!(
+                    "server names {} left to the fallback, which sees trellis' address: not enforced ({})",
+                    route.sni.join(", "),
+                    inexact.join("; ")
+                ),
+            );
+            dropped.insert(route.name.clone());
+            continue;
+        }
         route.allowed_source_ranges = sources.to_list().unwrap_or_default();
         if !inexact.is_empty() {
             report.skip(
@@ -509,9 +546,66 @@ pub fn apply(
         && !closed.is_empty()
     {
         route.destinations = closed.into_iter().collect();
-        let at = routes.partition_point(|r| r.name < route.name);
-        routes.insert(at, route);
+        routes.push(route);
     }
+    routes.retain(|r| !dropped.contains(&r.name));
+    routes.sort_by(|a, b| a.name.cmp(&b.name));
+}
+
+/// Adds, for every server name a filter restricts that no route holds, a route to the
+/// fallback `address` (see the module documentation), appended to `routes`; returns their
+/// names.
+fn restricted_names_to_fallback(
+    snapshot: &Snapshot,
+    target: &Target,
+    filters: &[&EnvoyFilter],
+    address: &str,
+    routes: &mut Vec<RouteDoc>,
+) -> BTreeSet<String> {
+    let mut held: BTreeSet<String> = routes.iter().flat_map(|r| r.sni.iter().cloned()).collect();
+    let mut added: BTreeMap<String, RouteDoc> = BTreeMap::new();
+    for f in filters {
+        for rbac in &f.rbac {
+            let RbacAt::Sni(h) = &rbac.at else { continue };
+            let h = h.trim_end_matches('.').to_ascii_lowercase();
+            if held.contains(&h) {
+                continue;
+            }
+            // Every name of a selected Gateway server that lists `h`: Envoy's filter chain
+            // for `h` serves them all.
+            let mut names: BTreeSet<String> = snapshot
+                .gateways
+                .iter()
+                .filter(|g| target.serves(g))
+                .flat_map(|g| &g.servers)
+                .filter(|s| s.hosts.contains(&h))
+                .flat_map(|s| s.hosts.iter().cloned())
+                .filter(|n| !held.contains(n))
+                .collect();
+            names.insert(h.clone());
+            held.extend(names.iter().cloned());
+            let name = acl_route_name(&h);
+            added.insert(
+                name.clone(),
+                RouteDoc {
+                    name,
+                    sni: names.into_iter().collect(),
+                    destinations: Vec::new(),
+                    proxy_destinations: Vec::new(),
+                    backends: vec![BackendDoc {
+                        address: address.to_owned(),
+                        zone: None,
+                    }],
+                    max_connection_duration: None,
+                    allowed_source_ranges: Vec::new(),
+                    handoff: Handoff::NONE,
+                },
+            );
+        }
+    }
+    let names = added.keys().cloned().collect();
+    routes.extend(added.into_values());
+    names
 }
 
 #[cfg(test)]
@@ -940,21 +1034,121 @@ mod tests {
     }
 
     #[test]
-    fn a_server_name_left_to_the_fallback_is_reported() {
+    fn a_restricted_server_name_left_to_the_fallback_gets_a_route_with_the_list() {
+        use crate::controller::model::{Gateway, Server};
+        let ns = "shoot--a--l7";
+        let filters = vec![api(ns, "ALLOW", client(&["192.0.2.0/24"]))];
+        // The L7 shoot's Gateway server lists the filter's name and another one; a Gateway
+        // of another ingress gateway lists a third, which stays out.
+        let gateway = |selector: BTreeMap<String, String>, hosts: &[&str]| Gateway {
+            meta: Meta {
+                name: "kube-apiserver".into(),
+                namespace: ns.into(),
+                ..Meta::default()
+            },
+            selector,
+            servers: vec![Server {
+                port: 443,
+                protocol: "HTTPS".into(),
+                tls_mode: Some("OPTIONAL_MUTUAL".into()),
+                hosts: hosts.iter().map(|h| (*h).to_owned()).collect(),
+            }],
+        };
+        let zonal: BTreeMap<String, String> =
+            [("istio".to_owned(), "ingressgateway--zone--z".to_owned())].into();
+        let snapshot = Snapshot {
+            envoy_filters: filters.clone(),
+            gateways: vec![
+                gateway(
+                    target().selector,
+                    &[
+                        &format!("api.{ns}.example.com"),
+                        &format!("api.{ns}.internal"),
+                    ],
+                ),
+                gateway(
+                    zonal,
+                    &[&format!("api.{ns}.example.com"), "other.example.com"],
+                ),
+            ],
+            ..Snapshot::default()
+        };
         let mut routes = shoot("shoot--a--b").to_vec();
-        let filters = vec![api("shoot--a--l7", "ALLOW", client(&["192.0.2.0/24"]))];
-        let report = run(filters.clone(), &mut routes);
-        assert!(routes.iter().all(|r| r.allowed_source_ranges.is_empty()));
-        assert_eq!(
-            skips(&report),
-            ["EnvoyFilter istio-ingress/acl-api-shoot--a--l7"]
+        let mut report = Report::default();
+        apply(
+            &snapshot,
+            &target(),
+            &BTreeSet::new(),
+            &mut routes,
+            &mut report,
         );
-        // Envoy told the client enforces it itself.
+        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+        let names: Vec<&str> = routes.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "fallback-acl-api.shoot--a--l7.example.com",
+                "shoot--a--b",
+                "shoot--a--b--vpn-seed-server"
+            ]
+        );
+        let added = &routes[0];
+        assert_eq!(
+            added.sni,
+            [
+                format!("api.{ns}.example.com"),
+                format!("api.{ns}.internal")
+            ]
+        );
+        assert_eq!(ranges(added), ["192.0.2.0/24"]);
+        assert_eq!(added.backends[0].address, "envoy:443");
+        assert!(
+            routes[1..]
+                .iter()
+                .all(|r| r.allowed_source_ranges.is_empty())
+        );
+        // Envoy told the client enforces it itself: nothing added.
         let proxied = Target {
             fallback_proxy_protocol: Some(crate::route::ProxyVersion::V1),
             ..target()
         };
-        let report = run_with(&proxied, &BTreeSet::new(), filters, &mut routes);
-        assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+        let mut routes = shoot("shoot--a--b").to_vec();
+        apply(
+            &snapshot,
+            &proxied,
+            &BTreeSet::new(),
+            &mut routes,
+            &mut Report::default(),
+        );
+        assert_eq!(routes.len(), 2);
+        // No fallback: the name is not routed at all.
+        let none = Target {
+            fallback: None,
+            ..target()
+        };
+        let mut routes = shoot("shoot--a--b").to_vec();
+        apply(
+            &snapshot,
+            &none,
+            &BTreeSet::new(),
+            &mut routes,
+            &mut Report::default(),
+        );
+        assert_eq!(routes.len(), 2);
+    }
+
+    #[test]
+    fn acl_route_names_are_valid_and_distinct() {
+        assert_eq!(
+            acl_route_name("*.x.example.com"),
+            "fallback-acl-_.x.example.com"
+        );
+        assert_ne!(
+            acl_route_name("*.x.example.com"),
+            acl_route_name("wildcard.x.example.com")
+        );
+        let long = format!("{}.example.com", "a".repeat(240));
+        let (a, b) = (acl_route_name(&long), acl_route_name(&format!("b{long}")));
+        assert!(a.len() <= 253 && b.len() <= 253 && a != b, "{a} {b}");
     }
 }

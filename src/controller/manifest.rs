@@ -203,6 +203,15 @@ fn gateway(doc: &Value) -> Gateway {
                     .pointer("/tls/mode")
                     .and_then(Value::as_str)
                     .map(str::to_ascii_uppercase),
+                // Istio allows `namespace/host` (which VirtualServices may bind to it).
+                hosts: array(s, "/hosts")
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .map(|h| {
+                        let h = h.rsplit_once('/').map_or(h, |(_, h)| h);
+                        h.trim_end_matches('.').to_ascii_lowercase()
+                    })
+                    .collect(),
             })
             .collect(),
     }

@@ -58,6 +58,8 @@ pub struct Server {
     pub protocol: String,
     /// `tls.mode`, upper case (`PASSTHROUGH`, `SIMPLE`, `OPTIONAL_MUTUAL`, …), if any.
     pub tls_mode: Option<String>,
+    /// `hosts`, lower case, without a `namespace/` prefix and a trailing dot.
+    pub hosts: Vec<String>,
 }
 
 impl Server {

@@ -953,6 +953,7 @@ mod tests {
                 port: 443,
                 protocol: protocol.into(),
                 tls_mode: Some(mode.into()),
+                hosts: Vec::new(),
             }],
         }
     }
