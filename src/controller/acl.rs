@@ -402,11 +402,10 @@ pub fn apply(
             match &rbac.at {
                 RbacAt::Sni(h) => {
                     let h = h.trim_end_matches('.').to_ascii_lowercase();
-                    match by_sni.get(h.as_str()) {
-                        Some(&i) => paths.entry(i).or_insert_with(fresh)[0].add(f, admitted(rbac, None)),
-                        // Envoy enforces it (PROXY header), or nothing routes the name at
-                        // all (no fallback): closed.
-                        None => {}
+                    // No route: Envoy enforces it (PROXY header), or nothing routes the name
+                    // at all (no fallback).
+                    if let Some(&i) = by_sni.get(h.as_str()) {
+                        paths.entry(i).or_insert_with(fresh)[0].add(f, admitted(rbac, None));
                     }
                 }
                 RbacAt::Listener(name) => {
