@@ -218,5 +218,18 @@ admin: {address: \"127.0.0.1:5\"}
         );
         let config = config.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(known_destination_headers(&config.listeners), known());
+        // Gardener's two are known without a listener of their own.
+        let config = crate::config::gateway::parse(
+            std::path::Path::new("gateway.yaml"),
+            b"apiVersion: trellis.gardener.cloud/v1alpha1
+kind: GatewayConfiguration
+routes: {file: r.yaml}
+listeners:
+- {name: c, address: \"127.0.0.1:3\", protocol: http-connect, destinationHeader: X-Custom}
+admin: {address: \"127.0.0.1:5\"}
+",
+        );
+        let config = config.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(known_destination_headers(&config.listeners), known());
     }
 }
