@@ -160,7 +160,7 @@ impl Conn {
     pub(super) async fn forward(
         self: Box<Self>,
         route: &Arc<Route>,
-        reply: Reply,
+        mut reply: Reply,
         shared: &Shared,
     ) {
         let cfg = &shared.config;
@@ -175,6 +175,10 @@ impl Conn {
                     .unwrap_or_else(|_| SocketAddr::new(unspecified(source), 0))
             });
             let mut out = proxy::encode(version, source, destination);
+            if let Reply::HttpForwarded(f) = &mut reply {
+                // The header goes with the request head, before the backend's answer.
+                f.head += out.len();
+            }
             out.extend_from_slice(&buf);
             buf = out;
         }

@@ -4,20 +4,68 @@
 //! header name case-insensitive); the request target is ignored. `200` is sent only once the
 //! backend connection is up; bytes the client sent after the request head are relayed. Every
 //! error answers a status and closes (`403` for a client outside the route's
-//! `allowedSourceRanges`).
+//! `allowedSourceRanges`). A head without the destination header goes to the listener's
+//! `defaultRoute` when that route answers CONNECTs here (its backend sees only the tunnel).
 //!
 //! A route with `forwardConnect` leads to CONNECT proxies (Envoy's CONNECT listeners behind
 //! a `defaultRoute`): the gateway does not answer the request; once a backend is connected
-//! it sends the head exactly as received, with any bytes after it, and the backend's answer
-//! reaches the client through the relay. Only a failed connect is answered here
-//! (`502`/`504`).
+//! it sends the head exactly as received and waits for the backend's answer, which reaches
+//! the client; the bytes after the head follow only if the backend accepted (see
+//! [`crate::serve::forward`]). Only a failed connect, or no valid answer, is answered here
+//! (`502`/`504`). Such a head is forwarded only when it names its destination the way this
+//! listener routes it — the listener's header exactly once, and no other destination header
+//! the gateway knows — since the proxy behind may route by another header (Envoy's `8132`
+//! takes `X-Gardener-Destination` as well as `Reversed-VPN`), or the same header repeated,
+//! to a destination the gateway never matched: otherwise `403`, counted `no_route`.
 
 use super::conn::{Conn, ReadError};
 use super::{Pick, Shared};
-use crate::config::gateway::ListenerConfig;
-use crate::serve::forward::Reply;
+use crate::config::gateway::{DEFAULT_DESTINATION_HEADER, ListenerConfig, ListenerKind};
+use crate::serve::forward::{Forwarded, Reply};
 use crate::serve::record::Outcome;
-use crate::wire::http;
+use crate::wire::http::{self, RequestHead};
+
+/// The header Gardener's legacy reversed-VPN clients route by (Envoy's port `8132`).
+const REVERSED_VPN_HEADER: &str = "Reversed-VPN";
+
+/// Every CONNECT destination header the gateway knows, each once (compared
+/// case-insensitively): the `destinationHeader` of every `http-connect` listener, and
+/// always Gardener's two, which the CONNECT proxies a route may forward to route by.
+pub(super) fn known_destination_headers(listeners: &[ListenerConfig]) -> Vec<String> {
+    let configured = listeners.iter().filter_map(|l| match &l.kind {
+        ListenerKind::HttpConnect { destination_header } => Some(destination_header.as_str()),
+        _ => None,
+    });
+    let mut known: Vec<String> = Vec::new();
+    for name in [DEFAULT_DESTINATION_HEADER, REVERSED_VPN_HEADER]
+        .into_iter()
+        .chain(configured)
+    {
+        if !known.iter().any(|k| k.eq_ignore_ascii_case(name)) {
+            known.push(name.to_owned());
+        }
+    }
+    known
+}
+
+/// Whether a request head may be forwarded as received to a CONNECT proxy behind a listener
+/// that routes by `own`: `own` exactly once, and none of the `known` destination headers
+/// besides (names compared case-insensitively). `Err`: why not, for the `403`.
+fn forwardable(head: &RequestHead, own: &str, known: &[String]) -> Result<(), &'static str> {
+    let mut own_count = 0;
+    for (name, _) in &head.headers {
+        if name.eq_ignore_ascii_case(own) {
+            own_count += 1;
+        } else if known.iter().any(|k| k.eq_ignore_ascii_case(name)) {
+            return Err("unexpected destination header");
+        }
+    }
+    match own_count {
+        0 => Err("missing destination header"),
+        1 => Ok(()),
+        _ => Err("repeated destination header"),
+    }
+}
 
 /// Handles one `http-connect` connection from its request head to close.
 pub(super) async fn handle(
@@ -81,12 +129,107 @@ pub(super) async fn handle(
         }
     };
     let reply = if route.forward_connect {
-        // Every byte read stays in the buffer: the head goes to the backend as received.
-        conn.record.forwarded = true;
-        Reply::HttpForwarded
+        if let Err(detail) = forwardable(&head, destination_header, &shared.destination_headers) {
+            conn.reject_with(&http::response(403, detail)).await;
+            return conn.reject(Outcome::NoRoute, detail);
+        }
+        // Every byte read stays in the buffer: the head goes to the backend as received,
+        // the bytes after it once the backend accepted. The backend answers after its own
+        // upstream connect: it gets the handshake allowance, from when it is connected.
+        Reply::HttpForwarded(Forwarded {
+            head: consumed,
+            max_answer: max,
+            answer_timeout: shared.config.timeouts.handshake,
+        })
     } else {
         conn.consume(consumed);
         Reply::Http
     };
     conn.forward(&route, reply, shared).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::Parsed;
+
+    fn head(headers: &str) -> RequestHead {
+        let raw = format!("CONNECT x:1 HTTP/1.1\r\n{headers}\r\n");
+        match http::parse_request_head(raw.as_bytes(), 8192) {
+            Ok(Parsed::Complete { value, .. }) => value,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn known() -> Vec<String> {
+        vec![
+            "X-Gardener-Destination".into(),
+            "Reversed-VPN".into(),
+            "X-Custom".into(),
+        ]
+    }
+
+    #[test]
+    fn only_the_listeners_own_header_once_is_forwarded() {
+        let own = "Reversed-VPN";
+        let cases = [
+            ("reversed-vpn: a\r\nHost: x\r\n", Ok(())),
+            ("Host: x\r\n", Err("missing destination header")),
+            (
+                "Reversed-VPN: a\r\nREVERSED-VPN: a\r\n",
+                Err("repeated destination header"),
+            ),
+            (
+                "x-gardener-destination: b\r\n",
+                Err("unexpected destination header"),
+            ),
+            (
+                "Reversed-VPN: a\r\nX-Gardener-Destination: b\r\n",
+                Err("unexpected destination header"),
+            ),
+            (
+                "Reversed-VPN: a\r\nx-custom: b\r\n",
+                Err("unexpected destination header"),
+            ),
+        ];
+        for (headers, want) in cases {
+            assert_eq!(
+                forwardable(&head(headers), own, &known()),
+                want,
+                "{headers}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_configured_header_is_known_once() {
+        let config = crate::config::gateway::parse(
+            std::path::Path::new("gateway.yaml"),
+            b"apiVersion: trellis.gardener.cloud/v1alpha1
+kind: GatewayConfiguration
+routes: {file: r.yaml}
+listeners:
+- {name: a, address: \"127.0.0.1:1\", protocol: http-connect}
+- {name: b, address: \"127.0.0.1:2\", protocol: http-connect, destinationHeader: reversed-vpn}
+- {name: c, address: \"127.0.0.1:3\", protocol: http-connect, destinationHeader: X-Custom}
+- {name: d, address: \"127.0.0.1:4\", protocol: sni}
+admin: {address: \"127.0.0.1:5\"}
+",
+        );
+        let config = config.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(known_destination_headers(&config.listeners), known());
+        // Gardener's two are known without a listener of their own.
+        let config = crate::config::gateway::parse(
+            std::path::Path::new("gateway.yaml"),
+            b"apiVersion: trellis.gardener.cloud/v1alpha1
+kind: GatewayConfiguration
+routes: {file: r.yaml}
+listeners:
+- {name: c, address: \"127.0.0.1:3\", protocol: http-connect, destinationHeader: X-Custom}
+admin: {address: \"127.0.0.1:5\"}
+",
+        );
+        let config = config.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(known_destination_headers(&config.listeners), known());
+    }
 }

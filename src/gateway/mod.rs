@@ -92,6 +92,9 @@ pub(crate) struct Shared {
     pub drain: Drain,
     /// Dials route backends.
     pub dialer: Direct,
+    /// Every CONNECT destination header the gateway knows (see
+    /// [`connect::known_destination_headers`]).
+    pub destination_headers: Vec<String>,
 }
 
 /// Runs the gateway until SIGTERM/SIGINT and a completed drain.
@@ -176,7 +179,9 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         ),
         family: IpFamily::Any,
     };
+    let destination_headers = connect::known_destination_headers(&config.listeners);
     let shared = Arc::new(Shared {
+        destination_headers,
         config,
         metrics: metrics.clone(),
         tables: tables.clone(),

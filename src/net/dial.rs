@@ -50,6 +50,9 @@ pub(crate) enum ConnectFailure {
     /// An upstream proxy refused the tunnel (non-`200` answer, malformed answer, or closed
     /// before answering).
     Rejected,
+    /// The backend, a CONNECT proxy the gateway forwarded a client's CONNECT to, answered
+    /// it with a status other than `2xx`: the client's request, not the backend, failed.
+    RefusedByBackend,
     /// Any other error.
     Error,
 }
@@ -64,6 +67,7 @@ impl ConnectFailure {
             ConnectFailure::Reset => "reset",
             ConnectFailure::Resolve => "resolve",
             ConnectFailure::Rejected => "rejected",
+            ConnectFailure::RefusedByBackend => "refused_by_backend",
             ConnectFailure::Error => "error",
         }
     }
@@ -131,6 +135,7 @@ impl DialError {
                 ConnectFailure::Reset => "upstream_reset",
                 ConnectFailure::Resolve => "upstream_resolve",
                 ConnectFailure::Rejected => "upstream_rejected",
+                ConnectFailure::RefusedByBackend => "refused_by_backend",
                 ConnectFailure::Error => "upstream_error",
             },
         }

@@ -2,6 +2,12 @@
 //! backend stream, tell the client (a CONNECT `200`, or an error status), replay the bytes
 //! already read (after a PROXY header, when the route sends one: the caller puts it first),
 //! relay until the end, and finish the connection's record.
+//!
+//! A CONNECT forwarded to a backend that is a CONNECT proxy itself is an exchange first:
+//! only the request head goes to the backend, and nothing else of the client's until the
+//! backend's response head says it accepted (`2xx`). A refusal reaches the client and ends
+//! the connection, so the backend never reads a second request from this client: it would
+//! carry a destination that the gateway never checked.
 
 use std::time::Duration;
 
@@ -11,7 +17,7 @@ use super::record::{ConnRecord, Reason};
 use crate::net::dial::{ConnectFailure, Dialer, Target};
 use crate::net::relay::{self, Leg, Stats, Stop};
 use crate::route::Route;
-use crate::wire::http;
+use crate::wire::{Parsed, http};
 
 /// How long to wait for the client to read a rejection before closing.
 const REJECT_LINGER: Duration = Duration::from_secs(1);
@@ -24,9 +30,40 @@ pub(crate) enum Reply {
     /// An HTTP status: `200` once connected, `502`/`504` when every backend failed.
     Http,
     /// A CONNECT forwarded to backends that are CONNECT proxies themselves: `502`/`504`
-    /// when every backend failed, nothing once connected (the backend answers the request
-    /// head, which is replayed to it, and its answer reaches the client through the relay).
-    HttpForwarded,
+    /// when every backend failed; once connected, the backend answers the request head,
+    /// which is replayed to it, and its answer reaches the client (see [`Forwarded`]).
+    HttpForwarded(Forwarded),
+}
+
+/// How a CONNECT is forwarded to a backend that is a CONNECT proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Forwarded {
+    /// How many of the bytes replayed to the backend go before its answer: the PROXY header
+    /// (when the route sends one) and the request head. The rest, the bytes the client sent
+    /// right after the head, is held with everything the client sends later until the
+    /// backend accepted.
+    pub head: usize,
+    /// Largest response head taken from the backend (`maxHeaderBytes`).
+    pub max_answer: usize,
+    /// How long the backend may take to answer, from when its connection is up.
+    pub answer_timeout: Duration,
+}
+
+/// Why a backend did not accept a forwarded CONNECT.
+#[derive(Debug, PartialEq, Eq)]
+enum Refusal {
+    /// A status other than `2xx`: the bytes read (the head and whatever came with it).
+    Refused {
+        /// The status code.
+        status: u16,
+        /// The bytes read from the backend.
+        bytes: Vec<u8>,
+    },
+    /// No valid response head: the head could not be sent, the backend closed or reset
+    /// first, answered something that is not HTTP, or a head larger than the cap.
+    Invalid(String),
+    /// No complete response head within the answer timeout.
+    TimedOut,
 }
 
 /// How a forwarded connection is relayed.
@@ -87,15 +124,37 @@ pub(crate) async fn forward<C: Leg, D: Dialer>(
         let end = relay::End::Error(relay::IoKind::of(&e));
         return record.finish(Reason::Relay(end), Stats::default());
     }
+    let mut to_backend = to_backend;
+    let mut to_client = std::mem::take(&mut up.early);
+    // Bytes written to the backend before the relay (a forwarded request head).
+    let mut sent = 0;
+    if let Reply::HttpForwarded(fwd) = reply {
+        record.forwarded = true;
+        let held = to_backend.split_off(fwd.head.min(to_backend.len()));
+        let answer = Box::pin(exchange(&mut up.stream, &to_backend, to_client, fwd)).await;
+        let head = to_backend.len() as u64;
+        rm.rx.inc_by(head);
+        match answer {
+            Ok(accepted) => {
+                sent = head;
+                to_client = accepted;
+                to_backend = held;
+            }
+            Err(refusal) => {
+                // Closes the backend connection before the client hears the answer.
+                drop(up);
+                return refused(client, record, route, refusal, head, &rm.tx).await;
+            }
+        }
+    }
     let counters = relay::Counters {
         rx: &rm.rx,
         tx: &rm.tx,
         half_closed: &record.metrics().half_closed,
     };
-    let (end, stats) = {
+    let (end, mut stats) = {
         let rec = &record;
         let progress = |s: Stats| rec.progress(s);
-        let to_client = std::mem::take(&mut up.early);
         relay::relay(
             client,
             &mut up.stream,
@@ -109,7 +168,105 @@ pub(crate) async fn forward<C: Leg, D: Dialer>(
         .await
     };
     drop(up);
+    stats.rx += sent;
     record.finish(Reason::Relay(end), stats);
+}
+
+/// Sends a forwarded CONNECT's `head` to `backend` and reads its response head (after
+/// `early`, bytes the dialer already read), under the answer timeout and size cap. `Ok`: a
+/// `2xx` head, with the bytes read (the head and any tunnel bytes after it).
+async fn exchange<B: AsyncRead + AsyncWrite + Unpin>(
+    backend: &mut B,
+    head: &[u8],
+    early: Vec<u8>,
+    fwd: Forwarded,
+) -> Result<Vec<u8>, Refusal> {
+    let deadline = tokio::time::Instant::now() + fwd.answer_timeout;
+    match tokio::time::timeout_at(deadline, backend.write_all(head)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(Refusal::Invalid(format!("sending the head: {e}"))),
+        Err(_) => return Err(Refusal::TimedOut),
+    }
+    let mut buf = early;
+    let mut chunk = [0u8; 1024];
+    loop {
+        if !buf.is_empty() {
+            match http::parse_response_status(&buf, fwd.max_answer) {
+                Ok(Parsed::Incomplete) => {}
+                Ok(Parsed::Complete { value, .. }) if (200..300).contains(&value) => {
+                    return Ok(buf);
+                }
+                Ok(Parsed::Complete { value, .. }) => {
+                    return Err(Refusal::Refused {
+                        status: value,
+                        bytes: buf,
+                    });
+                }
+                Err(e) => return Err(Refusal::Invalid(e.to_string())),
+            }
+        }
+        // Never past the cap: the parser rejects a head that reaches it.
+        let room = fwd
+            .max_answer
+            .saturating_sub(buf.len())
+            .clamp(1, chunk.len());
+        let n = match tokio::time::timeout_at(deadline, backend.read(&mut chunk[..room])).await {
+            Err(_) => return Err(Refusal::TimedOut),
+            Ok(Ok(0)) => return Err(Refusal::Invalid("closed before answering".into())),
+            Ok(Ok(n)) => n,
+            Ok(Err(e)) => return Err(Refusal::Invalid(e.to_string())),
+        };
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Ends a forwarded CONNECT the backend did not accept: the client gets the backend's
+/// answer (a status and what came with it), or the gateway's `502`/`504` when there was no
+/// valid one, and the connection closes; nothing more of the client's reaches the backend.
+/// `head` is how many bytes the backend was sent.
+async fn refused<C: Leg>(
+    client: &mut C,
+    record: ConnRecord,
+    route: &Route,
+    refusal: Refusal,
+    head: u64,
+    tx: &prometheus_client::metrics::counter::Counter,
+) {
+    let metrics = record.metrics();
+    let (bytes, failure, reason) = match refusal {
+        Refusal::Refused { status, bytes } => {
+            tracing::debug!(route = %route.name(), client = %record.client, status, "the backend refused a forwarded CONNECT");
+            (
+                bytes,
+                ConnectFailure::RefusedByBackend,
+                Reason::RefusedByBackend,
+            )
+        }
+        Refusal::TimedOut => {
+            tracing::debug!(route = %route.name(), client = %record.client, "no answer to a forwarded CONNECT in time");
+            (
+                http::response(504, "backend connection timed out"),
+                ConnectFailure::Timeout,
+                Reason::Dial("upstream_timeout"),
+            )
+        }
+        Refusal::Invalid(detail) => {
+            tracing::debug!(route = %route.name(), client = %record.client, detail, "no valid answer to a forwarded CONNECT");
+            (
+                http::response(502, "backend unavailable"),
+                ConnectFailure::Rejected,
+                Reason::Dial("upstream_rejected"),
+            )
+        }
+    };
+    metrics.connect_failure(route.name(), failure.as_str());
+    tx.inc_by(bytes.len() as u64);
+    reject_with(client, &bytes).await;
+    let stats = Stats {
+        rx: head,
+        tx: bytes.len() as u64,
+    };
+    record.finish(reason, stats);
 }
 
 /// Writes `bytes` (an alert or an error response), half-closes, and lets the client read

@@ -61,6 +61,9 @@ pub(crate) enum Reason {
     Rejected(Outcome),
     /// Routed, but no backend stream could be had (`error:<kind>`).
     Dial(&'static str),
+    /// A forwarded CONNECT that the backend answered with a status other than `2xx`: the
+    /// client got that answer and the connection closed.
+    RefusedByBackend,
     /// Relayed until this end.
     Relay(End),
     /// The record was dropped unfinished: the task was cut (runtime shutdown).
@@ -78,6 +81,7 @@ impl fmt::Display for Reason {
         match self {
             Reason::Rejected(o) => f.write_str(o.as_str()),
             Reason::Dial(kind) => write!(f, "error:{kind}"),
+            Reason::RefusedByBackend => f.write_str("refused_by_backend"),
             Reason::Relay(end) => end.fmt(f),
             Reason::Aborted => f.write_str("error:aborted"),
         }
@@ -122,7 +126,8 @@ pub(crate) struct Record {
     /// PROXY header version and TLVs, when one was received.
     pub proxy: Option<String>,
     /// The CONNECT request head was forwarded to the backend, which answered it (a route
-    /// with `forwardConnect`), rather than answered by the gateway.
+    /// with `forwardConnect`), rather than answered by the gateway. Set once a backend
+    /// connection is up: a `502`/`504` the gateway answered itself is not forwarded.
     pub forwarded: bool,
     accepted_at: Instant,
     /// The route's handles, once routed (its active gauge is held until the end).
