@@ -450,7 +450,9 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
 
     let index = Index::new(snapshot);
     // Routes with their owner (the oldest object behind them), before key conflicts.
-    let mut built: Vec<(RouteDoc, Age<'_>)> = Vec::new();
+    // Sized once: a route is a few hundred bytes, and growing moves them all.
+    let vpn_routes: usize = index.vpn.values().map(Vec::len).sum();
+    let mut built: Vec<(RouteDoc, Age<'_>)> = Vec::with_capacity(1 + sni.len() + vpn_routes);
     let fallback_keys =
         |index: &Index<'_>, ns: &str, keys: &mut (BTreeSet<String>, BTreeSet<String>)| {
             keys.0
@@ -650,7 +652,8 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             }
         }
     }
-    let mut routes: Vec<RouteDoc> = kept.into_iter().filter_map(|i| built[i].take()).collect();
+    let mut routes: Vec<RouteDoc> = Vec::with_capacity(kept.len());
+    routes.extend(kept.into_iter().filter_map(|i| built[i].take()));
     super::acl::apply(snapshot, target, &mut routes, &mut report);
     report.routes = routes.len();
     (
@@ -771,7 +774,7 @@ impl<'a> Index<'a> {
             .iter()
             .map(|s| ((s.meta.namespace.as_str(), s.meta.name.as_str()), s))
             .collect();
-        let mut vpn: HashMap<_, Vec<&Service>> = HashMap::new();
+        let mut vpn: HashMap<_, Vec<&Service>> = HashMap::with_capacity(snapshot.namespaces.len());
         for (&(namespace, name), &service) in &services {
             let vpn_name = name.strip_prefix(VPN_SEED_SERVER.0).is_some_and(|rest| {
                 rest.is_empty()
@@ -786,14 +789,15 @@ impl<'a> Index<'a> {
         for list in vpn.values_mut() {
             list.sort_unstable_by(|a, b| a.meta.name.cmp(&b.meta.name));
         }
-        let mut slices: HashMap<_, Vec<_>> = HashMap::new();
+        let mut slices: HashMap<_, Vec<_>> = HashMap::with_capacity(snapshot.services.len());
         for s in &snapshot.endpoint_slices {
             slices
                 .entry((s.meta.namespace.as_str(), s.service.as_str()))
                 .or_default()
                 .push(s);
         }
-        let mut max_duration: HashMap<_, (&Meta, _)> = HashMap::new();
+        let mut max_duration: HashMap<_, (&Meta, _)> =
+            HashMap::with_capacity(snapshot.destination_rules.len());
         for dr in &snapshot.destination_rules {
             let Some((service, namespace)) = service_host(&dr.host, &dr.meta.namespace) else {
                 continue;
@@ -1237,6 +1241,68 @@ mod tests {
             addresses(route(&t, "shoot--dev--a")),
             ["100.64.1.2:443", "[fd00::2]:443"]
         );
+    }
+
+    #[test]
+    fn backends_are_in_address_order_ipv4_first_each_address_once() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        // `::1` is a smaller number than any IPv4 address; 10 sorts before 9 as text.
+        s.endpoint_slices[0].endpoints = vec![
+            endpoint("100.64.1.10", "a"),
+            endpoint("100.64.1.9", "b"),
+            endpoint("100.64.1.10", "c"),
+        ];
+        s.endpoint_slices.push(slice(
+            "shoot--dev--a",
+            "kube-apiserver",
+            "IPv6",
+            &[("kube-apiserver", 443)],
+            vec![endpoint("::1", "a")],
+        ));
+        let (t, _) = translate(&s, &target());
+        let backends = &route(&t, "shoot--dev--a").backends;
+        let found: Vec<_> = backends
+            .iter()
+            .map(|b| (b.address.as_str(), b.zone.as_deref()))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("100.64.1.9:443", Some("b")),
+                ("100.64.1.10:443", Some("a")),
+                ("[::1]:443", Some("a")),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_server_name_written_several_ways_is_listed_once() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &[
+                "api.a.example.com",
+                "API.a.example.com.",
+                "z.a.example.com",
+                "api.a.example.com",
+            ],
+            1,
+        );
+        let (t, report) = translate(&s, &target());
+        assert_eq!(
+            route(&t, "shoot--dev--a").sni,
+            ["api.a.example.com", "z.a.example.com"]
+        );
+        assert_eq!(report.skipped, BTreeMap::new());
     }
 
     #[test]
