@@ -441,7 +441,10 @@ fn endpoint_slice(doc: &Value) -> EndpointSlice {
         endpoints: array(doc, "/endpoints")
             .iter()
             .map(|e| Endpoint {
-                addresses: strings(e, "/addresses"),
+                address: e
+                    .pointer("/addresses/0")
+                    .and_then(Value::as_str)
+                    .and_then(|a| a.parse().ok()),
                 ready: e.pointer("/conditions/ready").and_then(Value::as_bool),
                 terminating: e
                     .pointer("/conditions/terminating")
@@ -528,6 +531,24 @@ metadata: {name: b}
             .collect();
         assert_eq!(names, [("a", true), ("b", false)]);
         assert_eq!(s.counts().iter().map(|c| c.1).sum::<usize>(), 2);
+    }
+
+    #[test]
+    fn an_endpoint_keeps_its_first_address_when_it_is_an_ip_address() {
+        let endpoints = serde_json::json!([
+            {"addresses": ["100.64.0.1", "100.64.0.2"]},
+            {"addresses": ["fd00::1"]},
+            {"addresses": ["api.example.com", "100.64.0.3"]},
+            {"addresses": []},
+        ]);
+        let doc = serde_json::json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "x"}, "endpoints": endpoints});
+        let Some(Object::EndpointSlice(slice)) = project(&doc) else {
+            panic!("{doc}")
+        };
+        let addresses: Vec<_> = slice.endpoints.iter().map(|e| e.address).collect();
+        let ip = |a: &str| a.parse().ok();
+        assert_eq!(addresses, [ip("100.64.0.1"), ip("fd00::1"), None, None]);
     }
 
     #[test]

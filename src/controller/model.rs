@@ -272,8 +272,9 @@ pub struct EndpointSlice {
 /// One endpoint of an EndpointSlice.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Endpoint {
-    /// `addresses` (the first is the one to use).
-    pub addresses: Vec<String>,
+    /// The first of `addresses` (the one to use), read as an IP address; `None` when there is
+    /// none or it is not one (an `FQDN` slice's host name).
+    pub address: Option<std::net::IpAddr>,
     /// `conditions.ready` (absent means ready).
     pub ready: Option<bool>,
     /// `conditions.terminating` (absent means not terminating).

@@ -36,8 +36,10 @@
 //! The output is ordered by route name, each list sorted: the same snapshot gives the same
 //! bytes. Nothing here does I/O.
 
+use std::borrow::Cow;
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, SocketAddr};
 
 use serde::Serialize;
 
@@ -277,11 +279,12 @@ impl Report {
     }
 }
 
-/// A route being built: the Service and port it leads to.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct RouteKey {
-    namespace: String,
-    service: String,
+/// A route being built: the Service and port it leads to (names borrowed from the
+/// snapshot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct RouteKey<'a> {
+    namespace: &'a str,
+    service: &'a str,
     port: Option<u32>,
 }
 
@@ -290,8 +293,8 @@ type Age<'a> = (bool, &'a str, &'a str, &'a str, &'a str);
 
 /// A server name claimed for a route by an object.
 struct Claim<'a> {
-    host: String,
-    route: RouteKey,
+    host: Cow<'a, str>,
+    route: RouteKey<'a>,
     owner: &'a Meta,
     kind: &'static str,
 }
@@ -373,14 +376,14 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                     );
                     continue;
                 };
-                if deleting.contains(route.namespace.as_str()) {
-                    skip_deleting(&mut report, &route.namespace);
+                if deleting.contains(route.namespace) {
+                    skip_deleting(&mut report, route.namespace);
                     continue;
                 }
                 for host in &tls.sni_hosts {
                     claims.push(Claim {
                         host: normalize(host),
-                        route: route.clone(),
+                        route,
                         owner: &vs.meta,
                         kind: "VirtualService",
                     });
@@ -389,7 +392,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         }
         // HTTP to a shoot's API server (besides its connection-upgrade Service) makes the
         // shoot L7; HTTP to anything else is one of Gardener's own HTTPS hosts.
-        let api_servers: Vec<String> = vs
+        let api_servers: Vec<&str> = vs
             .http_destinations
             .iter()
             .filter_map(|d| route_key(d, ns))
@@ -397,7 +400,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             .map(|k| k.namespace)
             .collect();
         let https = api_servers.is_empty() && !vs.http_destinations.is_empty();
-        l7.extend(api_servers);
+        l7.extend(api_servers.into_iter().map(str::to_owned));
         if https {
             report.skip(
                 Reason::Https,
@@ -440,8 +443,8 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             claims.push(Claim {
                 host: normalize(host),
                 route: RouteKey {
-                    namespace: ns.to_owned(),
-                    service: backend.name.clone(),
+                    namespace: ns,
+                    service: &backend.name,
                     port: backend.port,
                 },
                 owner: &r.meta,
@@ -457,11 +460,13 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         .iter()
         .filter_map(|f| f.meta.name.strip_suffix(TLS_TERMINATION_FILTER))
         .collect();
-    let claimed: BTreeSet<&str> = claims.iter().map(|c| c.route.namespace.as_str()).collect();
-    for ns in claimed {
-        if filters.contains(ns) {
+    // The claims of one object are neighbours: each namespace looked up once per object.
+    let mut previous = None;
+    for ns in claims.iter().map(|c| c.route.namespace) {
+        if previous != Some(ns) && filters.contains(ns) {
             l7.insert(ns.to_owned());
         }
+        previous = Some(ns);
     }
     l7.retain(|ns| {
         let keep = !deleting.contains(ns.as_str());
@@ -470,18 +475,19 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         }
         keep
     });
-    claims.retain(|c| !l7.contains(&c.route.namespace));
+    claims.retain(|c| !l7.contains(c.route.namespace));
 
     // Each server name goes to the route of its oldest claim.
     claims.sort_by(|a, b| (&a.host, a.owner.age()).cmp(&(&b.host, b.owner.age())));
-    let mut sni: BTreeMap<&RouteKey, (BTreeSet<String>, &Meta)> = BTreeMap::new();
-    let mut winner: Option<(&str, &RouteKey, &Meta, &str)> = None;
+    // Claims come sorted by name, so each route's names arrive sorted, repeats together.
+    let mut sni: BTreeMap<RouteKey<'_>, (Vec<&str>, &Meta)> = BTreeMap::new();
+    let mut winner: Option<(&str, RouteKey<'_>, &Meta, &str)> = None;
     for c in &claims {
         match winner {
             Some((host, route, owner, kind)) if host == c.host => {
-                if *route != c.route {
+                if route != c.route {
                     // The route keeps what else it has (its CONNECT keys, other names).
-                    sni.entry(&c.route).or_insert((BTreeSet::new(), c.owner));
+                    sni.entry(c.route).or_insert((Vec::new(), c.owner));
                     report.skip(
                         Reason::Conflict,
                         format!("{} {}", c.kind, c.owner.key()),
@@ -494,10 +500,12 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                     continue;
                 }
             }
-            _ => winner = Some((&c.host, &c.route, c.owner, c.kind)),
+            _ => winner = Some((&c.host, c.route, c.owner, c.kind)),
         }
-        let entry = sni.entry(&c.route).or_insert((BTreeSet::new(), c.owner));
-        entry.0.insert(c.host.clone());
+        let entry = sni.entry(c.route).or_insert((Vec::new(), c.owner));
+        if entry.0.last() != Some(&&*c.host) {
+            entry.0.push(&c.host);
+        }
         if c.owner.age() < entry.1.age() {
             entry.1 = c.owner;
         }
@@ -505,7 +513,9 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
 
     let index = Index::new(snapshot);
     // Routes with their owner (the oldest object behind them), before key conflicts.
-    let mut built: Vec<(RouteDoc, Age<'_>)> = Vec::new();
+    // Sized once: a route is a few hundred bytes, and growing moves them all.
+    let vpn_routes: usize = index.vpn.values().map(Vec::len).sum();
+    let mut built: Vec<(RouteDoc, Age<'_>)> = Vec::with_capacity(1 + sni.len() + vpn_routes);
     let fallback_keys =
         |index: &Index<'_>, ns: &str, keys: &mut (BTreeSet<String>, BTreeSet<String>)| {
             keys.0
@@ -568,24 +578,22 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             (false, "", "", "", ""),
         ));
     }
-    let multi_port: BTreeSet<(String, String)> = {
-        let mut seen = BTreeSet::new();
-        let mut multi = BTreeSet::new();
-        for k in sni.keys() {
-            if !seen.insert((k.namespace.clone(), k.service.clone())) {
-                multi.insert((k.namespace.clone(), k.service.clone()));
-            }
-        }
-        multi
+    // Keys are sorted: the ports of one Service are neighbours.
+    let multi_port: BTreeSet<(&str, &str)> = {
+        let keys: Vec<_> = sni.keys().collect();
+        keys.windows(2)
+            .filter(|w| (w[0].namespace, w[0].service) == (w[1].namespace, w[1].service))
+            .map(|w| (w[0].namespace, w[0].service))
+            .collect()
     };
-    let mut routed_namespaces = BTreeSet::new();
+    // In order, since the keys are.
+    let mut routed_namespaces: Vec<&str> = Vec::new();
     for (key, (hosts, owner)) in sni {
-        routed_namespaces.insert(key.namespace.as_str());
+        if routed_namespaces.last() != Some(&key.namespace) {
+            routed_namespaces.push(key.namespace);
+        }
         let object = || format!("Service {}/{}", key.namespace, key.service);
-        let Some(service) = index
-            .services
-            .get(&(key.namespace.as_str(), key.service.as_str()))
-        else {
+        let Some(service) = index.services.get(&(key.namespace, key.service)) else {
             report.skip(Reason::NoService, object(), "the Service does not exist");
             continue;
         };
@@ -611,17 +619,17 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             );
             continue;
         }
-        let kube_apiserver = (key.service.as_str(), port.port) == KUBE_APISERVER;
+        let kube_apiserver = (key.service, port.port) == KUBE_APISERVER;
         let name = if kube_apiserver {
-            key.namespace.clone()
-        } else if multi_port.contains(&(key.namespace.clone(), key.service.clone())) {
+            key.namespace.to_owned()
+        } else if multi_port.contains(&(key.namespace, key.service)) {
             format!("{}--{}--{}", key.namespace, key.service, port.port)
         } else {
-            format!("{}--{}", key.namespace, key.service)
+            [key.namespace, "--", key.service].concat()
         };
         let (destinations, proxy_destinations) = if kube_apiserver {
             (
-                vec![connect_key(&key.service, &key.namespace, port.port)],
+                vec![connect_key(key.service, key.namespace, port.port)],
                 proxy_destination(service).into_iter().collect(),
             )
         } else {
@@ -630,12 +638,11 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         built.push((
             RouteDoc {
                 name,
-                sni: hosts.into_iter().collect(),
+                sni: hosts.into_iter().map(str::to_owned).collect(),
                 destinations,
                 proxy_destinations,
                 backends,
-                max_connection_duration: index
-                    .max_connection_duration(&key.namespace, &key.service),
+                max_connection_duration: index.max_connection_duration(key.namespace, key.service),
                 allowed_source_ranges: Vec::new(),
                 handoff: Handoff::NONE,
             },
@@ -660,7 +667,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             }
             built.push((
                 RouteDoc {
-                    name: format!("{ns}--{}", service.meta.name),
+                    name: [ns, "--", &service.meta.name].concat(),
                     sni: Vec::new(),
                     destinations: vec![connect_key(&service.meta.name, ns, port.port)],
                     proxy_destinations: Vec::new(),
@@ -678,13 +685,16 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
     // Sorted by position: moving the routes themselves costs more than comparing them.
     let mut order: Vec<usize> = (0..built.len()).collect();
     order.sort_by(|&a, &b| (&built[a].1, &built[a].0.name).cmp(&(&built[b].1, &built[b].0.name)));
-    let mut built: Vec<Option<RouteDoc>> = built.into_iter().map(|(r, _)| Some(r)).collect();
-    let mut names = HashSet::new();
-    let mut keys: HashMap<String, String> = HashMap::new();
-    let mut routes = Vec::new();
-    for mut route in order.into_iter().filter_map(|i| built[i].take()) {
+    // Decided on borrowed names and keys; the routes are moved once, in name order.
+    let mut names: HashSet<&str> = HashSet::with_capacity(built.len());
+    let mut keys: HashMap<&str, &str> = HashMap::with_capacity(2 * built.len());
+    let mut kept = Vec::with_capacity(built.len());
+    // (route, position in its destinations followed by its PROXY destinations).
+    let mut lost: Vec<(usize, usize)> = Vec::new();
+    for &i in &order {
+        let route = &built[i].0;
         let object = || format!("route {}", route.name);
-        if !names.insert(route.name.clone()) {
+        if !names.insert(&route.name) {
             report.skip(
                 Reason::Conflict,
                 object(),
@@ -692,32 +702,45 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             );
             continue;
         }
-        for list in [&mut route.destinations, &mut route.proxy_destinations] {
-            list.retain(|k| match keys.get(k) {
-                Some(holder) => {
+        let mut held = 0;
+        let all = route.destinations.iter().chain(&route.proxy_destinations);
+        for (position, k) in all.enumerate() {
+            match keys.entry(k) {
+                Entry::Occupied(holder) => {
                     report.skip(
                         Reason::Conflict,
                         object(),
-                        format!("{k:?} is held by the older route {holder}"),
+                        format!("{k:?} is held by the older route {}", holder.get()),
                     );
-                    false
+                    lost.push((i, position));
                 }
-                None => {
-                    keys.insert(k.clone(), route.name.clone());
-                    true
+                Entry::Vacant(free) => {
+                    free.insert(&route.name);
+                    held += 1;
                 }
-            });
+            }
         }
-        let keyless = route.sni.is_empty()
-            && route.destinations.is_empty()
-            && route.proxy_destinations.is_empty();
-        if keyless && !is_fallback(&route.name) {
+        if route.sni.is_empty() && held == 0 && !is_fallback(&route.name) {
             // Every key it had went to older routes (already reported).
             continue;
         }
-        routes.push(route);
+        kept.push(i);
     }
-    routes.sort_by(|a, b| a.name.cmp(&b.name));
+    kept.sort_by(|&a, &b| built[a].0.name.cmp(&built[b].0.name));
+    let mut built: Vec<Option<RouteDoc>> = built.into_iter().map(|(r, _)| Some(r)).collect();
+    // Last first, so that the positions before each are unchanged.
+    for (i, position) in lost.into_iter().rev() {
+        if let Some(route) = &mut built[i] {
+            let n = route.destinations.len();
+            if position < n {
+                route.destinations.remove(position);
+            } else {
+                route.proxy_destinations.remove(position - n);
+            }
+        }
+    }
+    let mut routes: Vec<RouteDoc> = Vec::with_capacity(kept.len());
+    routes.extend(kept.into_iter().filter_map(|i| built[i].take()));
     super::acl::apply(snapshot, target, &fallback.0, &mut routes, &mut report);
     report.routes = routes.len();
     (
@@ -732,7 +755,26 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
 
 /// The Istio cluster name a CONNECT client sends.
 fn connect_key(service: &str, namespace: &str, port: u16) -> String {
-    format!("outbound|{port}||{service}.{namespace}.{CLUSTER_DOMAIN}")
+    // `format!("outbound|{port}||{service}.{namespace}.{CLUSTER_DOMAIN}")`, without the
+    // formatting machinery (a render writes thousands).
+    let mut out = String::with_capacity(
+        "outbound|65535||..".len() + service.len() + namespace.len() + CLUSTER_DOMAIN.len(),
+    );
+    out.push_str("outbound|");
+    decimal(&mut out, port);
+    out.push_str("||");
+    for part in [service, ".", namespace, ".", CLUSTER_DOMAIN] {
+        out.push_str(part);
+    }
+    out
+}
+
+/// Writes `n` in decimal.
+fn decimal(out: &mut String, n: u16) {
+    if n >= 10 {
+        decimal(out, n / 10);
+    }
+    out.push(char::from(b'0' + (n % 10) as u8));
 }
 
 /// GEP-08's address for a kube-apiserver Service: its IPv4 ClusterIP, first octet 240.
@@ -751,12 +793,6 @@ fn proxy_destination(service: &Service) -> Option<String> {
 /// `address.to_string()`, without the formatting machinery for IPv4 (a render writes
 /// thousands).
 fn address_text(address: SocketAddr) -> String {
-    fn decimal(out: &mut String, n: u16) {
-        if n >= 10 {
-            decimal(out, n / 10);
-        }
-        out.push(char::from(b'0' + (n % 10) as u8));
-    }
     let SocketAddr::V4(v4) = address else {
         return address.to_string();
     };
@@ -773,11 +809,11 @@ fn address_text(address: SocketAddr) -> String {
 }
 
 /// The Service a destination names, relative to the namespace of the object naming it.
-fn route_key(destination: &Destination, namespace: &str) -> Option<RouteKey> {
+fn route_key<'a>(destination: &'a Destination, namespace: &'a str) -> Option<RouteKey<'a>> {
     let (service, namespace) = service_host(&destination.host, namespace)?;
     Some(RouteKey {
-        namespace: namespace.to_owned(),
-        service: service.to_owned(),
+        namespace,
+        service,
         port: destination.port,
     })
 }
@@ -796,9 +832,15 @@ fn service_host<'h>(host: &'h str, namespace: &'h str) -> Option<(&'h str, &'h s
     Some((service, namespace))
 }
 
-/// Server names compare case-insensitively, without a trailing dot.
-fn normalize(host: &str) -> String {
-    host.trim_end_matches('.').to_ascii_lowercase()
+/// Server names compare case-insensitively, without a trailing dot; copied only when not
+/// already written so.
+fn normalize(host: &str) -> Cow<'_, str> {
+    let host = host.trim_end_matches('.');
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(host)
+    }
 }
 
 /// Lookups by namespace and name.
@@ -813,13 +855,14 @@ struct Index<'a> {
 
 impl<'a> Index<'a> {
     fn new(snapshot: &'a Snapshot) -> Self {
-        let sorted: BTreeMap<_, _> = snapshot
+        // A name given twice: the last one counts.
+        let services: HashMap<_, _> = snapshot
             .services
             .iter()
             .map(|s| ((s.meta.namespace.as_str(), s.meta.name.as_str()), s))
             .collect();
-        let mut vpn: HashMap<_, Vec<_>> = HashMap::new();
-        for (&(namespace, name), &service) in &sorted {
+        let mut vpn: HashMap<_, Vec<&Service>> = HashMap::with_capacity(snapshot.namespaces.len());
+        for (&(namespace, name), &service) in &services {
             let vpn_name = name.strip_prefix(VPN_SEED_SERVER.0).is_some_and(|rest| {
                 rest.is_empty()
                     || rest
@@ -830,15 +873,18 @@ impl<'a> Index<'a> {
                 vpn.entry(namespace).or_default().push(service);
             }
         }
-        let services = sorted.into_iter().collect();
-        let mut slices: HashMap<_, Vec<_>> = HashMap::new();
+        for list in vpn.values_mut() {
+            list.sort_unstable_by(|a, b| a.meta.name.cmp(&b.meta.name));
+        }
+        let mut slices: HashMap<_, Vec<_>> = HashMap::with_capacity(snapshot.services.len());
         for s in &snapshot.endpoint_slices {
             slices
                 .entry((s.meta.namespace.as_str(), s.service.as_str()))
                 .or_default()
                 .push(s);
         }
-        let mut max_duration: HashMap<_, (&Meta, _)> = HashMap::new();
+        let mut max_duration: HashMap<_, (&Meta, _)> =
+            HashMap::with_capacity(snapshot.destination_rules.len());
         for dr in &snapshot.destination_rules {
             let Some((service, namespace)) = service_host(&dr.host, &dr.meta.namespace) else {
                 continue;
@@ -859,8 +905,8 @@ impl<'a> Index<'a> {
     }
 
     /// `vpn-seed-server` and `vpn-seed-server-<N>` in `namespace`.
-    fn vpn_services(&self, namespace: &str) -> Vec<&'a Service> {
-        self.vpn.get(namespace).cloned().unwrap_or_default()
+    fn vpn_services(&self, namespace: &str) -> &[&'a Service] {
+        self.vpn.get(namespace).map_or(&[], Vec::as_slice)
     }
 
     /// Every ready endpoint of the Service's port named `port_name`, sorted and unique.
@@ -881,17 +927,17 @@ impl<'a> Index<'a> {
                 continue;
             };
             for endpoint in slice.endpoints.iter().filter(|e| e.is_ready()) {
-                let Some(ip) = endpoint
-                    .addresses
-                    .first()
-                    .and_then(|a| a.parse::<IpAddr>().ok())
-                else {
+                let Some(ip) = endpoint.address else {
                     continue;
                 };
                 out.push((SocketAddr::new(ip, port), &endpoint.zone));
             }
         }
-        out.sort_by_key(|(address, _)| *address);
+        // `SocketAddr`'s order as plain integers: IPv4 first, then address, then port.
+        out.sort_by_key(|(address, _)| match address {
+            SocketAddr::V4(a) => (false, u128::from(a.ip().to_bits()), a.port()),
+            SocketAddr::V6(a) => (true, a.ip().to_bits(), a.port()),
+        });
         out.dedup_by_key(|(address, _)| *address);
         out.into_iter()
             .map(|(address, zone)| BackendDoc {
@@ -960,7 +1006,8 @@ mod tests {
 
     fn endpoint(ip: &str, zone: &str) -> Endpoint {
         Endpoint {
-            addresses: vec![ip.into()],
+            // An FQDN slice's host name projects to none, as the manifest reader does.
+            address: ip.parse().ok(),
             ready: Some(true),
             terminating: None,
             zone: Some(zone.into()),
@@ -1285,6 +1332,68 @@ mod tests {
             addresses(route(&t, "shoot--dev--a")),
             ["100.64.1.2:443", "[fd00::2]:443"]
         );
+    }
+
+    #[test]
+    fn backends_are_in_address_order_ipv4_first_each_address_once() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com"],
+            1,
+        );
+        // `::1` is a smaller number than any IPv4 address; 10 sorts before 9 as text.
+        s.endpoint_slices[0].endpoints = vec![
+            endpoint("100.64.1.10", "a"),
+            endpoint("100.64.1.9", "b"),
+            endpoint("100.64.1.10", "c"),
+        ];
+        s.endpoint_slices.push(slice(
+            "shoot--dev--a",
+            "kube-apiserver",
+            "IPv6",
+            &[("kube-apiserver", 443)],
+            vec![endpoint("::1", "a")],
+        ));
+        let (t, _) = translate(&s, &target());
+        let backends = &route(&t, "shoot--dev--a").backends;
+        let found: Vec<_> = backends
+            .iter()
+            .map(|b| (b.address.as_str(), b.zone.as_deref()))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("100.64.1.9:443", Some("b")),
+                ("100.64.1.10:443", Some("a")),
+                ("[::1]:443", Some("a")),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_server_name_written_several_ways_is_listed_once() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &[
+                "api.a.example.com",
+                "API.a.example.com.",
+                "z.a.example.com",
+                "api.a.example.com",
+            ],
+            1,
+        );
+        let (t, report) = translate(&s, &target());
+        assert_eq!(
+            route(&t, "shoot--dev--a").sni,
+            ["api.a.example.com", "z.a.example.com"]
+        );
+        assert_eq!(report.skipped, BTreeMap::new());
     }
 
     #[test]
@@ -1909,6 +2018,16 @@ mod tests {
             crate::controller::to_json(&first),
             crate::controller::to_json(&second)
         );
+    }
+
+    #[test]
+    fn connect_keys_are_written_as_format_writes_them() {
+        for port in [0, 7, 443, 1194, 65535] {
+            assert_eq!(
+                connect_key("vpn-seed-server-0", "shoot--dev--a", port),
+                format!("outbound|{port}||vpn-seed-server-0.shoot--dev--a.svc.cluster.local")
+            );
+        }
     }
 
     #[test]
