@@ -153,3 +153,98 @@ fn a_bad_manifest_or_config_fails_with_its_name() {
     assert!(stderr.contains("fallbak: unknown field"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A namespace named like one of the controller's own routes (`fallback-closed` is added by
+/// the ACL code after route names are settled) neither breaks the table nor takes that
+/// route's place: its routes are renamed `ns.<name>`, the controller's keep their name.
+#[test]
+fn a_namespace_named_like_a_controller_route_keeps_the_table_valid() {
+    let acl = data().join("acl");
+    let open = std::fs::read_to_string(acl.join("seed/shoot--acl--open.yaml")).unwrap();
+    for reserved in [
+        "fallback",
+        "fallback-connect",
+        "fallback-connect-legacy",
+        "fallback-closed",
+    ] {
+        let dir = std::env::temp_dir().join(format!(
+            "trellis-render-reserved-{reserved}-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        // The ACL seed (its L7 shoot's restricted CONNECT keys make `fallback-closed`),
+        // its open shoot moved to the namespace `reserved`.
+        for entry in std::fs::read_dir(acl.join("seed")).unwrap() {
+            let path = entry.unwrap().path();
+            if !path.ends_with("shoot--acl--open.yaml") {
+                std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+            }
+        }
+        std::fs::write(
+            dir.join("reserved.yaml"),
+            open.replace("shoot--acl--open", reserved),
+        )
+        .unwrap();
+        let output = trellis()
+            .args(["controller", "render", "--manifests"])
+            .arg(&dir)
+            .arg("--config")
+            .arg(acl.join("controller.yaml"))
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        assert!(
+            output.status.success(),
+            "{reserved}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let table_file = dir.join("table.json");
+        std::fs::write(&table_file, &stdout).unwrap();
+        let check = trellis().arg("check").arg(&table_file).output().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            check.status.success(),
+            "{reserved}: trellis check refuses the table: {}\n{stdout}",
+            String::from_utf8_lossy(&check.stderr)
+        );
+
+        let table: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let routes = table["routes"].as_array().unwrap();
+        let route = |name: &str| {
+            routes
+                .iter()
+                .find(|r| r["name"] == name)
+                .unwrap_or_else(|| panic!("{reserved}: no route {name}:\n{stdout}"))
+        };
+        // The shoot is routed, under its new names.
+        let api = route(&format!("ns.{reserved}"));
+        assert_eq!(
+            api["destinations"][0],
+            format!("outbound|443||kube-apiserver.{reserved}.svc.cluster.local"),
+            "{stdout}"
+        );
+        assert_eq!(api["backends"][0]["address"], "100.96.52.10:443");
+        assert!(
+            api["sni"]
+                .as_array()
+                .unwrap()
+                .contains(&"api.open.acl.example.com".into()),
+            "{stdout}"
+        );
+        let vpn = route(&format!("ns.{reserved}--vpn-seed-server"));
+        assert_eq!(vpn["backends"][0]["address"], "100.96.52.20:1194");
+        // The controller's own routes are all there, each leading to the Envoy gateway.
+        for own in [
+            "fallback",
+            "fallback-connect",
+            "fallback-connect-legacy",
+            "fallback-closed",
+        ] {
+            let address = route(own)["backends"][0]["address"].as_str().unwrap();
+            assert!(
+                address.starts_with("istio-ingressgateway.istio-ingress."),
+                "{reserved}: {own} leads to {address}"
+            );
+        }
+    }
+}

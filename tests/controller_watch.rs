@@ -2,7 +2,8 @@
 //! table equals what `render` makes of the same objects; creating, changing and deleting a
 //! shoot's objects changes it; a relist or a restart of the API server never shrinks it;
 //! failed lists are retried and readiness waits for the first table; seeds that serve the
-//! Istio kinds only as `v1beta1`, or not at all, are watched as they are.
+//! Istio kinds only as `v1beta1`, or not at all, are watched as they are, also when that
+//! changes while the controller runs.
 
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
@@ -580,6 +581,181 @@ async fn kinds_not_served_are_empty_until_they_are_then_watched() {
     assert_eq!(now_served, expected.len(), "{}", c.logs());
     // Each absence was logged once, not at every recheck.
     assert_eq!(absent(), expected);
+}
+
+/// The kinds of the log lines with `message`, sorted.
+fn logged_kinds(c: &Controller, message: &str) -> Vec<String> {
+    let mut kinds: Vec<String> = logged(c, message)
+        .iter()
+        .map(|l| l["kind"].as_str().unwrap_or("").to_owned())
+        .collect();
+    kinds.sort();
+    kinds
+}
+
+/// Waits (at most `limit`) until the table is `expected`.
+async fn wait_exact(c: &Controller, what: &str, expected: &str, limit: Duration) {
+    let start = Instant::now();
+    while c.table().as_deref() != Some(expected) {
+        assert!(
+            start.elapsed() < limit,
+            "no table with {what} within {limit:?}; last: {:?}\n{}",
+            c.table(),
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kind_that_stops_being_served_is_watched_where_it_is_served_or_emptied() {
+    let kube = FakeKube::start().await;
+    let mut stored = seed(&kube, &[]);
+    let c = Controller::start(&kube);
+    let config = c.dir.path("controller.yaml");
+    let complete = render(&stored, &config);
+    wait_exact(&c, "every shoot", &complete, Duration::from_secs(10)).await;
+    let metrics = || async { c.get("/metrics").await.unwrap().1 };
+    let served = |kind: &str, version: &str| {
+        format!("trellis_controller_served{{kind=\"{kind}\",version=\"{version}\"}} 1")
+    };
+    let m = metrics().await;
+    assert!(m.contains(&served("VirtualService", "v1")), "{m}");
+    let envoy_filters = common::metric_in(&m, "trellis_controller_objects{kind=\"EnvoyFilter\"}");
+    assert!(envoy_filters > 0.0, "{m}");
+
+    // Istio's v1 goes (an Istio rolled back): the watches end, their restarts get 404, and
+    // Gateway, VirtualService and DestinationRule are watched at v1beta1. Their first lists
+    // there fail (each kind waits a backoff); the stores are replaced only when a list is
+    // done, with the same objects: no table is written.
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = watch_file(c.table_path(), stop.clone());
+    kube.fail_next_where(3, Fault::Internal, |r| {
+        r.contains("/networking.istio.io/v1beta1/") && !r.contains("watch=true")
+    });
+    kube.serve_group("networking.istio.io", &["v1beta1", "v1alpha3"]);
+    for plural in ["gateways", "virtualservices", "destinationrules"] {
+        let watch = format!("/networking.istio.io/v1beta1/{plural}?");
+        let start = Instant::now();
+        while !kube
+            .requests()
+            .iter()
+            .any(|r| r.contains(&watch) && r.contains("watch=true"))
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "no watch of {plural} at v1beta1:\n{}",
+                c.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    tokio::time::sleep(2 * Duration::from_millis(20)).await;
+    stop.store(true, Ordering::SeqCst);
+    let seen = watcher.join().unwrap();
+    assert_eq!(seen, [complete], "the move wrote tables");
+    assert_eq!(
+        logged_kinds(&c, "served at another version; watching it there"),
+        ["DestinationRule", "Gateway", "VirtualService"],
+        "{}",
+        c.logs()
+    );
+    let m = metrics().await;
+    assert!(m.contains(&served("VirtualService", "v1beta1")), "{m}");
+    assert!(
+        !m.contains("trellis_controller_served{kind=\"VirtualService\",version=\"v1\"}"),
+        "{m}"
+    );
+    // Changes arrive through the new watches.
+    kube.delete(
+        "networking.istio.io/v1",
+        "VirtualService",
+        ALPHA,
+        "kube-apiserver",
+    )
+    .unwrap();
+    stored.retain(|o| !(o["kind"] == "VirtualService" && o["metadata"]["namespace"] == ALPHA));
+    let without_alpha = render(&stored, &config);
+    wait_exact(&c, "alpha gone", &without_alpha, Duration::from_secs(10)).await;
+
+    // Istio uninstalled: its kinds' objects are gone, and the table is what the others
+    // make — but the EnvoyFilters, whose ACLs restrict shoots, are kept.
+    kube.serve_group("networking.istio.io", &[]);
+    let istio_routing = ["Gateway", "VirtualService", "DestinationRule"];
+    let rest: Vec<Value> = stored
+        .iter()
+        .filter(|o| {
+            !(o["apiVersion"]
+                .as_str()
+                .unwrap()
+                .starts_with("networking.istio.io/")
+                && istio_routing.contains(&o["kind"].as_str().unwrap()))
+        })
+        .cloned()
+        .collect();
+    let without_istio = render(&rest, &config);
+    assert_ne!(without_istio, without_alpha);
+    wait_exact(
+        &c,
+        "no Istio routing",
+        &without_istio,
+        Duration::from_secs(10),
+    )
+    .await;
+    let start = Instant::now();
+    while logged_kinds(
+        &c,
+        "no longer served; keeping its last objects, which restrict shoots",
+    )
+    .is_empty()
+    {
+        assert!(start.elapsed() < Duration::from_secs(10), "{}", c.logs());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        logged_kinds(
+            &c,
+            "no longer served; keeping its last objects, which restrict shoots"
+        ),
+        ["EnvoyFilter"]
+    );
+    assert_eq!(
+        logged_kinds(&c, "no longer served; its objects are gone"),
+        ["DestinationRule", "Gateway", "VirtualService"]
+    );
+    let m = metrics().await;
+    for kind in ["Gateway", "EnvoyFilter"] {
+        assert!(m.contains(&served(kind, "none")), "{m}");
+    }
+    assert_eq!(
+        common::metric_in(&m, "trellis_controller_objects{kind=\"VirtualService\"}"),
+        0.0
+    );
+    assert_eq!(
+        common::metric_in(&m, "trellis_controller_objects{kind=\"EnvoyFilter\"}"),
+        envoy_filters,
+        "{m}"
+    );
+
+    // Installed again: found at the next recheck, watched, and the table is whole.
+    kube.serve_group("networking.istio.io", &["v1", "v1beta1", "v1alpha3"]);
+    wait_exact(
+        &c,
+        "Istio's shoots back",
+        &without_alpha,
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(
+        logged_kinds(&c, "now served; watching"),
+        [
+            "DestinationRule",
+            "EnvoyFilter",
+            "Gateway",
+            "VirtualService"
+        ]
+    );
+    assert!(metrics().await.contains(&served("Gateway", "v1")));
 }
 
 #[test]

@@ -869,8 +869,8 @@ fn controller_wiring(objects: &[Value], watched: &[WatchedKind]) -> Result<(), S
         "{TOKEN_PATH} in the controller holds {paths:?}"
     );
 
-    // RBAC: the pod's account is bound to one ClusterRole that grants get, list and watch
-    // on exactly what the controller watches.
+    // RBAC: the pod's account is bound to one ClusterRole that grants list and watch (its
+    // watchers never `get`) on exactly what the controller watches.
     let account = pod["serviceAccountName"].as_str().unwrap();
     let namespace = deployment["metadata"]["namespace"].as_str().unwrap();
     let bindings: Vec<&Value> = objects
@@ -904,8 +904,8 @@ fn controller_wiring(objects: &[Value], watched: &[WatchedKind]) -> Result<(), S
             .collect();
         verbs.sort();
         ensure!(
-            verbs == ["get", "list", "watch"],
-            "a rule grants {verbs:?}, not get, list and watch: {rule}"
+            verbs == ["list", "watch"],
+            "a rule grants {verbs:?}, not list and watch: {rule}"
         );
         ensure!(
             rule["resourceNames"].is_null() && rule["nonResourceURLs"].is_null(),
@@ -996,7 +996,7 @@ fn a_miswired_controller_sidecar_fails() {
     }
     let objects = render("seed");
     type Break = fn(&mut Vec<Value>);
-    let breaks: [(&str, Break, &str); 16] = [
+    let breaks: [(&str, Break, &str); 18] = [
         (
             "a regular init container",
             |o| {
@@ -1134,7 +1134,24 @@ fn a_miswired_controller_sidecar_fails() {
                     .unwrap()
                     .push(json!("create"));
             },
-            "not get, list and watch",
+            "not list and watch",
+        ),
+        (
+            "get, which no watcher needs",
+            |o| {
+                rule_mut(o, 3)["verbs"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!("get"));
+            },
+            "not list and watch",
+        ),
+        (
+            "no watch",
+            |o| {
+                rule_mut(o, 0)["verbs"] = json!(["list"]);
+            },
+            "not list and watch",
         ),
         (
             "the binding to another account",

@@ -78,6 +78,16 @@ pub(crate) struct KindLabel {
     pub kind: &'static str,
 }
 
+/// `kind`, `version` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct KindVersionLabels {
+    /// An object kind (`Gateway`, `EndpointSlice`, …).
+    pub kind: &'static str,
+    /// The API version it is read at, or `none` when the API server serves none of those
+    /// the controller reads.
+    pub version: &'static str,
+}
+
 /// `reason` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct ReasonLabel {
@@ -104,6 +114,9 @@ pub(crate) struct ControllerMetrics {
     /// `trellis_controller_watch_errors_total`, per kind: failed lists and watches (each is
     /// retried with a backoff).
     pub watch_errors: Family<KindLabel, Counter>,
+    /// `trellis_controller_served`: 1 for the version each kind is watched at (`none` while
+    /// the API server serves it at none the controller reads); one series per kind.
+    pub served: Family<KindVersionLabels, Gauge>,
 }
 
 impl ControllerMetrics {
@@ -117,6 +130,7 @@ impl ControllerMetrics {
             // 1 ms .. ~65 s.
             change_to_write: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             watch_errors: Family::default(),
+            served: Family::default(),
         }
     }
 }
@@ -405,6 +419,11 @@ impl Metrics {
             "Failed lists and watches per kind (each retried with a backoff)",
             c.watch_errors.clone(),
         );
+        r.register(
+            "controller_served",
+            "1 for the API version each kind is watched at (none: not served)",
+            c.served.clone(),
+        );
     }
 
     /// Counts a finished or rejected downstream connection.
@@ -644,6 +663,12 @@ mod tests {
         c.watch_errors
             .get_or_create(&KindLabel { kind: "Service" })
             .inc();
+        c.served
+            .get_or_create(&KindVersionLabels {
+                kind: "Gateway",
+                version: "v1",
+            })
+            .set(1);
         let controller = families(&m.encode());
         for name in [
             "trellis_controller_objects",
@@ -653,6 +678,7 @@ mod tests {
             "trellis_controller_writes",
             "trellis_controller_change_to_write_seconds",
             "trellis_controller_watch_errors",
+            "trellis_controller_served",
             "trellis_build_info",
             "process_open_fds",
         ] {

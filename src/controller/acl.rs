@@ -38,7 +38,8 @@ use super::model::{EnvoyFilter, Net, Permission, Principal, Rbac, RbacAt, Snapsh
 use super::translate::{BackendDoc, Handoff, Reason, Report, RouteDoc, Target};
 
 /// The route that claims CONNECT keys a filter restricts which would otherwise reach the
-/// fallback from trellis' own address: it admits nobody.
+/// fallback from trellis' own address: it admits nobody. Added after route names are settled,
+/// so its name must be reserved ([`super::translate::is_reserved`]): no shoot's route has it.
 pub const CLOSED_ROUTE: &str = "fallback-closed";
 
 /// The name of the route that takes a restricted server name `host` no route holds to the
@@ -776,6 +777,11 @@ mod tests {
     }
 
     const LOCKED: [&str; 3] = ["203.0.113.0/24", "10.250.0.0/16", "2001:db8::/32"];
+
+    #[test]
+    fn the_routes_added_here_have_reserved_names() {
+        assert!(crate::controller::translate::is_reserved(CLOSED_ROUTE));
+    }
 
     #[test]
     fn an_allow_list_on_every_path_is_rendered_exactly_and_only_on_its_shoot() {

@@ -1,6 +1,6 @@
 //! The API kinds the controller reads: where the API server serves each one. The live watch
 //! ([`super::watch`], cargo feature `controller`) opens one watcher per entry, and the
-//! ClusterRole in `deploy/seed/` grants get, list and watch on exactly these (group,
+//! ClusterRole in `deploy/seed/` grants list and watch on exactly these (group,
 //! resource) pairs, checked against this list by the deploy tests. No Kubernetes client
 //! here: the list is data, available in every build.
 

@@ -23,6 +23,10 @@
 //! - **Fallback**: a route named [`FALLBACK_ROUTE`] with the fallback backend, the `sni`
 //!   listener's `defaultRoute`. Other HTTPS hosts (Gardener's plutono, prometheus, the garden
 //!   `kube-apiserver-ingress`) are left to it and counted as `https`.
+//! - **Names**: a namespace's API server route is named after the namespace, its other
+//!   routes `<ns>--<service>` (`--<port>` when it has several); names the controller keeps for
+//!   its own routes ([`is_reserved`]: `fallback`, `fallback-…`) get the prefix
+//!   [`RENAMED_PREFIX`], so no namespace can take one.
 //! - **Conflicts**: two routes claiming one key (server name, destination, PROXY destination,
 //!   route name): the oldest object wins (creation time, then namespace, name, uid); the
 //!   other loses that key and is counted as `conflict`. Claims are settled before endpoints
@@ -67,6 +71,30 @@ pub fn is_fallback(name: &str) -> bool {
         FALLBACK_CONNECT_LEGACY_ROUTE,
     ]
     .contains(&name)
+}
+
+/// Whether `name` is reserved for the controller's own routes: [`FALLBACK_ROUTE`] and every
+/// name that starts with `fallback-` (the CONNECT fallbacks, [`super::acl::CLOSED_ROUTE`], and
+/// any the controller adds later). A route built from a namespace's objects never gets one
+/// (see [`shoot_route_name`]), so a namespace named `fallback-closed` cannot take the name
+/// of a route the ACL code adds after naming is settled.
+pub fn is_reserved(name: &str) -> bool {
+    name.strip_prefix(FALLBACK_ROUTE)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
+}
+
+/// What a route built from a namespace's objects is named when its name would be reserved.
+pub const RENAMED_PREFIX: &str = "ns.";
+
+/// The name of a route built from a namespace's objects: `name`, or [`RENAMED_PREFIX`] +
+/// `name` when that is reserved ([`is_reserved`]). Namespace and Service names are DNS
+/// labels, which have no `.`, so a renamed route collides with no other.
+fn shoot_route_name(name: String) -> String {
+    if is_reserved(&name) {
+        format!("{RENAMED_PREFIX}{name}")
+    } else {
+        name
+    }
 }
 
 /// The cluster domain of Service host names (Gardener's seeds use the default).
@@ -620,13 +648,13 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             continue;
         }
         let kube_apiserver = (key.service, port.port) == KUBE_APISERVER;
-        let name = if kube_apiserver {
+        let name = shoot_route_name(if kube_apiserver {
             key.namespace.to_owned()
         } else if multi_port.contains(&(key.namespace, key.service)) {
             format!("{}--{}--{}", key.namespace, key.service, port.port)
         } else {
             [key.namespace, "--", key.service].concat()
-        };
+        });
         let (destinations, proxy_destinations) = if kube_apiserver {
             (
                 vec![connect_key(key.service, key.namespace, port.port)],
@@ -667,7 +695,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             }
             built.push((
                 RouteDoc {
-                    name: [ns, "--", &service.meta.name].concat(),
+                    name: shoot_route_name([ns, "--", &service.meta.name].concat()),
                     sni: Vec::new(),
                     destinations: vec![connect_key(&service.meta.name, ns, port.port)],
                     proxy_destinations: Vec::new(),
@@ -1132,6 +1160,30 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}\n{json}"))
         .table
+    }
+
+    #[test]
+    fn the_controllers_own_route_names_are_reserved_and_shoots_renamed_off_them() {
+        for name in [
+            FALLBACK_ROUTE,
+            FALLBACK_CONNECT_ROUTE,
+            FALLBACK_CONNECT_LEGACY_ROUTE,
+            "fallback-anything-later",
+        ] {
+            assert!(is_reserved(name), "{name}");
+            let renamed = shoot_route_name(name.to_owned());
+            assert_eq!(renamed, format!("ns.{name}"));
+            assert!(!is_reserved(&renamed), "{renamed}");
+        }
+        for name in [
+            "fallbacks",
+            "shoot--p--fallback",
+            "ns.fallback",
+            "fallback_x",
+        ] {
+            assert!(!is_reserved(name), "{name}");
+            assert_eq!(shoot_route_name(name.to_owned()), name);
+        }
     }
 
     #[test]

@@ -8,13 +8,20 @@
 //! kind's map only at `InitDone`, so a relist after `410 Gone` or an API server restart never
 //! renders from a half-listed kind. Nothing is rendered before every kind's first `InitDone`;
 //! `/ready` answers 200 once the first table is written. Access to the API is read-only.
+//!
+//! Which version each kind is read at comes from API discovery, at start and again whenever
+//! a list or watch of the kind gets `404 Not Found` (its CRD deleted, or the version watched
+//! no longer served): served at another version, its watcher is replaced (the new one's list
+//! replaces the store at its `InitDone`); served at none, its objects are gone (the store is
+//! emptied) — except EnvoyFilters, whose source allow-lists restrict shoots: those are kept.
+//! Kinds not served are looked for again every [`RECHECK`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::stream::{BoxStream, SelectAll};
+use futures_util::stream::{AbortHandle, BoxStream, SelectAll};
 use futures_util::{StreamExt, TryStreamExt};
 use kube::api::{Api, ApiResource, DynamicObject};
 use kube::discovery::Discovery;
@@ -29,7 +36,7 @@ use tokio::time::Instant;
 use super::kinds::{WATCHED, WatchedKind};
 use super::model::{Object, Snapshot};
 use super::{Target, manifest, temporary_file, to_json, translate};
-use crate::admin::metrics::{KindLabel, ReasonLabel, ResultLabel};
+use crate::admin::metrics::{KindLabel, KindVersionLabels, ReasonLabel, ResultLabel};
 use crate::admin::{AdminState, Metrics, Server};
 use crate::config::controller::{ControllerConfig, Output};
 
@@ -186,6 +193,16 @@ impl Store {
         self.synced = true;
     }
 
+    /// The API server no longer serves the kind: its objects no longer exist. True when the
+    /// objects translation reads changed.
+    pub fn clear(&mut self) -> bool {
+        let changed = !self.live.is_empty() || !self.synced;
+        self.live.clear();
+        self.buffer = None;
+        self.synced = true;
+        changed
+    }
+
     /// Whether the first list has completed.
     pub fn synced(&self) -> bool {
         self.synced
@@ -249,7 +266,114 @@ fn watch(client: &kube::Client, i: usize, resource: &ApiResource) -> Events {
 }
 
 /// How often kinds the API server does not serve are looked for again.
-const RECHECK: Duration = Duration::from_secs(10);
+pub const RECHECK: Duration = Duration::from_secs(10);
+
+/// The kind whose objects are kept when the API server stops serving it: the ACL
+/// extension's RBAC EnvoyFilters restrict shoots, and forgetting them would open those
+/// shoots to everyone (the restrictive choice; Envoy keeps its last filters too).
+const KEPT_WHEN_NOT_SERVED: &str = "EnvoyFilter";
+
+/// Whether a failed list or watch says the resource is not there at all (`404`): the kind
+/// may be served at another version now, or not at all.
+fn not_found(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code == 404,
+        watcher::Error::WatchError(s) => s.code == 404,
+        _ => false,
+    }
+}
+
+/// What discovery's answer for a kind means for its watcher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// Served where it is watched (or still not served): nothing to do.
+    Keep,
+    /// Served, at another version than the one watched or newly: watch it there.
+    Watch,
+    /// No longer served at all: stop its watcher; its objects are gone.
+    Stop,
+}
+
+/// The next step for a kind watched at `current` (`None`: not watched) that discovery found
+/// served at `found`.
+fn next(current: Option<&str>, found: Option<&str>) -> Next {
+    match (current, found) {
+        (c, f) if c == f => Next::Keep,
+        (_, Some(_)) => Next::Watch,
+        (Some(_), None) => Next::Stop,
+        (None, None) => Next::Keep,
+    }
+}
+
+/// Every kind's watcher: which version it reads, and how to stop it.
+struct Watchers {
+    client: kube::Client,
+    events: SelectAll<Events>,
+    /// Per kind: the version watched and the handle that ends its watcher; `None` while the
+    /// API server does not serve the kind.
+    current: Vec<Option<(&'static str, AbortHandle)>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Watchers {
+    fn new(client: kube::Client, metrics: Arc<Metrics>) -> Self {
+        Watchers {
+            client,
+            events: SelectAll::new(),
+            current: WATCHED.iter().map(|_| None).collect(),
+            metrics,
+        }
+    }
+
+    /// The version kind `i` is watched at.
+    fn version(&self, i: usize) -> Option<&'static str> {
+        self.current[i].as_ref().map(|(v, _)| *v)
+    }
+
+    /// Watches kind `i` at `resource`, ending the watcher it had.
+    fn start(&mut self, i: usize, resource: &ApiResource) {
+        self.stop(i);
+        let kind = &WATCHED[i];
+        // Discovery only finds the versions the kind lists.
+        let Some(version) = kind.versions.iter().find(|v| **v == resource.version) else {
+            return;
+        };
+        let (events, handle) = futures_util::stream::abortable(watch(&self.client, i, resource));
+        self.events.push(events.boxed());
+        self.current[i] = Some((version, handle));
+        self.set_served(i, version);
+    }
+
+    /// Ends kind `i`'s watcher: not served.
+    fn stop(&mut self, i: usize) {
+        if let Some((_, handle)) = self.current[i].take() {
+            handle.abort();
+        }
+        self.set_served(i, "none");
+    }
+
+    /// `trellis_controller_served`: one series per kind, at `version`.
+    fn set_served(&self, i: usize, version: &'static str) {
+        let kind = WATCHED[i].kind;
+        let served = &self.metrics.controller.served;
+        for v in WATCHED[i].versions.iter().chain(&["none"]) {
+            if *v != version {
+                served.remove(&KindVersionLabels { kind, version: v });
+            }
+        }
+        served
+            .get_or_create(&KindVersionLabels { kind, version })
+            .set(1);
+    }
+}
+
+/// What a discovery task answers: the kinds asked for, and where each is served.
+type Discovered = (
+    Vec<usize>,
+    Result<Vec<(usize, Option<ApiResource>)>, kube::Error>,
+);
 
 /// Discovery of the groups of `kinds` (indices into [`WATCHED`]): the resource each is served
 /// at, `None` for a kind none of whose versions is served.
@@ -278,29 +402,6 @@ async fn discover_all(client: &kube::Client) -> Vec<(usize, Option<ApiResource>)
                 tracing::warn!(error = %e, retry_in = ?wait, "API discovery failed; retrying");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(30));
-            }
-        }
-    }
-}
-
-/// Looks for the kinds in `missing` every [`RECHECK`] and sends each once it is served;
-/// ends when all are.
-async fn recheck(
-    client: kube::Client,
-    mut missing: Vec<usize>,
-    found: tokio::sync::mpsc::Sender<(usize, ApiResource)>,
-) {
-    while !missing.is_empty() {
-        tokio::time::sleep(RECHECK).await;
-        let Ok(served) = discover(&client, &missing).await else {
-            continue;
-        };
-        for (i, resource) in served {
-            if let Some(resource) = resource {
-                missing.retain(|m| *m != i);
-                if found.send((i, resource)).await.is_err() {
-                    return;
-                }
             }
         }
     }
@@ -398,15 +499,6 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     written
 }
 
-/// Aborts its task when dropped.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// Runs the controller until SIGTERM or SIGINT.
 pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
     let Output::File(path) = config.output.clone() else {
@@ -435,14 +527,13 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
         _ = sigterm.recv() => return Ok(()),
         _ = sigint.recv() => return Ok(()),
     };
-    let mut events = SelectAll::new();
-    let mut missing = Vec::new();
+    let mut watchers = Watchers::new(client.clone(), metrics.clone());
     for (i, resource) in discovered {
         let kind = WATCHED[i];
         match resource {
             Some(resource) => {
                 tracing::info!(kind = kind.kind, api_version = %resource.api_version, "watching");
-                events.push(watch(&client, i, &resource));
+                watchers.start(i, &resource);
             }
             None => {
                 tracing::warn!(
@@ -453,12 +544,23 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
                     "not served by the API server; treated as empty until it is"
                 );
                 stores[i].absent();
-                missing.push(i);
+                watchers.stop(i);
             }
         }
     }
-    let (found_tx, mut found) = tokio::sync::mpsc::channel(WATCHED.len());
-    let _recheck = AbortOnDrop(tokio::spawn(recheck(client.clone(), missing, found_tx)));
+    // Discovery of kinds not served (every RECHECK) and of kinds whose list or watch found
+    // nothing (404), one task per question, at most one per kind at a time.
+    let mut discoveries: tokio::task::JoinSet<Discovered> = tokio::task::JoinSet::new();
+    let mut asking = vec![false; WATCHED.len()];
+    let ask = |discoveries: &mut tokio::task::JoinSet<Discovered>, kinds: Vec<usize>| {
+        let client = client.clone();
+        discoveries.spawn(async move {
+            let found = discover(&client, &kinds).await;
+            (kinds, found)
+        });
+    };
+    let mut recheck = tokio::time::interval_at(Instant::now() + RECHECK, RECHECK);
+    recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut writer = Writer {
         path,
         last: None,
@@ -475,32 +577,97 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
         render_at = Some(Instant::now());
     }
     loop {
+        let mut changed = Vec::new();
         tokio::select! {
-            Some((i, event)) = events.next() => {
+            Some((i, event)) = watchers.events.next() => {
                 let kind = WATCHED[i].kind;
                 let change = match event {
                     Ok(change) => change,
                     Err(e) => {
                         metrics.controller.watch_errors.get_or_create(&KindLabel { kind }).inc();
                         tracing::warn!(kind, error = %e, "watch failed; retrying");
+                        if not_found(&e) && !asking[i] {
+                            tracing::info!(kind, "not found at the version watched; looking for it again");
+                            asking[i] = true;
+                            ask(&mut discoveries, vec![i]);
+                        }
                         continue;
                     }
                 };
                 let first_sync = matches!(change, Change::InitDone) && !stores[i].synced();
                 if stores[i].apply(change) {
-                    metrics.controller.objects.get_or_create(&KindLabel { kind }).set(stores[i].len() as i64);
-                    writer.pending_since.get_or_insert_with(Instant::now);
-                    if stores.iter().all(Store::synced) {
-                        render_at.get_or_insert_with(|| Instant::now() + DEBOUNCE);
-                    }
+                    changed.push(i);
                 }
                 if first_sync {
                     tracing::info!(kind, objects = stores[i].len(), "listed");
                 }
             }
-            Some((i, resource)) = found.recv() => {
-                tracing::info!(kind = WATCHED[i].kind, api_version = %resource.api_version, "now served; watching");
-                events.push(watch(&client, i, &resource));
+            Some(Ok((kinds, found))) = discoveries.join_next() => {
+                for &i in &kinds {
+                    asking[i] = false;
+                }
+                let found = match found {
+                    Ok(found) => found,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "API discovery failed; asking again later");
+                        continue;
+                    }
+                };
+                for (i, resource) in found {
+                    let kind = WATCHED[i].kind;
+                    let was = watchers.version(i);
+                    match next(was, resource.as_ref().map(|r| r.version.as_str())) {
+                        Next::Keep => {}
+                        Next::Watch => {
+                            let Some(resource) = resource else { continue };
+                            match was {
+                                None => tracing::info!(kind, api_version = %resource.api_version, "now served; watching"),
+                                Some(was) => tracing::warn!(
+                                    kind,
+                                    was,
+                                    api_version = %resource.api_version,
+                                    "served at another version; watching it there"
+                                ),
+                            }
+                            // The store keeps its objects until the new watcher's list is done.
+                            watchers.start(i, &resource);
+                        }
+                        Next::Stop => {
+                            watchers.stop(i);
+                            if kind == KEPT_WHEN_NOT_SERVED {
+                                tracing::warn!(
+                                    kind,
+                                    objects = stores[i].len(),
+                                    recheck = ?RECHECK,
+                                    "no longer served; keeping its last objects, which restrict shoots"
+                                );
+                                // Its relist, if one was under way, is abandoned.
+                                stores[i].buffer = None;
+                            } else {
+                                tracing::warn!(
+                                    kind,
+                                    objects = stores[i].len(),
+                                    recheck = ?RECHECK,
+                                    "no longer served; its objects are gone"
+                                );
+                                if stores[i].clear() {
+                                    changed.push(i);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            _ = recheck.tick() => {
+                let missing: Vec<usize> = (0..WATCHED.len())
+                    .filter(|&i| watchers.version(i).is_none() && !asking[i])
+                    .collect();
+                if !missing.is_empty() {
+                    for &i in &missing {
+                        asking[i] = true;
+                    }
+                    ask(&mut discoveries, missing);
+                }
             }
             () = tokio::time::sleep_until(render_at.unwrap_or_else(Instant::now)), if render_at.is_some() => {
                 render_at = None;
@@ -512,6 +679,20 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
             }
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
+        }
+        for &i in &changed {
+            let kind = WATCHED[i].kind;
+            metrics
+                .controller
+                .objects
+                .get_or_create(&KindLabel { kind })
+                .set(stores[i].len() as i64);
+        }
+        if !changed.is_empty() {
+            writer.pending_since.get_or_insert_with(Instant::now);
+            if stores.iter().all(Store::synced) {
+                render_at.get_or_insert_with(|| Instant::now() + DEBOUNCE);
+            }
         }
     }
     tracing::info!("controller stopped");
@@ -567,6 +748,49 @@ mod tests {
         assert_eq!(names(&s), ["a", "b"]);
         assert!(s.apply(Change::InitDone));
         assert_eq!(names(&s), ["a"]);
+    }
+
+    #[test]
+    fn a_kind_no_longer_served_has_no_objects_and_counts_as_listed() {
+        let mut s = Store::default();
+        assert!(s.clear(), "never listed: now it is, empty");
+        assert!(s.synced() && s.is_empty());
+        assert!(!s.clear(), "already empty");
+        let (k, o) = ns("a", false);
+        s.apply(Change::Apply(k, o));
+        // A relist under way is dropped with the objects.
+        s.apply(Change::Init);
+        let (k, o) = ns("b", false);
+        s.apply(Change::InitApply(k, o));
+        assert!(s.clear());
+        assert!(s.is_empty());
+        assert!(!s.apply(Change::InitDone), "nothing buffered");
+    }
+
+    #[test]
+    fn discovery_moves_a_watcher_only_when_the_version_served_changes() {
+        assert_eq!(next(Some("v1"), Some("v1")), Next::Keep);
+        assert_eq!(next(None, None), Next::Keep);
+        assert_eq!(next(Some("v1"), Some("v1beta1")), Next::Watch);
+        assert_eq!(next(None, Some("v1")), Next::Watch);
+        assert_eq!(next(Some("v1"), None), Next::Stop);
+    }
+
+    #[test]
+    fn only_not_found_asks_discovery_again() {
+        let status = |code| {
+            Box::new(kube::core::Status {
+                code,
+                ..kube::core::Status::failure("x", "NotFound")
+            })
+        };
+        let api = |code| kube::Error::Api(status(code));
+        assert!(not_found(&watcher::Error::InitialListFailed(api(404))));
+        assert!(not_found(&watcher::Error::WatchStartFailed(api(404))));
+        assert!(not_found(&watcher::Error::WatchError(status(404))));
+        assert!(!not_found(&watcher::Error::InitialListFailed(api(500))));
+        assert!(!not_found(&watcher::Error::WatchError(status(410))));
+        assert!(!not_found(&watcher::Error::NoResourceVersion));
     }
 
     #[test]

@@ -56,6 +56,8 @@ struct Signal {
     drop: u64,
     /// Every connection is closed.
     restart: u64,
+    /// The versions served changed: watches of a resource no longer served at theirs end.
+    served: u64,
 }
 
 #[derive(Debug)]
@@ -207,9 +209,12 @@ impl FakeKube {
 
     /// Serves `group` only at `versions` (those of them [`RESOURCES`] lists), as an API
     /// server with older CRDs installed does; with none, the group is not served at all (its
-    /// CRDs are not installed). Discovery and requests follow at once; objects stay.
+    /// CRDs are not installed). Discovery and requests follow at once; objects stay. Open
+    /// watches of a resource no longer served at their version end, as a real API server
+    /// ends them when a CRD is deleted or stops serving a version.
     pub(crate) fn serve_group(&self, group: &'static str, versions: &[&'static str]) {
         lock(&self.shared.served).insert(group, versions.to_vec());
+        self.shared.signal.send_modify(|s| s.served += 1);
     }
 
     /// How often watches that allow bookmarks get one (default 1 s).
@@ -770,6 +775,7 @@ fn watch(
     let (ns, shared) = (ns.to_string(), shared.clone());
     let r = &RESOURCES[rid];
     let api_version = Value::String(group_version(r.group, version));
+    let watched_version = version.to_owned();
     let bookmark = {
         let api_version = api_version.clone();
         move |rv: u64, end: bool| {
@@ -871,6 +877,9 @@ fn watch(
                     }
                     if now.expire != start.expire {
                         let _ = tx.send(event_line("ERROR", &gone(last, last))).await;
+                        return;
+                    }
+                    if !served(&shared, r).iter().any(|v| *v == watched_version) {
                         return;
                     }
                 }
