@@ -94,26 +94,6 @@ const CHURN_SHOOTS: usize = 50;
 const CHUNK: usize = 512;
 const PACE: Duration = Duration::from_millis(100);
 
-/// Raises this process' open-files limit (the gateway, started from here, inherits it) as
-/// far as allowed; returns the soft limit now.
-fn raise_nofile(want: u64) -> u64 {
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-    let now = getrlimit(Resource::Nofile);
-    let raised = Rlimit {
-        current: Some(want),
-        maximum: Some(want.max(now.maximum.unwrap_or(want))),
-    };
-    // Raising the hard limit needs root; without it, up to the hard limit.
-    if setrlimit(Resource::Nofile, raised).is_err() {
-        let soft = Rlimit {
-            current: now.maximum,
-            maximum: now.maximum,
-        };
-        let _ = setrlimit(Resource::Nofile, soft);
-    }
-    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
-}
-
 /// A shoot's API server for the streaming connections: reads the ClientHello record the
 /// client sends (the gateway routed on it and replayed it), then echoes every byte back and
 /// half-closes after the client does.
@@ -270,7 +250,7 @@ async fn wait_moving(
 async fn shoots_created_and_deleted_leave_other_shoots_connections_untouched() {
     // Here a descriptor per client and per echo, in the gateway two per connection.
     let needed = 2 * CONNECTIONS as u64 + 1_000;
-    let limit = raise_nofile(16_384);
+    let limit = common::raise_nofile(16_384);
     assert!(
         limit >= needed,
         "this test needs an open-files limit of {needed} and this process may raise its own \

@@ -28,29 +28,9 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
-/// Raises this process' open-files limit (the gateway, started from here, inherits it):
-/// the flood needs a descriptor per client here and per connection there.
-fn raise_nofile(want: u64) -> u64 {
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-    let now = getrlimit(Resource::Nofile);
-    let raised = Rlimit {
-        current: Some(want),
-        maximum: Some(want.max(now.maximum.unwrap_or(want))),
-    };
-    // Raising the hard limit needs root; without it, up to the hard limit.
-    if setrlimit(Resource::Nofile, raised).is_err() {
-        let soft = Rlimit {
-            current: now.maximum,
-            maximum: now.maximum,
-        };
-        let _ = setrlimit(Resource::Nofile, soft);
-    }
-    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
-}
-
 #[test]
 fn memory_returns_after_a_flood_of_slow_clients() {
-    let limit = raise_nofile(65_536);
+    let limit = common::raise_nofile(65_536);
     let needed = 2 * CLIENTS as u64 + 1_000;
     if limit < needed {
         // The gateway inherits the limit and would cap its connections below the flood.

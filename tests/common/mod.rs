@@ -695,3 +695,23 @@ pub(crate) fn run(cmd: &mut Command, stdin: &[u8], limit: Duration) -> (bool, St
 pub(crate) fn exists(path: &Path) -> bool {
     path.exists()
 }
+
+/// Raises this process' open-files limit to `want` (gateways started from here inherit it)
+/// as far as allowed; returns the soft limit now.
+pub(crate) fn raise_nofile(want: u64) -> u64 {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let now = getrlimit(Resource::Nofile);
+    let raised = Rlimit {
+        current: Some(want),
+        maximum: Some(want.max(now.maximum.unwrap_or(want))),
+    };
+    // Raising the hard limit needs root; without it, up to the hard limit.
+    if setrlimit(Resource::Nofile, raised).is_err() {
+        let soft = Rlimit {
+            current: now.maximum,
+            maximum: now.maximum,
+        };
+        let _ = setrlimit(Resource::Nofile, soft);
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
