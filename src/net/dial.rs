@@ -211,8 +211,8 @@ pub(crate) struct Direct {
     pub zone: Option<String>,
     /// Connect budget, failover included, unless the route sets its own.
     pub connect_timeout: Duration,
-    /// TCP keepalive `(idle, interval)` set on every backend socket.
-    pub keepalive: (Duration, Duration),
+    /// TCP keepalive set on every backend socket.
+    pub keepalive: socket::Keepalive,
     /// Which resolved addresses to use.
     pub family: IpFamily,
 }
@@ -245,8 +245,7 @@ impl Dialer for Direct {
                 match attempt(&backend.address, self.family, Instant::now() + share).await {
                     Ok((stream, addr)) => {
                         backend.state.record_success();
-                        let (idle, interval) = self.keepalive;
-                        socket::tune(&stream, idle, interval);
+                        socket::tune(&stream, &self.keepalive);
                         return Ok(Dialed {
                             stream,
                             backend: name,
