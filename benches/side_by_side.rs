@@ -1180,11 +1180,12 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize, storm: usize) {
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
+    // The bench's own affinity (one CPU when pinned) would not say what the machine has.
+    let cores = std::fs::read_to_string("/proc/cpuinfo")
+        .map(|c| c.lines().filter(|l| l.starts_with("processor")).count())
         .unwrap_or(0);
     println!(
-        "\nside-by-side on loopback: medians of {rounds} interleaved rounds of {secs} s per figure; {idle} idle connections; storm of {storm} clients; {cores} cores {}",
+        "\nside-by-side on loopback: medians of {rounds} interleaved rounds of {secs} s per figure; {idle} idle connections; storm of {storm} clients; {cores} CPUs {}",
         if pinned() {
             "(pinned: each proxy on CPU 0, clients and backend on CPU 1)"
         } else {

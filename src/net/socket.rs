@@ -271,12 +271,21 @@ mod tests {
             tune(&s, &k);
             let sock = SockRef::from(&s);
             assert!(sock.keepalive().unwrap() && sock.tcp_nodelay().unwrap());
-            assert_eq!(sock.tcp_keepalive_time().unwrap(), Duration::from_secs(7200));
-            assert_eq!(sock.tcp_keepalive_interval().unwrap(), Duration::from_secs(75));
+            assert_eq!(
+                sock.tcp_keepalive_time().unwrap(),
+                Duration::from_secs(7200)
+            );
+            assert_eq!(
+                sock.tcp_keepalive_interval().unwrap(),
+                Duration::from_secs(75)
+            );
             let k = Keepalive::new(Duration::from_secs(55), Duration::from_secs(10));
             tune(&s, &k);
             assert_eq!(sock.tcp_keepalive_time().unwrap(), Duration::from_secs(55));
-            assert_eq!(sock.tcp_keepalive_interval().unwrap(), Duration::from_secs(10));
+            assert_eq!(
+                sock.tcp_keepalive_interval().unwrap(),
+                Duration::from_secs(10)
+            );
         });
     }
 
