@@ -219,10 +219,7 @@ pub(super) async fn serve(
         guard,
         record,
     } = acc;
-    let deadline = Instant::from_std(super::handshake_deadline(
-        record.accepted_at(),
-        shared.config.timeouts.handshake,
-    ));
+    let deadline = Instant::from_std(record.accepted_at()) + shared.config.timeouts.handshake;
     let peer = record.peer;
     // Boxed: the connection state crosses three async layers as one pointer instead of
     // being copied into each layer's future.

@@ -137,15 +137,9 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
                 config.keepalive_downstream.idle,
                 config.keepalive_downstream.interval,
             );
-            let options = socket::ListenOptions {
-                backlog: socket::LISTEN_BACKLOG,
-                reuse_port: true,
-                freebind: false,
-                keepalive: Some(keepalive),
-                defer_accept: deferred_accept(config.timeouts.handshake)
-                    .map(|d| d.as_secs() as u32),
-            };
-            let sock = socket::bind_listener(address, &options).map_err(bind_error)?;
+            let sock =
+                socket::bind_std_with(address, socket::LISTEN_BACKLOG, true, Some(keepalive))
+                    .map_err(bind_error)?;
             sockets.push((l.clone(), sock));
         }
     }
@@ -179,7 +173,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let dialer = Direct {
         zone: config.zone.clone(),
         connect_timeout: config.timeouts.connect,
-        keepalive: socket::Keepalive::new(
+        keepalive: (
             config.keepalive_upstream.idle,
             config.keepalive_upstream.interval,
         ),
@@ -357,24 +351,4 @@ pub(crate) fn pick_route(
         Some(r) => Pick::Denied(r.clone()),
         None => Pick::NoRoute,
     }
-}
-
-/// How long the kernel may hold a connection before the gateway accepts it
-/// (`TCP_DEFER_ACCEPT`; every gateway listener's client speaks first): one second, the
-/// first SYN-ACK retransmission, when the handshake deadline leaves room for it. A client
-/// that sends nothing is accepted after it and then closed at the handshake deadline,
-/// which is shortened by it ([`handshake_deadline`]): no silent client outlives
-/// `timeouts.handshake` or escapes the `timeout` count.
-pub(crate) fn deferred_accept(handshake: std::time::Duration) -> Option<std::time::Duration> {
-    let defer = std::time::Duration::from_secs(1);
-    (handshake >= 2 * defer).then_some(defer)
-}
-
-/// The handshake deadline of a connection accepted at `accepted_at`: `timeouts.handshake`
-/// counted from when the client may have connected, the kernel's deferral included.
-pub(crate) fn handshake_deadline(
-    accepted_at: std::time::Instant,
-    handshake: std::time::Duration,
-) -> std::time::Instant {
-    accepted_at + handshake - deferred_accept(handshake).unwrap_or_default()
 }

@@ -211,8 +211,8 @@ pub(crate) struct Direct {
     pub zone: Option<String>,
     /// Connect budget, failover included, unless the route sets its own.
     pub connect_timeout: Duration,
-    /// TCP keepalive set on every backend socket.
-    pub keepalive: socket::Keepalive,
+    /// TCP keepalive `(idle, interval)` set on every backend socket.
+    pub keepalive: (Duration, Duration),
     /// Which resolved addresses to use.
     pub family: IpFamily,
 }
@@ -245,7 +245,8 @@ impl Dialer for Direct {
                 match attempt(&backend.address, self.family, Instant::now() + share).await {
                     Ok((stream, addr)) => {
                         backend.state.record_success();
-                        socket::tune(&stream, &self.keepalive);
+                        let (idle, interval) = self.keepalive;
+                        socket::tune(&stream, idle, interval);
                         return Ok(Dialed {
                             stream,
                             backend: name,

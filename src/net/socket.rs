@@ -42,7 +42,6 @@ pub fn bind_std_with(
             reuse_port,
             freebind: false,
             keepalive,
-            defer_accept: None,
         },
     )
 }
@@ -60,13 +59,6 @@ pub struct ListenOptions {
     pub freebind: bool,
     /// `TCP_NODELAY` and keepalive `(idle, interval)`, inherited by accepted sockets.
     pub keepalive: Option<(Duration, Duration)>,
-    /// `TCP_DEFER_ACCEPT` (whole seconds): a connection is accepted only once its first
-    /// bytes arrive, or once the kernel has waited this long (it then completes the
-    /// handshake on its next SYN-ACK retransmission), for protocols where the client speaks
-    /// first. It saves the wake-up and the empty read between the handshake and the first
-    /// bytes; a connection that closes before sending (a health check's FIN) is still
-    /// accepted and seen.
-    pub defer_accept: Option<u32>,
 }
 
 /// Binds a non-blocking std listener with `SO_REUSEADDR`, urgent data inline, and `options`.
@@ -97,86 +89,7 @@ pub fn bind_listener(
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
     socket.listen(options.backlog)?;
-    if let Some(secs) = options.defer_accept {
-        set_defer_accept(&socket, secs)?;
-    }
     Ok(socket.into())
-}
-
-/// Sets `TCP_DEFER_ACCEPT`, which neither rustix nor socket2 wraps.
-#[allow(unsafe_code)] // setsockopt has no safe wrapper for this option.
-fn set_defer_accept(socket: &Socket, secs: u32) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let value = libc::c_int::try_from(secs).unwrap_or(libc::c_int::MAX);
-    // SAFETY: the descriptor is open for the duration of the call, and the option value is
-    // a c_int whose size is passed with it.
-    let r = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_DEFER_ACCEPT,
-            (&value as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-/// TCP keepalive settings for connected sockets, with the values that equal the kernel's
-/// defaults (`net.ipv4.tcp_keepalive_time`, `tcp_keepalive_intvl` of the network namespace
-/// at start) left out: each is a system call per connection saved, with the same effect.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Keepalive {
-    /// Idle time before the first probe, unless it is the kernel's default.
-    idle: Option<Duration>,
-    /// Interval between probes, unless it is the kernel's default.
-    interval: Option<Duration>,
-}
-
-impl Keepalive {
-    /// `idle` and `interval`, compared with this network namespace's kernel defaults.
-    pub fn new(idle: Duration, interval: Duration) -> Self {
-        let sysctl = |name: &str| {
-            std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}"))
-                .ok()
-                .and_then(|s| s.trim().parse::<u64>().ok())
-                .map(Duration::from_secs)
-        };
-        Self::against(
-            idle,
-            interval,
-            sysctl("tcp_keepalive_time"),
-            sysctl("tcp_keepalive_intvl"),
-        )
-    }
-
-    /// `idle` and `interval` against the given defaults (unknown: always set).
-    fn against(
-        idle: Duration,
-        interval: Duration,
-        default_idle: Option<Duration>,
-        default_interval: Option<Duration>,
-    ) -> Self {
-        Keepalive {
-            idle: (Some(idle) != default_idle).then_some(idle),
-            interval: (Some(interval) != default_interval).then_some(interval),
-        }
-    }
-
-    fn socket2(&self) -> TcpKeepalive {
-        let mut ka = TcpKeepalive::new();
-        if let Some(idle) = self.idle {
-            ka = ka.with_time(idle);
-        }
-        if let Some(interval) = self.interval {
-            ka = ka.with_interval(interval);
-        }
-        ka
-    }
 }
 
 /// Binds `addr` without `SO_REUSEPORT` and without listening, to find out whether another
@@ -214,14 +127,16 @@ pub fn normalize(addr: SocketAddr) -> SocketAddr {
     }
 }
 
-/// Applies `TCP_NODELAY` and `keepalive` to a proxied connection. Failures are logged, not
-/// fatal: the connection still works without them.
-pub fn tune(stream: &TcpStream, keepalive: &Keepalive) {
+/// Applies `TCP_NODELAY` and keepalive (`idle` before the first probe, then every
+/// `interval`) to a proxied connection. Failures are logged, not fatal: the connection still
+/// works without them.
+pub fn tune(stream: &TcpStream, idle: Duration, interval: Duration) {
     let sock = SockRef::from(stream);
     // The probe count stays at the kernel default: one syscall less per connection.
+    let keepalive = TcpKeepalive::new().with_time(idle).with_interval(interval);
     if let Err(e) = sock
         .set_tcp_nodelay(true)
-        .and_then(|_| sock.set_tcp_keepalive(&keepalive.socket2()))
+        .and_then(|_| sock.set_tcp_keepalive(&keepalive))
     {
         tracing::debug!(error = %e, "could not set socket options");
     }
@@ -242,52 +157,6 @@ pub fn raise_nofile_limit() -> io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn keepalive_values_equal_to_the_kernels_are_left_out() {
-        let (h2, s75) = (Duration::from_secs(7200), Duration::from_secs(75));
-        let k = Keepalive::against(h2, s75, Some(h2), Some(s75));
-        assert_eq!((k.idle, k.interval), (None, None));
-        let k = Keepalive::against(Duration::from_secs(55), s75, Some(h2), Some(s75));
-        assert_eq!((k.idle, k.interval), (Some(Duration::from_secs(55)), None));
-        let k = Keepalive::against(h2, Duration::from_secs(10), Some(h2), Some(s75));
-        assert_eq!((k.idle, k.interval), (None, Some(Duration::from_secs(10))));
-        // Defaults unknown: both set.
-        let k = Keepalive::against(h2, s75, None, None);
-        assert_eq!((k.idle, k.interval), (Some(h2), Some(s75)));
-    }
-
-    /// A socket tuned with values the kernel already has gets them all the same.
-    #[test]
-    fn keepalive_left_to_the_kernel_still_applies() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let s = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
-            let k = Keepalive::new(Duration::from_secs(7200), Duration::from_secs(75));
-            tune(&s, &k);
-            let sock = SockRef::from(&s);
-            assert!(sock.keepalive().unwrap() && sock.tcp_nodelay().unwrap());
-            assert_eq!(
-                sock.tcp_keepalive_time().unwrap(),
-                Duration::from_secs(7200)
-            );
-            assert_eq!(
-                sock.tcp_keepalive_interval().unwrap(),
-                Duration::from_secs(75)
-            );
-            let k = Keepalive::new(Duration::from_secs(55), Duration::from_secs(10));
-            tune(&s, &k);
-            assert_eq!(sock.tcp_keepalive_time().unwrap(), Duration::from_secs(55));
-            assert_eq!(
-                sock.tcp_keepalive_interval().unwrap(),
-                Duration::from_secs(10)
-            );
-        });
-    }
 
     #[test]
     fn mapped_v6_is_normalized() {

@@ -186,8 +186,6 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
         freebind: true,
         // Inherited by every accepted socket.
         keepalive: Some(keepalive),
-        // The node has no handshake deadline of its own to shorten.
-        defer_accept: None,
     };
     let mut listeners = Vec::new();
     for &addr in &config.listen {
@@ -345,7 +343,7 @@ impl Node {
             inner: Direct {
                 zone: None,
                 connect_timeout: config.connect_timeout,
-                keepalive: crate::net::socket::Keepalive::new(
+                keepalive: (
                     config.keepalive_upstream.idle,
                     config.keepalive_upstream.interval,
                 ),
