@@ -238,6 +238,26 @@ impl Gateway {
         nofile: Option<u64>,
         env: &[(&str, &str)],
     ) -> Gateway {
+        // A port found free can be taken before the gateway binds it (by another test's
+        // outgoing connection, whose ephemeral port is drawn from the same range): then
+        // the gateway refuses to start, and it is started again on other ports.
+        for _ in 0..4 {
+            if let Some(gw) = Self::start_once(routes, listeners, extra, routes_source, nofile, env)
+            {
+                return gw;
+            }
+        }
+        panic!("gateway could not bind free ports in four attempts");
+    }
+
+    fn start_once(
+        routes: &str,
+        listeners: &[(&str, &str, &str)],
+        extra: &str,
+        routes_source: &str,
+        nofile: Option<u64>,
+        env: &[(&str, &str)],
+    ) -> Option<Gateway> {
         let dir = TestDir::new("gw");
         let mut ports = free_ports(1 + listeners.len()).into_iter();
         let mut next_addr = || SocketAddr::from(([127, 0, 0, 1], ports.next().unwrap()));
@@ -297,20 +317,30 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             log_dir,
             listeners: addrs,
         };
-        let ready = wait_for(Duration::from_secs(20), || {
-            match http_get(admin, "/ready") {
-                Some((200, _)) => Some(()),
-                _ => None,
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut ready = false;
+        while Instant::now() < deadline {
+            if let Some((200, _)) = http_get(admin, "/ready") {
+                ready = true;
+                break;
             }
-        });
-        if ready.is_none() {
+            if matches!(gw.child.try_wait(), Ok(Some(_))) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if !ready {
             let _ = gw.child.kill();
-            panic!("gateway did not become ready:\n{}", gw.logs());
+            let logs = gw.logs();
+            if logs.contains("another process already listens there") {
+                return None;
+            }
+            panic!("gateway did not become ready:\n{logs}");
         }
         gw.debug = gw
             .logged_address("debug endpoint listening")
             .unwrap_or_else(|| panic!("no debug endpoint in the log:\n{}", gw.logs()));
-        gw
+        Some(gw)
     }
 
     /// The `address` of the first log line whose message is `message`.
