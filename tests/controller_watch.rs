@@ -8,16 +8,17 @@
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod common;
+mod e2e;
 mod fakekube;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{TestDir, free_port, http_get};
+use common::{TestDir, http_get};
 use fakekube::{FakeKube, Fault};
 use serde_json::Value;
 
@@ -56,57 +57,31 @@ fn seed_files(except: &[&str]) -> Vec<String> {
     files
 }
 
-/// A running `trellis controller --config`, killed when dropped.
-struct Controller {
-    child: Child,
-    dir: TestDir,
-    admin: std::net::SocketAddr,
+/// A running `trellis controller --config` for the seed's default gateway and the Gateway
+/// API parent `infra/public`, killed when dropped.
+struct Controller(e2e::Controller);
+
+impl std::ops::Deref for Controller {
+    type Target = e2e::Controller;
+    fn deref(&self) -> &e2e::Controller {
+        &self.0
+    }
 }
 
 impl Controller {
     fn start(kube: &FakeKube) -> Controller {
-        let dir = TestDir::new("controller");
-        kube.write_kubeconfig(&dir.path("kubeconfig"));
-        let admin = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
-        std::fs::write(
-            dir.path("controller.yaml"),
-            format!(
-                "apiVersion: trellis.gardener.cloud/v1alpha1
-kind: ControllerConfiguration
-kubeconfig: kubeconfig
-gateway:
-  selector: {{app: istio-ingressgateway, istio: ingressgateway, istio-role: seed}}
+        Controller(e2e::Controller::start_with(
+            kube,
+            "gateway:
+  selector: {app: istio-ingressgateway, istio: ingressgateway, istio-role: seed}
   parentRefs: [infra/public]
-fallback: {{address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}}
-output: {{file: out/routes.json}}
-admin: {{address: \"{admin}\"}}
-"
-            ),
-        )
-        .unwrap();
-        std::fs::create_dir(dir.path("out")).unwrap();
-        let log = std::fs::File::create(dir.path("controller.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_trellis"))
-            .args(["--log-format", "json", "controller", "--config"])
-            .arg(dir.path("controller.yaml"))
-            .env("TRELLIS_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        Controller { child, dir, admin }
+fallback: {address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}",
+        ))
     }
 
-    fn table_path(&self) -> PathBuf {
-        self.dir.path("out/routes.json")
-    }
-
+    /// The table file's text.
     fn table(&self) -> Option<String> {
         std::fs::read_to_string(self.table_path()).ok()
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(self.dir.path("controller.log")).unwrap_or_default()
     }
 
     /// Waits (at most 10 s) until the table satisfies `pred`; returns it.
@@ -130,17 +105,10 @@ admin: {{address: \"{admin}\"}}
     }
 
     async fn get(&self, path: &str) -> Option<(u16, String)> {
-        let (addr, path) = (self.admin, path.to_owned());
+        let (addr, path) = (self.0.admin, path.to_owned());
         tokio::task::spawn_blocking(move || http_get(addr, &path))
             .await
             .unwrap()
-    }
-}
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

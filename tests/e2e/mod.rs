@@ -34,7 +34,16 @@ impl Controller {
     /// Starts the controller against `kube`, rendering the seed's default gateway with
     /// `fallback` as its fallback backend, writing `out/routes.json`.
     pub(crate) fn start(kube: &FakeKube, fallback: SocketAddr) -> Controller {
-        let dir = TestDir::new("e2e-controller");
+        Self::start_with(
+            kube,
+            &format!("gateway: {{selector: {SELECTOR}}}\nfallback: {{address: \"{fallback}\"}}"),
+        )
+    }
+
+    /// Starts the controller against `kube` with `settings` (the configuration's
+    /// `gateway` and `fallback` lines), writing `out/routes.json`.
+    pub(crate) fn start_with(kube: &FakeKube, settings: &str) -> Controller {
+        let dir = TestDir::new("controller");
         kube.write_kubeconfig(&dir.path("kubeconfig"));
         let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
         std::fs::write(
@@ -43,8 +52,7 @@ impl Controller {
                 "apiVersion: trellis.gardener.cloud/v1alpha1
 kind: ControllerConfiguration
 kubeconfig: kubeconfig
-gateway: {{selector: {SELECTOR}}}
-fallback: {{address: \"{fallback}\"}}
+{settings}
 output: {{file: out/routes.json}}
 admin: {{address: \"{admin}\"}}
 "
