@@ -4,6 +4,7 @@
 //! under one handshake deadline, with bounded buffers. A route with `sendProxyProtocol` gets
 //! a PROXY header in front of the first bytes replayed to its backend.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -15,7 +16,7 @@ use crate::config::gateway::{ListenerConfig, ListenerKind, ProxyMode};
 use crate::net::socket::normalize;
 use crate::route::Route;
 use crate::serve::accept::Accepted;
-use crate::serve::forward::{self, Relaying, Reply};
+use crate::serve::forward::{self, Linked, Reply, Routed};
 use crate::serve::record::{ConnRecord, Outcome};
 use crate::serve::tracker::ConnGuard;
 use crate::wire::Parsed;
@@ -142,29 +143,34 @@ impl Conn {
         (stream, buf, record, guard, source, destination)
     }
 
-    /// Rejects the connection before routing: counts `outcome`, logs, closes.
+    /// Rejects the connection before routing: counts `outcome`, logs, closes. `None`, for
+    /// a stage's `return`: nothing to relay.
     #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
-    pub(super) fn reject(self: Box<Self>, outcome: Outcome, detail: &str) {
+    pub(super) fn reject(self: Box<Self>, outcome: Outcome, detail: &str) -> Option<Ready> {
         let Conn { record, .. } = *self;
         record.reject(outcome, detail);
+        None
     }
 
-    /// Refuses a client that `route` does not admit: counts `denied`, logs, closes.
+    /// Refuses a client that `route` does not admit: counts `denied`, logs, closes. `None`,
+    /// like [`Conn::reject`].
     #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
-    pub(super) fn deny(self: Box<Self>, route: Arc<Route>) {
+    pub(super) fn deny(self: Box<Self>, route: Arc<Route>) -> Option<Ready> {
         let Conn { record, .. } = *self;
         record.deny(route);
+        None
     }
 
-    /// Forwards the connection to `route`: dial, reply, replay what was read, relay, record.
-    pub(super) async fn forward(
+    /// Links the connection to `route`: dial, reply (and, for a forwarded CONNECT, have the
+    /// head accepted). `None` when it ended there; else the caller relays it.
+    pub(super) async fn link(
         self: Box<Self>,
         route: &Arc<Route>,
         mut reply: Reply,
         shared: &Shared,
-    ) {
+    ) -> Option<Ready> {
         let cfg = &shared.config;
-        let (mut stream, mut buf, record, guard, source, destination) = self.into_parts();
+        let (stream, mut buf, record, guard, source, destination) = self.into_parts();
         if let Some(version) = route.send_proxy_protocol {
             // In front of the replayed bytes: the relay writes header and first bytes at once.
             let destination = destination.unwrap_or_else(|| {
@@ -182,37 +188,52 @@ impl Conn {
             out.extend_from_slice(&buf);
             buf = out;
         }
-        let relaying = Relaying {
+        let routed = Routed {
+            client: stream,
+            // Written first and then freed: an idle connection keeps no ClientHello or
+            // request head around.
+            to_backend: buf,
+            record,
+            guard,
+            route,
             limits: crate::net::relay::Limits {
                 idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
                 half_close: cfg.timeouts.half_close,
                 max_duration: route.max_connection_duration,
                 progress: cfg.access_log_interval,
             },
-            stop: &shared.drain.hard_stop,
         };
-        // The replay buffer is written first and then freed: an idle connection keeps no
-        // ClientHello or request head around.
-        forward::forward(
-            &mut stream,
-            buf,
-            record,
-            route,
-            &shared.dialer,
-            reply,
-            relaying,
-        )
-        .await;
-        drop(guard);
+        forward::link(routed, &shared.dialer, reply).await
     }
 }
 
-/// Runs one accepted connection through the pipeline.
-pub(super) async fn serve(
+/// A gateway connection ready to relay.
+pub(super) type Ready = Linked<TcpStream, TcpStream>;
+
+/// Runs one accepted connection: the pipeline up to a linked backend, in a box that is
+/// freed before the relay, then the relay (see [`Linked`] for why). The box is made here,
+/// so the task's own future holds the box, the relay and nothing else.
+pub(super) fn serve(
     acc: Accepted<TcpStream>,
     config: Arc<ListenerConfig>,
     shared: Arc<Shared>,
-) {
+) -> impl Future<Output = ()> + Send + 'static {
+    let pipeline = Box::pin(pipeline(acc, config, shared.clone()));
+    async move {
+        let Some(ready) = pipeline.await else {
+            return;
+        };
+        ready.relay(&shared.drain.hard_stop).await;
+    }
+}
+
+/// Everything before the relay: the load balancer's PROXY header, the per-source limit, the
+/// listener's protocol, routing and [`Conn::link`].
+async fn pipeline(
+    acc: Accepted<TcpStream>,
+    config: Arc<ListenerConfig>,
+    shared: Arc<Shared>,
+) -> Option<Ready> {
     let (config, shared) = (&*config, &*shared);
     let Accepted {
         stream,
@@ -235,8 +256,7 @@ pub(super) async fn serve(
 
     let mode = config.proxy_protocol.mode_for(peer.ip());
     if mode != ProxyMode::Off {
-        // Boxed, like every pre-routing stage: the task keeps only what the relay needs.
-        match Box::pin(load_balancer_header(&mut conn, mode, shared)).await {
+        match load_balancer_header(&mut conn, mode, shared).await {
             Ok(Some(info)) => {
                 shared
                     .metrics
@@ -376,5 +396,27 @@ pub(super) fn proxy_stage_error(e: ReadError<proxy::Reject>) -> StageReject {
             "no PROXY header in time".into(),
         ),
         ReadError::Reject(r) => (Outcome::BadRequest, Some(r.kind()), r.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The size of what `f` returns, without calling it.
+    fn returned_size<A, B, C, R>(_: impl FnOnce(A, B, C) -> R) -> usize {
+        std::mem::size_of::<R>()
+    }
+
+    /// An idle connection lives in its task's future: that future must hold the relay's
+    /// state and a pointer to the pipeline, not the pipeline's locals beside the relay
+    /// (1,900 bytes and a 2 KiB task when the relay was awaited inside the pipeline).
+    #[test]
+    fn a_connection_task_holds_the_relay_not_the_pipeline() {
+        let task = returned_size(serve);
+        let pipeline = returned_size(pipeline);
+        eprintln!("task future {task} B, pipeline {pipeline} B");
+        assert!(task <= 768, "the task future is {task} bytes");
+        assert!(pipeline > task, "the pipeline ({pipeline} B) runs boxed");
     }
 }

@@ -18,7 +18,7 @@
 //! takes `X-Gardener-Destination` as well as `Reversed-VPN`), or the same header repeated,
 //! to a destination the gateway never matched: otherwise `403`, counted `no_route`.
 
-use super::conn::{Conn, ReadError};
+use super::conn::{Conn, ReadError, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::{DEFAULT_DESTINATION_HEADER, ListenerConfig, ListenerKind};
 use crate::serve::forward::{Forwarded, Reply};
@@ -67,34 +67,37 @@ fn forwardable(head: &RequestHead, own: &str, known: &[String]) -> Result<(), &'
     }
 }
 
-/// Handles one `http-connect` connection from its request head to close.
+/// Takes one `http-connect` connection from its request head to a linked backend (`None`:
+/// it ended before).
 pub(super) async fn handle(
     mut conn: Box<Conn>,
     config: &ListenerConfig,
     destination_header: &str,
     shared: &Shared,
-) {
+) -> Option<Ready> {
     let max = shared.config.limits.max_header_bytes;
-    let (head, consumed) =
-        match Box::pin(conn.read_until(max, |b| http::parse_request_head(b, max))).await {
-            Ok(x) => x,
-            Err(ReadError::Closed { bytes }) => {
-                return conn.reject(
-                    Outcome::ClosedEarly,
-                    &format!("client closed after {bytes} bytes"),
-                );
-            }
-            Err(ReadError::Timeout) => {
-                conn.reject_with(&http::response(408, "no request head in time"))
-                    .await;
-                return conn.reject(Outcome::Timeout, "no request head in time");
-            }
-            Err(ReadError::Reject(r)) => {
-                conn.reject_with(&http::response(r.status(), &r.to_string()))
-                    .await;
-                return conn.reject(Outcome::BadRequest, &r.to_string());
-            }
-        };
+    let (head, consumed) = match conn
+        .read_until(max, |b| http::parse_request_head(b, max))
+        .await
+    {
+        Ok(x) => x,
+        Err(ReadError::Closed { bytes }) => {
+            return conn.reject(
+                Outcome::ClosedEarly,
+                &format!("client closed after {bytes} bytes"),
+            );
+        }
+        Err(ReadError::Timeout) => {
+            conn.reject_with(&http::response(408, "no request head in time"))
+                .await;
+            return conn.reject(Outcome::Timeout, "no request head in time");
+        }
+        Err(ReadError::Reject(r)) => {
+            conn.reject_with(&http::response(r.status(), &r.to_string()))
+                .await;
+            return conn.reject(Outcome::BadRequest, &r.to_string());
+        }
+    };
     if head.method != "CONNECT" {
         conn.reject_with(&http::response(405, "only CONNECT is supported"))
             .await;
@@ -145,7 +148,7 @@ pub(super) async fn handle(
         conn.consume(consumed);
         Reply::Http
     };
-    conn.forward(&route, reply, shared).await;
+    conn.link(&route, reply, shared).await
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 //! client writes itself. A route that sends its backends a PROXY header puts this header's
 //! destination in it.
 
-use super::conn::{Conn, header_result, proxy_stage_error};
+use super::conn::{Conn, Ready, header_result, proxy_stage_error};
 use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
 use crate::net::socket::normalize;
@@ -14,11 +14,15 @@ use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
 use crate::wire::proxy;
 
-/// Handles one `proxy-destination` connection from its PROXY header to close.
-pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
+/// Takes one `proxy-destination` connection from its PROXY header to a linked backend
+/// (`None`: it ended before).
+pub(super) async fn handle(
+    mut conn: Box<Conn>,
+    config: &ListenerConfig,
+    shared: &Shared,
+) -> Option<Ready> {
     let limit = shared.config.limits.max_header_bytes;
-    let (info, consumed) = match Box::pin(conn.read_until(limit, |b| proxy::parse(b, limit))).await
-    {
+    let (info, consumed) = match conn.read_until(limit, |b| proxy::parse(b, limit)).await {
         Ok(x) => x,
         Err(e) => {
             let (outcome, result, detail) = proxy_stage_error(e);
@@ -52,5 +56,5 @@ pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared:
         Pick::Denied(route) => return conn.deny(route),
         Pick::NoRoute => return conn.reject(Outcome::NoRoute, "unknown PROXY destination"),
     };
-    conn.forward(&route, Reply::None, shared).await;
+    conn.link(&route, Reply::None, shared).await
 }

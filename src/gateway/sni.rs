@@ -5,17 +5,25 @@
 //! never terminated. Unroutable hellos get a fatal `unrecognized_name` alert, clients outside the route's
 //! `allowedSourceRanges` an `access_denied` alert.
 
-use super::conn::{Conn, ReadError};
+use super::conn::{Conn, ReadError, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
 use crate::wire::tls::{self, Reject};
 
-/// Handles one `sni` connection from routing to close.
-pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared: &Shared) {
+/// Takes one `sni` connection from its ClientHello to a linked backend (`None`: it ended
+/// before).
+pub(super) async fn handle(
+    mut conn: Box<Conn>,
+    config: &ListenerConfig,
+    shared: &Shared,
+) -> Option<Ready> {
     let max = shared.config.limits.max_client_hello_bytes;
-    let hello = match Box::pin(conn.read_until(max, |b| tls::parse_client_hello(b, max))).await {
+    let hello = match conn
+        .read_until(max, |b| tls::parse_client_hello(b, max))
+        .await
+    {
         Ok((hello, consumed)) => {
             conn.record
                 .listener_metrics()
@@ -64,5 +72,5 @@ pub(super) async fn handle(mut conn: Box<Conn>, config: &ListenerConfig, shared:
         }
     };
     // Every byte read, the ClientHello included, goes to the backend unchanged.
-    conn.forward(&route, Reply::None, shared).await;
+    conn.link(&route, Reply::None, shared).await
 }

@@ -26,7 +26,7 @@ use crate::net::socket::{self, ListenOptions, normalize};
 use crate::route::{Backend, BackendAddress, BackendRegistry, Route};
 use crate::serve::accept::{Accepted, Admission, accept_loop};
 use crate::serve::drain::{Drain, DrainTimes};
-use crate::serve::forward::{Relaying, Reply, forward};
+use crate::serve::forward::{Linked, Reply, Routed, link};
 
 /// Listener name in metrics and logs.
 pub const LISTENER: &str = "apiserver-proxy";
@@ -360,10 +360,28 @@ impl Node {
         }
     }
 
-    /// Forwards one client connection to the gateway.
-    async fn handle(self: Arc<Self>, accepted: Accepted<TcpStream>) {
+    /// Forwards one client connection to the gateway: links it in a box that is freed
+    /// before the relay, so the task keeps only the relay's state.
+    fn handle(
+        self: Arc<Self>,
+        accepted: Accepted<TcpStream>,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let link = Box::pin(self.clone().link(accepted));
+        async move {
+            let Some(linked) = link.await else {
+                return;
+            };
+            linked.relay(&self.drain.hard_stop).await;
+        }
+    }
+
+    /// Dials the gateway for one client connection (`None`: it ended there).
+    async fn link(
+        self: Arc<Self>,
+        accepted: Accepted<TcpStream>,
+    ) -> Option<Linked<TcpStream, TcpStream>> {
         let Accepted {
-            mut stream,
+            stream,
             guard,
             mut record,
         } = accepted;
@@ -372,25 +390,40 @@ impl Node {
         let local = stream.local_addr().map_or(record.peer, normalize);
         record.target = Some(local.to_string());
         record.local = Some(local);
-        let relaying = Relaying {
+        let routed = Routed {
+            client: stream,
+            to_backend: Vec::new(),
+            record,
+            guard,
+            route: &self.route,
             limits: Limits {
                 idle: self.config.idle_timeout,
                 half_close: self.config.half_close_timeout,
                 max_duration: None,
                 progress: None,
             },
-            stop: &self.drain.hard_stop,
         };
-        forward(
-            &mut stream,
-            Vec::new(),
-            record,
-            &self.route,
-            &self.dialer,
-            Reply::None,
-            relaying,
-        )
-        .await;
-        drop(guard);
+        link(routed, &self.dialer, Reply::None).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The size of what `f` returns, without calling it.
+    fn returned_size<A, B, R>(_: impl FnOnce(A, B) -> R) -> usize {
+        std::mem::size_of::<R>()
+    }
+
+    /// As on the gateway: an idle connection's task holds the relay's state, not the
+    /// dialing stage's locals beside it.
+    #[test]
+    fn a_connection_task_holds_the_relay_not_the_dialing() {
+        let task = returned_size(Node::handle);
+        let link = returned_size(Node::link);
+        eprintln!("task future {task} B, link {link} B");
+        assert!(task <= 768, "the task future is {task} bytes");
+        assert!(link > task, "the link ({link} B) runs boxed");
     }
 }

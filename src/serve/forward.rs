@@ -9,14 +9,18 @@
 //! the connection, so the backend never reads a second request from this client: it would
 //! carry a destination that the gateway never checked.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::record::{ConnRecord, Reason};
+use super::tracker::ConnGuard;
+use crate::admin::metrics::RouteMetrics;
 use crate::net::dial::{ConnectFailure, Dialer, Target};
 use crate::net::relay::{self, Leg, Stats, Stop};
-use crate::route::Route;
+use crate::route::{BackendGuard, Route};
 use crate::wire::{Parsed, http};
 
 /// How long to wait for the client to read a rejection before closing.
@@ -66,27 +70,65 @@ enum Refusal {
     TimedOut,
 }
 
-/// How a forwarded connection is relayed.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Relaying<'a> {
-    /// Idle, half-close, lifetime and progress bounds (the route's overrides applied by
-    /// the caller).
+/// A routed connection on its way to a backend: what [`link`] takes.
+pub(crate) struct Routed<'a, C> {
+    /// The client stream.
+    pub client: C,
+    /// Bytes read from the client so far (a PROXY header for the backend may lead them):
+    /// written to the backend first.
+    pub to_backend: Vec<u8>,
+    /// The connection's record.
+    pub record: ConnRecord,
+    /// Keeps the connection counted until it ends.
+    pub guard: ConnGuard,
+    /// Where it goes.
+    pub route: &'a Route,
+    /// Idle, half-close, lifetime and progress bounds of its relay (the route's overrides
+    /// applied by the caller).
     pub limits: relay::Limits,
-    /// Cuts the relay at the end of a drain.
-    pub stop: &'a Stop,
 }
 
-/// Dials `route` with `dialer`, answers per `reply`, writes `to_backend` (bytes read from the
-/// client so far) first, relays, and finishes `record`.
-pub(crate) async fn forward<C: Leg, D: Dialer>(
-    client: &mut C,
+/// A connection whose backend stream is up: everything its relay keeps, and nothing else.
+///
+/// A task is as large as its largest state, and an idle connection spends its life in the
+/// relay. So the roles run everything before it (handshakes, routing, [`link`]) in a boxed
+/// future that returns this, free that box, and only then relay ([`Linked::relay`]) at the
+/// top of the task: the task then holds the relay's state, not the relay's state plus every
+/// earlier stage's locals.
+pub(crate) struct Linked<C, S> {
+    client: C,
+    backend: S,
+    /// Bytes for the backend not yet written (replayed client bytes).
     to_backend: Vec<u8>,
-    mut record: ConnRecord,
-    route: &Route,
+    /// Bytes for the client not yet written (past a tunnel's or forwarded CONNECT's head).
+    to_client: Vec<u8>,
+    /// Bytes written to the backend before the relay (a forwarded request head).
+    sent: u64,
+    record: ConnRecord,
+    route: Arc<RouteMetrics>,
+    limits: relay::Limits,
+    /// Keeps the backend's active count (held for its drop).
+    _backend: Option<BackendGuard>,
+    /// Keeps the connection counted (held for its drop).
+    _guard: ConnGuard,
+}
+
+/// Dials `routed.route` with `dialer` and answers the client per `reply`; a forwarded CONNECT
+/// also has its head accepted by the backend. `None` when the connection ended here (no
+/// backend, a refusal, the client gone): the client was told and the record finished.
+pub(crate) async fn link<C: Leg, D: Dialer>(
+    routed: Routed<'_, C>,
     dialer: &D,
     reply: Reply,
-    relaying: Relaying<'_>,
-) {
+) -> Option<Linked<C, D::Stream>> {
+    let Routed {
+        mut client,
+        to_backend,
+        mut record,
+        guard,
+        route,
+        limits,
+    } = routed;
     let rm = record.routed(route.name());
     let metrics = record.metrics();
     let on_failure =
@@ -97,7 +139,7 @@ pub(crate) async fn forward<C: Leg, D: Dialer>(
         local: record.local,
         on_failure: &on_failure,
     };
-    let dialed = Box::pin(dialer.dial(target)).await;
+    let dialed = dialer.dial(target).await;
     let mut up = match dialed {
         Ok(up) => up,
         Err(e) => {
@@ -111,9 +153,10 @@ pub(crate) async fn forward<C: Leg, D: Dialer>(
                 } else {
                     (502, "backend unavailable")
                 };
-                reject_with(client, &http::response(status, detail)).await;
+                reject_with(&mut client, &http::response(status, detail)).await;
             }
-            return record.finish(Reason::from(&e), Stats::default());
+            record.finish(Reason::from(&e), Stats::default());
+            return None;
         }
     };
     rm.connect_duration.observe(up.elapsed.as_secs_f64());
@@ -122,11 +165,11 @@ pub(crate) async fn forward<C: Leg, D: Dialer>(
         && let Err(e) = client.write_all(&http::response(200, "")).await
     {
         let end = relay::End::Error(relay::IoKind::of(&e));
-        return record.finish(Reason::Relay(end), Stats::default());
+        record.finish(Reason::Relay(end), Stats::default());
+        return None;
     }
     let mut to_backend = to_backend;
     let mut to_client = std::mem::take(&mut up.early);
-    // Bytes written to the backend before the relay (a forwarded request head).
     let mut sent = 0;
     if let Reply::HttpForwarded(fwd) = reply {
         record.forwarded = true;
@@ -143,33 +186,76 @@ pub(crate) async fn forward<C: Leg, D: Dialer>(
             Err(refusal) => {
                 // Closes the backend connection before the client hears the answer.
                 drop(up);
-                return refused(client, record, route, refusal, head, &rm.tx).await;
+                refused(&mut client, record, route, refusal, head, &rm.tx).await;
+                return None;
             }
         }
     }
-    let counters = relay::Counters {
-        rx: &rm.rx,
-        tx: &rm.tx,
-        half_closed: &record.metrics().half_closed,
-    };
-    let (end, mut stats) = {
-        let rec = &record;
-        let progress = |s: Stats| rec.progress(s);
-        relay::relay(
-            client,
-            &mut up.stream,
+    Some(Linked {
+        client,
+        backend: up.stream,
+        to_backend,
+        to_client,
+        sent,
+        record,
+        route: rm,
+        limits,
+        _backend: up.guard,
+        _guard: guard,
+    })
+}
+
+impl<C: Leg, S: Leg> Linked<C, S> {
+    /// Relays until the end (or `stop`, the end of a drain), closes the backend, and
+    /// finishes the record; the client closes last.
+    ///
+    /// Takes `self` apart before the future starts: an `async fn` would keep the whole
+    /// struct as an argument beside the relay's copy of its parts for the connection's life.
+    pub(crate) fn relay<'a>(self, stop: &'a Stop) -> impl Future<Output = ()> + 'a
+    where
+        C: 'a,
+        S: 'a,
+    {
+        let Linked {
+            mut client,
+            mut backend,
             to_backend,
             to_client,
-            relaying.limits,
-            counters,
-            &progress,
-            relaying.stop,
-        )
-        .await
-    };
-    drop(up);
-    stats.rx += sent;
-    record.finish(Reason::Relay(end), stats);
+            sent,
+            record,
+            route,
+            limits,
+            _backend,
+            _guard,
+        } = self;
+        async move {
+            let (end, mut stats) = {
+                let counters = relay::Counters {
+                    rx: &route.rx,
+                    tx: &route.tx,
+                    half_closed: &record.metrics().half_closed,
+                };
+                let progress = |s: Stats| record.progress(s);
+                relay::relay(
+                    &mut client,
+                    &mut backend,
+                    to_backend,
+                    to_client,
+                    limits,
+                    counters,
+                    &progress,
+                    stop,
+                )
+                .await
+            };
+            stats.rx += sent;
+            drop(backend);
+            drop(_backend);
+            record.finish(Reason::Relay(end), stats);
+            drop(client);
+            drop(_guard);
+        }
+    }
 }
 
 /// Sends a forwarded CONNECT's `head` to `backend` and reads its response head (after
