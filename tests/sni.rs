@@ -525,17 +525,20 @@ routes:
         "trellis_downstream_connections_active{listener=\"tls\"}",
         |v| v == 2.0,
     );
-    // A third is over the limit: closed and counted.
+    // A third is over the limit: it is not accepted (it waits in the kernel's backlog, its
+    // ClientHello unread), not accepted and closed, until a connection ends.
     let mut c = TcpStream::connect(gw.tls).await.unwrap();
-    assert_eq!(
-        read_all(&mut c, Duration::from_secs(5))
+    c.write_all(&hello).await.unwrap();
+    let mut first = [0u8; 1];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), c.read(&mut first))
             .await
-            .unwrap_or_default(),
-        b""
+            .is_err(),
+        "answered or closed at the limit"
     );
     gw.wait_metric(
-        "trellis_downstream_connections_total{listener=\"tls\",outcome=\"limited\"}",
-        |v| v == 1.0,
+        "trellis_downstream_accept_paused_seconds_total{listener=\"tls\"}",
+        |v| v > 0.0,
     );
     // Both echo connections are cut at their maximum lifetime.
     let mut buf = vec![0u8; hello.len()];
@@ -543,6 +546,17 @@ routes:
     assert_eq!(
         read_all(&mut a, Duration::from_secs(10)).await.unwrap(),
         b""
+    );
+    // Then the third is accepted and served, within its own lifetime.
+    c.read_exact(&mut buf).await.unwrap();
+    assert_eq!(buf, hello);
+    assert_eq!(
+        read_all(&mut c, Duration::from_secs(10)).await.unwrap(),
+        b""
+    );
+    assert_eq!(
+        gw.metric("trellis_downstream_connections_total{listener=\"tls\",outcome=\"limited\"}"),
+        0.0
     );
     let _ = read_all(&mut b, Duration::from_secs(10)).await;
     let logs = gw.logs();

@@ -5,6 +5,8 @@
 //! client addresses. Hot paths resolve per-route handles once per connection
 //! ([`Metrics::route`]) and then only touch atomics.
 
+use std::sync::atomic::AtomicU64;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -173,6 +175,8 @@ pub(crate) struct Metrics {
     pub downstream_total: Family<OutcomeLabels, Counter>,
     /// `trellis_downstream_connections_active`.
     pub downstream_active: Family<ListenerLabel, Gauge>,
+    /// `trellis_downstream_accept_paused_seconds_total`.
+    pub accept_paused: Family<ListenerLabel, Counter<f64, AtomicU64>>,
     /// `trellis_route_connections_total`.
     pub route_total: Family<RouteLabel, Counter>,
     /// `trellis_route_connections_active`.
@@ -239,6 +243,8 @@ pub(crate) struct ListenerMetrics {
     pub connection_duration: Histogram,
     /// `trellis_downstream_connections_total{outcome="routed"}` of this listener.
     pub routed: Counter,
+    /// Seconds this listener stopped accepting at the connection limit.
+    pub accept_paused: Counter<f64, AtomicU64>,
 }
 
 impl Metrics {
@@ -266,6 +272,7 @@ impl Metrics {
         let m = Metrics {
             downstream_total: Family::default(),
             downstream_active: Family::default(),
+            accept_paused: Family::default(),
             route_total: Family::default(),
             route_active: Family::default(),
             route_bytes: Family::default(),
@@ -347,6 +354,11 @@ impl Metrics {
             "downstream_connections_active",
             "Client connections open now",
             m.downstream_active.clone(),
+        );
+        r.register(
+            "downstream_accept_paused_seconds",
+            "Seconds a listener did not accept because the connection limit was reached",
+            m.accept_paused.clone(),
         );
         r.register(
             "route_connections",
@@ -574,6 +586,7 @@ impl Metrics {
                 listener: listener.to_owned(),
                 outcome: "routed",
             }),
+            accept_paused: self.accept_paused.get_or_create_owned(&label),
         }
     }
 

@@ -1,6 +1,14 @@
 //! The accept loop every role runs on its stream listeners: admission against the
 //! connection limit, a back-off when the process runs out of descriptors or memory, and one
-//! task per connection. Protocol detection and handshakes never run here; they run in the
+//! task per connection.
+//!
+//! At the connection limit a loop stops accepting until a connection ends, as HAProxy and
+//! nginx do: new clients wait in the kernel's backlog (past it, their SYNs are retried by
+//! their own kernels with a growing back-off) instead of being accepted and closed. Under
+//! overload, refusing costs the CPU the open connections need, and a refused client comes
+//! back at once (see the reconnect storm in `docs/performance.md`). The pause is counted (`trellis_downstream_accept_paused_seconds_total`) and
+//! said in a warning. A loop that raced another one past the limit still accepts and
+//! closes (`limited`), like a client over the per-source limit. Protocol detection and handshakes never run here; they run in the
 //! connection's own task under a deadline.
 
 use std::future::Future;
@@ -108,9 +116,33 @@ pub(crate) async fn accept_loop<L, F, Fut>(
     let name = admission.listener.listener.clone();
     let mut backoff = Backoff::default();
     let mut failures = FailureLog::default();
+    let mut pauses = FailureLog::default();
     loop {
+        if admission.tracker.active() >= admission.max_connections {
+            let since = tokio::time::Instant::now();
+            if let Some(n) = pauses.failed(since) {
+                tracing::warn!(
+                    listener = %name,
+                    max_connections = admission.max_connections,
+                    pauses = n,
+                    "connection limit reached: not accepting until a connection ends (one \
+                     line per {} s, with the pauses since the last)",
+                    FailureLog::INTERVAL.as_secs()
+                );
+            }
+            tokio::select! {
+                _ = admission.tracker.wait_below(admission.max_connections) => {}
+                _ = stop.wait_for(|s| *s) => break,
+            }
+            admission
+                .listener
+                .accept_paused
+                .inc_by(since.elapsed().as_secs_f64());
+        }
         let accepted = tokio::select! {
             r = listener.accept() => r,
+            // Another loop took the last connection: pause at the top instead.
+            _ = admission.tracker.limit_reached() => continue,
             _ = stop.wait_for(|s| *s) => break,
         };
         let (stream, peer) = match accepted {
@@ -231,5 +263,169 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(75));
         stop_tx.send(true).unwrap();
         task.await.unwrap();
+    }
+
+    /// A listener whose first 50 accepts succeed at once (then none comes), counting the
+    /// calls.
+    struct Eager {
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Listener for Eager {
+        type Stream = ();
+        fn accept(&self) -> impl Future<Output = io::Result<((), SocketAddr)>> {
+            let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                if n >= 50 {
+                    std::future::pending::<()>().await;
+                }
+                Ok(((), SocketAddr::from(([127, 0, 0, 1], 1))))
+            }
+        }
+    }
+
+    /// A listener fed by a channel: each message is one connection.
+    struct Fed {
+        rx: tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<()>>,
+        taken: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Listener for Fed {
+        type Stream = ();
+        async fn accept(&self) -> io::Result<((), SocketAddr)> {
+            match self.rx.lock().await.recv().await {
+                Some(()) => {
+                    self.taken.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    Ok(((), SocketAddr::from(([127, 0, 0, 1], 1))))
+                }
+                None => std::future::pending().await,
+            }
+        }
+    }
+
+    /// Two loops (two workers' sockets) share the limit: when one takes the last
+    /// connection, the other stops waiting in `accept`, so a client arriving on its socket
+    /// waits there too instead of being accepted and closed; it is taken once a connection
+    /// ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_loop_waiting_in_accept_pauses_when_another_reaches_the_limit() {
+        let metrics = Arc::new(Metrics::gateway());
+        let tracker = Arc::new(Tracker::default());
+        let end = Arc::new(tokio::sync::Semaphore::new(0));
+        let (stop_tx, stop) = watch::channel(false);
+        let mut feeds = Vec::new();
+        let mut taken = Vec::new();
+        let mut tasks = Vec::new();
+        for name in ["a", "b"] {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            feeds.push(tx);
+            let admission = Admission {
+                listener: Arc::new(metrics.listener(name)),
+                metrics: metrics.clone(),
+                tracker: tracker.clone(),
+                max_connections: 2,
+            };
+            let end = end.clone();
+            let handle = move |acc: Accepted<()>| {
+                let end = end.clone();
+                async move {
+                    end.acquire().await.unwrap().forget();
+                    drop(acc);
+                }
+            };
+            let listener = Fed {
+                rx: tokio::sync::Mutex::new(rx),
+                taken: Arc::default(),
+            };
+            taken.push(listener.taken.clone());
+            tasks.push(tokio::spawn(accept_loop(
+                listener,
+                admission,
+                stop.clone(),
+                handle,
+            )));
+        }
+        // Both loops wait in accept; the first socket gets the two allowed connections.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        feeds[0].send(()).unwrap();
+        feeds[0].send(()).unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(tracker.active(), 2);
+        // A client on the second socket is left waiting, not refused.
+        feeds[1].send(()).unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let text = metrics.encode();
+        assert!(!text.contains("outcome=\"limited\""), "{text}");
+        let second = || taken[1].load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(second(), 0, "still in the second socket's backlog");
+        end.add_permits(1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(second(), 1, "taken once a connection ended");
+        assert_eq!(tracker.active(), 2);
+        stop_tx.send(true).unwrap();
+        for t in tasks {
+            t.await.unwrap();
+        }
+    }
+
+    /// At the limit the loop stops calling accept (no accept-and-close, no spinning), counts
+    /// the pause, accepts again as soon as a connection ends, and still stops on `stop`.
+    #[tokio::test(start_paused = true)]
+    async fn at_the_limit_the_loop_waits_for_a_connection_to_end() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let calls = Arc::new(AtomicUsize::new(0));
+        let metrics = Arc::new(Metrics::gateway());
+        let listener_metrics = Arc::new(metrics.listener("l"));
+        let admission = Admission {
+            listener: listener_metrics.clone(),
+            metrics: metrics.clone(),
+            tracker: Arc::new(Tracker::default()),
+            max_connections: 2,
+        };
+        let tracker = admission.tracker.clone();
+        // Each connection is held until `end` lets one go.
+        let end = Arc::new(tokio::sync::Semaphore::new(0));
+        let handle = {
+            let end = end.clone();
+            move |acc: Accepted<()>| {
+                let end = end.clone();
+                async move {
+                    end.acquire().await.unwrap().forget();
+                    drop(acc);
+                }
+            }
+        };
+        let (stop_tx, stop) = watch::channel(false);
+        let task = tokio::spawn(accept_loop(
+            Eager {
+                calls: calls.clone(),
+            },
+            admission,
+            stop,
+            handle,
+        ));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "accepts stop at the limit");
+        assert_eq!(tracker.active(), 2);
+        let limited = metrics.encode();
+        assert!(
+            !limited.contains("outcome=\"limited\""),
+            "nobody was accepted and closed: {limited}"
+        );
+        end.add_permits(1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            3,
+            "one ended, one more accepted"
+        );
+        assert_eq!(tracker.active(), 2);
+        assert!(listener_metrics.accept_paused.get() >= 3.0);
+        stop_tx.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(1), task)
+            .await
+            .expect("a paused loop stops")
+            .unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
     }
 }

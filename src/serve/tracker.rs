@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -16,6 +16,13 @@ pub(crate) struct Tracker {
     peak: AtomicUsize,
     per_source: Mutex<HashMap<IpAddr, usize>>,
     idle: Notify,
+    /// Accept loops waiting for a connection to end ([`Tracker::wait_below`]).
+    slot: Notify,
+    /// Accept loops waiting in `accept`, to be told that the limit was reached
+    /// ([`Tracker::limit_reached`]).
+    reached: Notify,
+    /// Whether one may be waiting: a release notifies only then.
+    waiting: AtomicBool,
 }
 
 /// One open connection in the [`Tracker`]; released on drop.
@@ -37,6 +44,9 @@ impl Tracker {
         if before >= max {
             self.release(None);
             return None;
+        }
+        if before + 1 == max {
+            self.reached.notify_waiters();
         }
         // Written only while the count climbs past its peak: no extra shared write per
         // connection at a steady load.
@@ -61,6 +71,32 @@ impl Tracker {
         }
         if self.active.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.idle.notify_waiters();
+        }
+        // A waiter sets `waiting` before it looks at `active`, and this looks at `waiting`
+        // after lowering `active` (both sequentially consistent): either the waiter sees the
+        // lower count or this sees it waiting.
+        if self.waiting.load(Ordering::SeqCst) && self.waiting.swap(false, Ordering::SeqCst) {
+            self.slot.notify_waiters();
+        }
+    }
+
+    /// Resolves when an admission reaches the limit: accept loops waiting in `accept` on
+    /// other sockets stop waiting there, so that none takes a connection it must refuse.
+    pub(crate) async fn limit_reached(&self) {
+        self.reached.notified().await;
+    }
+
+    /// Waits until fewer than `max` connections are open.
+    pub(crate) async fn wait_below(&self, max: usize) {
+        loop {
+            let notified = self.slot.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            self.waiting.store(true, Ordering::SeqCst);
+            if self.active() < max {
+                return;
+            }
+            notified.await;
         }
     }
 
@@ -139,5 +175,25 @@ mod tests {
         drop(g2);
         assert_eq!(t.active(), 1);
         assert!(t.admit(0).is_none());
+    }
+
+    /// A waiter wakes when a connection ends, not before; with none open it does not wait.
+    #[tokio::test(start_paused = true)]
+    async fn wait_below_wakes_when_a_connection_ends() {
+        let t = Arc::new(Tracker::default());
+        let a = t.admit(2).unwrap();
+        let _b = t.admit(2).unwrap();
+        let waiter = tokio::spawn({
+            let t = t.clone();
+            async move { t.wait_below(2).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+        assert!(!waiter.is_finished(), "woke with the limit still reached");
+        drop(a);
+        tokio::time::timeout(std::time::Duration::from_secs(1), waiter)
+            .await
+            .expect("woken by the end of a connection")
+            .unwrap();
+        t.wait_below(2).await;
     }
 }
