@@ -413,10 +413,12 @@ mod tests {
     /// (1,900 bytes and a 2 KiB task when the relay was awaited inside the pipeline).
     #[test]
     fn a_connection_task_holds_the_relay_not_the_pipeline() {
-        let task = returned_size(serve);
+        let future = returned_size(serve);
         let pipeline = returned_size(pipeline);
-        eprintln!("task future {task} B, pipeline {pipeline} B");
-        assert!(task <= 768, "the task future is {task} bytes");
-        assert!(pipeline > task, "the pipeline ({pipeline} B) runs boxed");
+        eprintln!("task future {future} B, pipeline {pipeline} B");
+        assert!(future <= 700, "the task's future is {future} bytes");
+        // A connection in its handshake holds the boxed stage: it stays small too (the dial,
+        // large and short-lived, is boxed within it).
+        assert!(pipeline <= 2048, "the boxed stage is {pipeline} bytes");
     }
 }

@@ -420,10 +420,12 @@ mod tests {
     /// dialing stage's locals beside it.
     #[test]
     fn a_connection_task_holds_the_relay_not_the_dialing() {
-        let task = returned_size(Node::handle);
+        let future = returned_size(Node::handle);
         let link = returned_size(Node::link);
-        eprintln!("task future {task} B, link {link} B");
-        assert!(task <= 768, "the task future is {task} bytes");
-        assert!(link > task, "the link ({link} B) runs boxed");
+        eprintln!("task future {future} B, link {link} B");
+        assert!(future <= 700, "the task's future is {future} bytes");
+        // A connection in its handshake holds the boxed stage: it stays small too (the dial,
+        // large and short-lived, is boxed within it).
+        assert!(link <= 2048, "the boxed stage is {link} bytes");
     }
 }

@@ -3,13 +3,12 @@
 //! task per connection.
 //!
 //! At the connection limit a loop stops accepting until a connection ends, as HAProxy and
-//! nginx do: new clients wait in the kernel's backlog (past it, their SYNs are retried by
-//! their own kernels with a growing back-off) instead of being accepted and closed. Under
-//! overload, refusing costs the CPU the open connections need, and a refused client comes
-//! back at once (see the reconnect storm in `docs/performance.md`). The pause is counted (`trellis_downstream_accept_paused_seconds_total`) and
-//! said in a warning. A loop that raced another one past the limit still accepts and
-//! closes (`limited`), like a client over the per-source limit. Protocol detection and handshakes never run here; they run in the
-//! connection's own task under a deadline.
+//! nginx do: new clients wait in the kernel's backlog (past it, their kernels retry the SYN
+//! with a growing back-off) instead of being accepted and closed. Under overload, refusing
+//! costs the CPU the open connections need, and a refused client comes back at once (see
+//! the reconnect storm in `docs/performance.md`). The pause is counted
+//! (`trellis_downstream_accept_paused_seconds_total`) and said in a warning. A loop that
+//! took a connection in a race past the limit holds it until a connection ends.
 
 use std::future::Future;
 use std::io;
@@ -118,9 +117,13 @@ pub(crate) async fn accept_loop<L, F, Fut>(
     let mut failures = FailureLog::default();
     let mut pauses = FailureLog::default();
     loop {
+        // Armed before the count is read: an admission that reaches the limit after this
+        // read wakes the loop out of `accept`.
+        let reached = admission.tracker.limit_reached();
+        tokio::pin!(reached);
+        reached.as_mut().enable();
         if admission.tracker.active() >= admission.max_connections {
-            let since = tokio::time::Instant::now();
-            if let Some(n) = pauses.failed(since) {
+            if let Some(n) = pauses.failed(tokio::time::Instant::now()) {
                 tracing::warn!(
                     listener = %name,
                     max_connections = admission.max_connections,
@@ -130,20 +133,17 @@ pub(crate) async fn accept_loop<L, F, Fut>(
                     FailureLog::INTERVAL.as_secs()
                 );
             }
-            tokio::select! {
-                _ = admission.tracker.wait_below(admission.max_connections) => {}
-                _ = stop.wait_for(|s| *s) => break,
+            if !pause(&admission, &mut stop).await {
+                break;
             }
-            admission
-                .listener
-                .accept_paused
-                .inc_by(since.elapsed().as_secs_f64());
+            continue;
         }
         let accepted = tokio::select! {
-            r = listener.accept() => r,
-            // Another loop took the last connection: pause at the top instead.
-            _ = admission.tracker.limit_reached() => continue,
+            biased;
             _ = stop.wait_for(|s| *s) => break,
+            // Another loop took the last connection: pause at the top instead.
+            () = &mut reached => continue,
+            r = listener.accept() => r,
         };
         let (stream, peer) = match accepted {
             Ok(x) => {
@@ -177,17 +177,21 @@ pub(crate) async fn accept_loop<L, F, Fut>(
                 continue;
             }
         };
+        // A loop that took a connection in a race past the limit (another loop admitted the
+        // last one meanwhile) holds it until a connection ends rather than refusing it.
+        let guard = loop {
+            if let Some(guard) = admission.tracker.admit(admission.max_connections) {
+                break Some(guard);
+            }
+            if !pause(&admission, &mut stop).await {
+                break None;
+            }
+        };
+        let Some(guard) = guard else {
+            break;
+        };
         let accepted_at = std::time::Instant::now();
         let peer = normalize(peer);
-        let Some(guard) = admission.tracker.admit(admission.max_connections) else {
-            ConnRecord::refuse_at_accept(
-                admission.metrics.clone(),
-                admission.listener.clone(),
-                peer,
-            );
-            drop(stream);
-            continue;
-        };
         let record = ConnRecord::new(
             admission.metrics.clone(),
             admission.listener.clone(),
@@ -201,6 +205,32 @@ pub(crate) async fn accept_loop<L, F, Fut>(
         }));
     }
     tracing::info!(listener = %name, "listener closed");
+}
+
+/// Waits until fewer than `maxConnections` are open, adding the time to the listener's
+/// `trellis_downstream_accept_paused_seconds_total` every second and at the end (so the
+/// counter rises during a long pause, summed over the listener's worker loops). `false`:
+/// `stop` came first.
+async fn pause(admission: &Admission, stop: &mut watch::Receiver<bool>) -> bool {
+    const TICK: Duration = Duration::from_secs(1);
+    let mut since = tokio::time::Instant::now();
+    let mut ticks = tokio::time::interval_at(since + TICK, TICK);
+    loop {
+        let resumed = tokio::select! {
+            _ = admission.tracker.wait_below(admission.max_connections) => Some(true),
+            _ = stop.wait_for(|s| *s) => Some(false),
+            _ = ticks.tick() => None,
+        };
+        let now = tokio::time::Instant::now();
+        admission
+            .listener
+            .accept_paused
+            .inc_by((now - since).as_secs_f64());
+        since = now;
+        if let Some(resumed) = resumed {
+            return resumed;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -368,6 +398,57 @@ mod tests {
         }
     }
 
+    /// A connection taken past the limit (the loop was already in `accept` when the last
+    /// slot went, without being told) is held until a connection ends, not refused.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_taken_past_the_limit_is_held_not_refused() {
+        let metrics = Arc::new(Metrics::gateway());
+        let tracker = Arc::new(Tracker::default());
+        let (feed, rx) = tokio::sync::mpsc::unbounded_channel();
+        let listener = Fed {
+            rx: tokio::sync::Mutex::new(rx),
+            taken: Arc::default(),
+        };
+        let taken = listener.taken.clone();
+        let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let handle = {
+            let served = served.clone();
+            move |acc: Accepted<()>| {
+                served.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async move {
+                    std::future::pending::<()>().await;
+                    drop(acc)
+                }
+            }
+        };
+        let admission = Admission {
+            listener: Arc::new(metrics.listener("l")),
+            metrics: metrics.clone(),
+            tracker: tracker.clone(),
+            max_connections: 1,
+        };
+        let (stop_tx, stop) = watch::channel(false);
+        let task = tokio::spawn(accept_loop(listener, admission, stop, handle));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        // The slot goes elsewhere without the loop being told (an admission under another
+        // limit does not signal this one's), then a client comes.
+        let other = tracker.admit(2).unwrap();
+        feed.send(()).unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let count =
+            |a: &std::sync::atomic::AtomicUsize| a.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(count(&taken), 1, "taken from the socket");
+        assert_eq!(count(&served), 0, "held, not served past the limit");
+        let text = metrics.encode();
+        assert!(!text.contains("outcome=\"limited\""), "{text}");
+        drop(other);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(count(&served), 1, "served once a connection ended");
+        assert_eq!(tracker.active(), 1);
+        stop_tx.send(true).unwrap();
+        task.await.unwrap();
+    }
+
     /// At the limit the loop stops calling accept (no accept-and-close, no spinning), counts
     /// the pause, accepts again as soon as a connection ends, and still stops on `stop`.
     #[tokio::test(start_paused = true)]
@@ -412,6 +493,9 @@ mod tests {
             !limited.contains("outcome=\"limited\""),
             "nobody was accepted and closed: {limited}"
         );
+        // Counted while the pause lasts, not only when it ends.
+        let paused = listener_metrics.accept_paused.get();
+        assert!((2.0..=3.0).contains(&paused), "{paused} s paused");
         end.add_permits(1);
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(

@@ -139,7 +139,9 @@ pub(crate) async fn link<C: Leg, D: Dialer>(
         local: record.local,
         on_failure: &on_failure,
     };
-    let dialed = dialer.dial(target).await;
+    // Boxed: the dial's state is large and short-lived, and the connection's boxed stage
+    // would otherwise keep room for it through the whole handshake.
+    let dialed = Box::pin(dialer.dial(target)).await;
     let mut up = match dialed {
         Ok(up) => up,
         Err(e) => {

@@ -135,8 +135,6 @@ pub(crate) struct Record {
     /// The route that refused the client, for the access log (its metrics are untouched:
     /// the refusal counts on the listener).
     denied_by: Option<Arc<Route>>,
-    /// Counts in the listener's active gauge and duration histogram.
-    tracked: bool,
     finished: bool,
 }
 
@@ -163,22 +161,8 @@ impl ConnRecord {
             accepted_at,
             route: None,
             denied_by: None,
-            tracked: true,
             finished: false,
         }))
-    }
-
-    /// Counts and logs a connection refused at accept (over the connection limit): it never
-    /// counted as active, so only its outcome and its line are recorded.
-    pub(crate) fn refuse_at_accept(
-        metrics: Arc<Metrics>,
-        listener: Arc<ListenerMetrics>,
-        peer: SocketAddr,
-    ) {
-        let mut record = ConnRecord::new(metrics, listener, peer, Instant::now());
-        record.listener.active.dec();
-        record.tracked = false;
-        record.reject(Outcome::Limited, "connection limit reached");
     }
 
     /// When the connection was accepted.
@@ -290,12 +274,10 @@ impl ConnRecord {
         if let Some(rm) = &self.route {
             rm.active.dec();
         }
-        if self.tracked {
-            self.listener
-                .connection_duration
-                .observe(self.accepted_at.elapsed().as_secs_f64());
-            self.listener.active.dec();
-        }
+        self.listener
+            .connection_duration
+            .observe(self.accepted_at.elapsed().as_secs_f64());
+        self.listener.active.dec();
         self.line(stats, reason, false);
     }
 }

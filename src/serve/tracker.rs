@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
+use tokio::sync::futures::Notified;
 
 /// Counts open connections, globally and per source, and wakes the drain when none is left.
 #[derive(Debug, Default)]
@@ -80,10 +81,11 @@ impl Tracker {
         }
     }
 
-    /// Resolves when an admission reaches the limit: accept loops waiting in `accept` on
-    /// other sockets stop waiting there, so that none takes a connection it must refuse.
-    pub(crate) async fn limit_reached(&self) {
-        self.reached.notified().await;
+    /// Resolves when an admission reaches the limit (from when it is enabled or first
+    /// polled): accept loops waiting in `accept` on other sockets stop waiting there, so
+    /// that none takes a connection past the limit.
+    pub(crate) fn limit_reached(&self) -> Notified<'_> {
+        self.reached.notified()
     }
 
     /// Waits until fewer than `max` connections are open.
