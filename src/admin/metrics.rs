@@ -357,7 +357,7 @@ impl Metrics {
         );
         r.register(
             "downstream_accept_paused_seconds",
-            "Seconds a listener did not accept because the connection limit was reached",
+            "Seconds a listener did not accept because the connection limit was reached, summed over its worker loops",
             m.accept_paused.clone(),
         );
         r.register(

@@ -123,17 +123,7 @@ pub(crate) async fn accept_loop<L, F, Fut>(
         tokio::pin!(reached);
         reached.as_mut().enable();
         if admission.tracker.active() >= admission.max_connections {
-            if let Some(n) = pauses.failed(tokio::time::Instant::now()) {
-                tracing::warn!(
-                    listener = %name,
-                    max_connections = admission.max_connections,
-                    pauses = n,
-                    "connection limit reached: not accepting until a connection ends (one \
-                     line per {} s, with the pauses since the last)",
-                    FailureLog::INTERVAL.as_secs()
-                );
-            }
-            if !pause(&admission, &mut stop).await {
+            if !pause(&admission, &mut stop, &mut pauses).await {
                 break;
             }
             continue;
@@ -183,13 +173,15 @@ pub(crate) async fn accept_loop<L, F, Fut>(
             if let Some(guard) = admission.tracker.admit(admission.max_connections) {
                 break Some(guard);
             }
-            if !pause(&admission, &mut stop).await {
+            if !pause(&admission, &mut stop, &mut pauses).await {
                 break None;
             }
         };
         let Some(guard) = guard else {
             break;
         };
+        // From admission: a connection held above counts its handshake deadline, duration
+        // and access-log time from when it could be served, as one waiting in the backlog.
         let accepted_at = std::time::Instant::now();
         let peer = normalize(peer);
         let record = ConnRecord::new(
@@ -207,18 +199,35 @@ pub(crate) async fn accept_loop<L, F, Fut>(
     tracing::info!(listener = %name, "listener closed");
 }
 
-/// Waits until fewer than `maxConnections` are open, adding the time to the listener's
-/// `trellis_downstream_accept_paused_seconds_total` every second and at the end (so the
-/// counter rises during a long pause, summed over the listener's worker loops). `false`:
-/// `stop` came first.
-async fn pause(admission: &Admission, stop: &mut watch::Receiver<bool>) -> bool {
+/// Waits until fewer than `maxConnections` are open, saying so in a warning (at most one
+/// line per [`FailureLog::INTERVAL`] per loop, with the pauses since the last) and adding
+/// the time to the listener's `trellis_downstream_accept_paused_seconds_total` every second
+/// and at the end (so the counter rises during a long pause; it sums the listener's worker
+/// loops, so it can rise faster than the clock). `false`: `stop` came first.
+async fn pause(
+    admission: &Admission,
+    stop: &mut watch::Receiver<bool>,
+    pauses: &mut FailureLog,
+) -> bool {
     const TICK: Duration = Duration::from_secs(1);
     let mut since = tokio::time::Instant::now();
+    if let Some(n) = pauses.failed(since) {
+        tracing::warn!(
+            listener = %admission.listener.listener,
+            max_connections = admission.max_connections,
+            pauses = n,
+            "connection limit reached: not accepting until a connection ends (one line per {} \
+             s, with the pauses since the last)",
+            FailureLog::INTERVAL.as_secs()
+        );
+    }
     let mut ticks = tokio::time::interval_at(since + TICK, TICK);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let resumed = tokio::select! {
-            _ = admission.tracker.wait_below(admission.max_connections) => Some(true),
+            biased;
             _ = stop.wait_for(|s| *s) => Some(false),
+            _ = admission.tracker.wait_below(admission.max_connections) => Some(true),
             _ = ticks.tick() => None,
         };
         let now = tokio::time::Instant::now();
