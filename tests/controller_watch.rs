@@ -120,14 +120,7 @@ fn route<'a>(table: &'a Value, name: &str) -> Option<&'a Value> {
 }
 
 fn route_names(table: &Value) -> BTreeSet<String> {
-    table["routes"]
-        .as_array()
-        .map(|rs| {
-            rs.iter()
-                .filter_map(|r| r["name"].as_str().map(str::to_owned))
-                .collect()
-        })
-        .unwrap_or_default()
+    e2e::route_names(table).into_iter().collect()
 }
 
 fn backends(table: &Value, name: &str) -> Vec<String> {
