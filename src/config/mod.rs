@@ -40,6 +40,7 @@ mod decode;
 pub mod gateway;
 pub mod node;
 pub mod routes;
+pub mod tls;
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -134,6 +135,16 @@ impl ConfigError {
 pub struct Errors(Vec<FieldError>);
 
 impl Errors {
+    /// How many problems are recorded.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether no problem is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
     /// Records a problem at `path`.
     pub fn push(&mut self, path: impl fmt::Display, message: impl fmt::Display) {
         self.0.push(FieldError {

@@ -11,11 +11,11 @@ use super::cidr::Cidr;
 use super::decode::{Kind, Raw};
 use super::{ConfigError, Errors, at};
 use crate::route::{
-    Backend, BackendAddress, BackendRegistry, ProxyVersion, Route, RouteTimeouts, RoutingTable,
-    SourceRanges,
+    Backend, BackendAddress, BackendRegistry, Egress, Network, ProxyVersion, Route, RouteTimeouts,
+    RoutingTable, SourceRanges, Via,
 };
 
-mapping_only!(RawRoutingTable, RawRoute, RawBackend, RawRouteTimeouts);
+mapping_only!(RawRoutingTable, RawRoute, RawBackend, RawRouteTimeouts, RawEgress);
 
 /// The `kind` of routing table files.
 pub const KIND: &str = "RoutingTable";
@@ -74,6 +74,41 @@ pub struct RawRoute {
     /// sent to them as received and they answer it (accepted, and ignored, elsewhere).
     #[serde(default)]
     pub forward_connect: bool,
+    /// kube-apiserver egress on `egress-connect` listeners: which connections belong to this
+    /// route and where their CONNECTs may go. A route with `egress` needs no backends.
+    #[serde(default)]
+    pub egress: Option<RawEgress>,
+}
+
+/// A route's `egress` as written.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawEgress {
+    /// Client certificates (leaf CN or a DNS SAN) that select this route after a handshake
+    /// with the listener's `tls`; with `serverNames` or `clientSources`, the leaf must carry
+    /// one of them as well.
+    #[serde(default)]
+    pub client_identities: Vec<String>,
+    /// TLS server names (exact) that select this route before the handshake.
+    #[serde(default)]
+    pub server_names: Vec<String>,
+    /// Client addresses (`IP/prefix` or a bare IP) that select this route before the
+    /// handshake, when no route claims the server name.
+    #[serde(default)]
+    pub client_sources: Vec<String>,
+    /// This route's own server certificate and the one client CA it accepts (for a route
+    /// selected before the handshake). Left out: the listener's.
+    #[serde(default)]
+    pub tls: Option<super::tls::RawTls>,
+    /// Networks a CONNECT may reach through the shoot's tunnel (or directly, `via: direct`).
+    #[serde(default)]
+    pub allowed_networks: Vec<String>,
+    /// Networks a CONNECT may reach from the gateway's own network.
+    #[serde(default)]
+    pub direct_networks: Vec<String>,
+    /// How `allowedNetworks` are dialed: `tunnel` (default) or `direct`.
+    #[serde(default)]
+    pub via: Option<String>,
 }
 
 /// One backend as written.
@@ -165,12 +200,13 @@ pub(super) fn validate(
     // freed raw route would leave, so the previous generation's memory can be given back
     // whole after a reload.
     let mut zones = HashSet::new();
+    let dir = file.parent().unwrap_or(Path::new("."));
     let (indexes, routes): (Vec<usize>, Vec<Route>) = raw
         .routes
         .iter()
         .enumerate()
         .filter_map(|(i, r)| {
-            validate_route(RoutePath(i), r, registry, &mut zones, &mut errors).map(|r| (i, r))
+            validate_route(RoutePath(i), r, dir, registry, &mut zones, &mut errors).map(|r| (i, r))
         })
         .unzip();
     // Indexed even when other errors were found, so that keys claimed twice are reported
@@ -205,6 +241,7 @@ impl std::fmt::Display for RoutePath {
 fn validate_route(
     path: RoutePath,
     raw: &RawRoute,
+    dir: &Path,
     registry: &BackendRegistry,
     zones: &mut HashSet<Arc<str>>,
     errors: &mut Errors,
@@ -262,9 +299,17 @@ fn validate_route(
                 .ok()
         })
         .collect();
-    if raw.backends.is_empty() {
-        errors.push(at(path, "backends"), "at least one backend is required");
+    if raw.backends.is_empty() && raw.egress.is_none() {
+        errors.push(
+            at(path, "backends"),
+            "at least one backend is required (a route without backends needs egress)",
+        );
     }
+    let egress = raw
+        .egress
+        .as_ref()
+        .and_then(|e| egress(path, e, dir, errors))
+        .map(Box::new);
     let backends = raw
         .backends
         .iter()
@@ -328,6 +373,7 @@ fn validate_route(
             route.allowed_sources = allowed_sources;
             route.send_proxy_protocol = send_proxy_protocol;
             route.forward_connect = raw.forward_connect;
+            route.egress = egress;
             Some(route)
         }
         Err(e) => {
@@ -335,6 +381,104 @@ fn validate_route(
             None
         }
     }
+}
+
+/// A route's `egress`, or `None` with every problem recorded in `errors`.
+fn egress(path: RoutePath, raw: &RawEgress, dir: &Path, errors: &mut Errors) -> Option<Egress> {
+    let before = errors.len();
+    let field = |f: &str| format!("{path}.egress.{f}");
+    for (i, id) in raw.client_identities.iter().enumerate() {
+        if id.is_empty() || id.len() > 1024 || id.bytes().any(|b| b.is_ascii_control()) {
+            errors.push(
+                format!("{}[{i}]", field("clientIdentities")),
+                format!("invalid identity {id:?} (a certificate's CN or DNS SAN)"),
+            );
+        }
+    }
+    let server_names: Vec<String> = raw
+        .server_names
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            let n = crate::route::normalize_sni_pattern(s).filter(|n| !n.starts_with('*'));
+            if n.is_none() {
+                errors.push(
+                    format!("{}[{i}]", field("serverNames")),
+                    format!("invalid server name {s:?} (an exact DNS name)"),
+                );
+            }
+            n
+        })
+        .collect();
+    let client_sources: Vec<Network> = raw
+        .client_sources
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| match Cidr::parse(s) {
+            Ok(c) => Some(Network {
+                addr: c.addr(),
+                prefix: c.prefix(),
+            }),
+            Err(e) => {
+                errors.push(format!("{}[{i}]", field("clientSources")), e);
+                None
+            }
+        })
+        .collect();
+    if raw.client_identities.is_empty() && server_names.is_empty() && client_sources.is_empty()
+    {
+        errors.push(
+            format!("{path}.egress"),
+            "selects no connection: list clientIdentities, serverNames or clientSources",
+        );
+    }
+    let tls = raw
+        .tls
+        .as_ref()
+        .and_then(|t| super::tls::files(errors, &field("tls"), dir, t));
+    if tls.is_some() && server_names.is_empty() && client_sources.is_empty() {
+        errors.push(
+            field("tls"),
+            "a route's own tls needs serverNames or clientSources (it is chosen before the handshake)",
+        );
+    }
+    let mut networks = |name: &str, list: &[String]| -> Option<SourceRanges> {
+        if list.is_empty() {
+            return None;
+        }
+        let parsed: Vec<_> = list
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match Cidr::parse(s) {
+                Ok(c) => Some((c.addr(), c.prefix())),
+                Err(e) => {
+                    errors.push(format!("{}[{i}]", field(name)), e);
+                    None
+                }
+            })
+            .collect();
+        SourceRanges::new(parsed)
+            .map_err(|e| errors.push(field(name), e.to_string()))
+            .ok()
+    };
+    let allowed_networks = networks("allowedNetworks", &raw.allowed_networks);
+    let direct_networks = networks("directNetworks", &raw.direct_networks);
+    let via = match raw.via.as_deref() {
+        None => Via::default(),
+        Some(v) => Via::parse(v).unwrap_or_else(|| {
+            errors.push(field("via"), format!("expected tunnel or direct, got {v:?}"));
+            Via::default()
+        }),
+    };
+    (errors.len() == before).then(|| Egress {
+        client_identities: raw.client_identities.clone().into(),
+        server_names: server_names.into(),
+        client_sources: client_sources.into(),
+        tls,
+        allowed_networks,
+        direct_networks,
+        via,
+    })
 }
 
 /// `allowedSourceRanges`, or `None` with every problem recorded in `errors`.

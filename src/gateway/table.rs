@@ -427,6 +427,8 @@ impl Tables {
             send_proxy_protocol: Option<&'static str>,
             #[serde(skip_serializing_if = "std::ops::Not::not")]
             forward_connect: bool,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            egress: Option<&'a crate::route::Egress>,
         }
         #[derive(Serialize)]
         struct BackendView<'a> {
@@ -467,6 +469,7 @@ impl Tables {
                 allowed_source_ranges: r.allowed_sources.as_ref(),
                 send_proxy_protocol: r.send_proxy_protocol.map(|v| v.as_str()),
                 forward_connect: r.forward_connect,
+                egress: r.egress.as_deref(),
             })
             .collect();
         let view = View {

@@ -11,3 +11,4 @@ pub mod fds;
 pub(crate) mod lograte;
 pub(crate) mod relay;
 pub mod socket;
+pub mod tls;

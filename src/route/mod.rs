@@ -10,6 +10,7 @@
 mod backend;
 mod index;
 mod ranges;
+mod egress;
 
 use std::collections::HashMap;
 
@@ -22,6 +23,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
+pub use egress::{Egress, EgressConflict, EgressIndex, EgressPath, TlsFiles, Via};
 pub use ranges::{Network, RangesError, SourceRanges};
 
 pub use crate::wire::proxy::ProxyVersion;
@@ -76,6 +78,8 @@ pub struct Route {
     /// listener sends them the request head as received and lets them answer it. Other
     /// listeners ignore it.
     pub forward_connect: bool,
+    /// kube-apiserver egress on `egress-connect` listeners (boxed: most routes have none).
+    pub egress: Option<Box<Egress>>,
 }
 
 /// The keys of one kind of a route, in order.
@@ -157,6 +161,7 @@ impl Route {
             allowed_sources: None,
             send_proxy_protocol: None,
             forward_connect: false,
+            egress: None,
         })
     }
 
@@ -229,6 +234,7 @@ pub struct RoutingTable {
     sni_wildcard: Index,
     destinations: Index,
     proxy_destinations: HashMap<SocketAddr, u32>,
+    egress: EgressIndex,
 }
 
 /// Which string of a route an index holds; `position` picks one of a list.
@@ -273,6 +279,7 @@ impl RoutingTable {
             sni_wildcard: Index::with_capacity(wildcards),
             destinations: Index::with_capacity(count(|r| r.destinations().len())),
             proxy_destinations: HashMap::with_capacity(count(|r| r.proxy_destinations.len())),
+            egress: EgressIndex::default(),
             routes: Vec::new(),
         };
         let keys = |kind| RouteKeys {
@@ -336,6 +343,21 @@ impl RoutingTable {
                 claim("proxyDestination", d, Some(prev));
             }
         }
+        let with_egress = routes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| Some((i, r.egress.as_deref()?)));
+        match EgressIndex::new(with_egress) {
+            Ok(index) => table.egress = index,
+            Err(found) => conflicts.extend(found.into_iter().map(|c| Conflict {
+                kind: c.kind,
+                key: c.key,
+                first_index: c.first,
+                first: routes[c.first].name().to_owned(),
+                second_index: c.second,
+                second: routes[c.second].name().to_owned(),
+            })),
+        }
         if !conflicts.is_empty() {
             return Err(conflicts);
         }
@@ -387,6 +409,26 @@ impl RoutingTable {
             self.destinations
                 .get(&self.keys(KeyKind::Destination), destination),
         )
+    }
+
+    /// The egress route for a TLS server name already normalised (lower case, no trailing
+    /// dot): selected before the handshake.
+    pub fn egress_by_server_name(&self, name: &str) -> Option<&Arc<Route>> {
+        self.found(self.egress.by_server_name(name))
+    }
+
+    /// The egress route whose `clientSources` hold `ip`: selected before the handshake.
+    pub fn egress_by_source(&self, ip: std::net::IpAddr) -> Option<&Arc<Route>> {
+        self.found(self.egress.by_source(ip))
+    }
+
+    /// The egress route selected by a client certificate's names (CN, DNS SANs), among the
+    /// routes that have neither `serverNames` nor `clientSources`.
+    pub fn egress_by_identity<'a>(
+        &self,
+        names: impl Iterator<Item = &'a str>,
+    ) -> Option<&Arc<Route>> {
+        self.found(self.egress.by_identity(names))
     }
 
     /// The route for an original destination carried in a PROXY header.
