@@ -65,6 +65,15 @@ pub(crate) struct RouteReasonLabels {
     pub reason: &'static str,
 }
 
+/// `route`, `result` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct RouteResultLabels {
+    /// Route name; empty when no route was chosen.
+    pub route: String,
+    /// What became of the request.
+    pub result: &'static str,
+}
+
 /// `result` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct ResultLabel {
@@ -201,6 +210,10 @@ pub(crate) struct Metrics {
     pub table_reloads: Family<ResultLabel, Counter>,
     /// `trellis_half_closed_connections`.
     pub half_closed: Gauge,
+    /// `trellis_egress_requests_total`: egress connections by route and result.
+    pub egress_requests: Family<RouteResultLabels, Counter>,
+    /// `trellis_tls_material_loads_total`: certificate, key and CA sets (re)loaded, by result.
+    pub tls_loads: Family<ResultLabel, Counter>,
     /// `trellis_default_route_missing`: 1 while a listener's `defaultRoute` is not in the
     /// active table (set at every load).
     pub default_route_missing: Family<ListenerLabel, Gauge>,
@@ -209,6 +222,8 @@ pub(crate) struct Metrics {
     /// The `(route, reason)` label sets of `connect_failures`, so a gone route's can be
     /// dropped (written on the failure path only).
     failure_labels: std::sync::Mutex<std::collections::HashSet<(String, &'static str)>>,
+    /// The `(route, result)` label sets of `egress_requests`, for the same purpose.
+    egress_labels: std::sync::Mutex<std::collections::HashSet<(String, &'static str)>>,
     /// The controller's families.
     pub controller: ControllerMetrics,
 }
@@ -285,10 +300,13 @@ impl Metrics {
             table_generation: Gauge::default(),
             table_reloads: Family::default(),
             half_closed: Gauge::default(),
+            egress_requests: Family::default(),
+            tls_loads: Family::default(),
             default_route_missing: Family::default(),
             registry: Registry::default(),
             route_cache: Default::default(),
             failure_labels: Default::default(),
+            egress_labels: Default::default(),
             controller: ControllerMetrics::new(),
         };
         let r = registry.sub_registry_with_prefix("trellis");
@@ -322,6 +340,16 @@ impl Metrics {
                 "routing_table_reloads",
                 "Routing table reloads by result",
                 m.table_reloads.clone(),
+            );
+            r.register(
+                "egress_requests",
+                "Egress (CONNECT over mutual TLS) requests by route and result",
+                m.egress_requests.clone(),
+            );
+            r.register(
+                "tls_material_loads",
+                "Certificate, key and client CA sets loaded (at start, on a table change or a file change), by result",
+                m.tls_loads.clone(),
             );
             r.register(
                 "default_route_missing",
@@ -472,6 +500,27 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts an egress request's result (`route` empty when none was chosen).
+    pub(crate) fn egress(&self, route: &str, result: &'static str) {
+        if !route.is_empty() {
+            self.egress_labels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert((route.to_owned(), result));
+        }
+        self.egress_requests
+            .get_or_create(&RouteResultLabels {
+                route: route.to_owned(),
+                result,
+            })
+            .inc();
+    }
+
+    /// Counts a TLS material load (`loaded` or `rejected`).
+    pub(crate) fn tls_load(&self, result: &'static str) {
+        self.tls_loads.get_or_create(&ResultLabel { result }).inc();
+    }
+
     /// Counts a routing table reload.
     pub(crate) fn reload(&self, result: &'static str) {
         self.table_reloads
@@ -530,6 +579,19 @@ impl Metrics {
                         self.connect_failures.remove(&RouteReasonLabels {
                             route: route.clone(),
                             reason,
+                        });
+                    }
+                    keep
+                });
+            self.egress_labels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(route, result)| {
+                    let keep = !gone.contains(route);
+                    if !keep {
+                        self.egress_requests.remove(&RouteResultLabels {
+                            route: route.clone(),
+                            result,
                         });
                     }
                     keep

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::cidr::Cidr;
+use crate::route::TlsFiles;
 use super::decode::{Kind, Raw};
 use super::routes::positive;
 use super::{ConfigError, Errors, at};
@@ -87,8 +88,8 @@ pub struct RawListener {
     pub name: String,
     /// `IP:port` to bind.
     pub address: String,
-    /// `sni`, `http-connect` or `proxy-destination` (`egress-connect` and `wireguard` are
-    /// not in this build yet).
+    /// `sni`, `http-connect`, `proxy-destination` or `egress-connect` (`wireguard` is not
+    /// in this build yet).
     pub protocol: String,
     /// PROXY protocol from a load balancer in front.
     #[serde(default)]
@@ -99,6 +100,11 @@ pub struct RawListener {
     /// CONNECT destination header name (`http-connect` only).
     #[serde(default)]
     pub destination_header: Option<String>,
+    /// Server certificate and client CA of an `egress-connect` listener (required there):
+    /// used for connections no route selects before the handshake, and for routes that have
+    /// no `tls` of their own. Relative paths are relative to this config file.
+    #[serde(default)]
+    pub tls: Option<super::tls::RawTls>,
 }
 
 /// PROXY protocol settings as written.
@@ -204,6 +210,12 @@ pub enum ListenerKind {
     },
     /// Routed by the destination address of a PROXY header (GEP-08).
     ProxyDestination,
+    /// kube-apiserver egress: CONNECT over mutual TLS, the route chosen by server name,
+    /// client address or client certificate (SPEC `egress-connect`).
+    EgressConnect {
+        /// The listener's server certificate and client CA.
+        tls: TlsFiles,
+    },
 }
 
 impl ListenerKind {
@@ -213,6 +225,7 @@ impl ListenerKind {
             ListenerKind::Sni => "sni",
             ListenerKind::HttpConnect { .. } => "http-connect",
             ListenerKind::ProxyDestination => "proxy-destination",
+            ListenerKind::EgressConnect { .. } => "egress-connect",
         }
     }
 }
@@ -414,7 +427,8 @@ pub(super) fn validate(
 
 fn build(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
     super::check_api_version(errors, &raw.api_version);
-    let (listeners, addresses) = listeners(errors, &raw.listeners);
+    let dir = file.parent().unwrap_or(Path::new("."));
+    let (listeners, addresses) = listeners(errors, dir, &raw.listeners);
     let admin = admin(errors, &raw.admin, &addresses);
     let debug_address = debug_address(errors, &raw.admin, &addresses, admin);
     let (routes_file, routes_check_interval) = routes_source(errors, file, &raw.routes);
@@ -451,6 +465,7 @@ fn build(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
 /// The valid listeners, and every address the listeners take (for the admin endpoint's).
 fn listeners(
     errors: &mut Errors,
+    dir: &Path,
     raw: &[RawListener],
 ) -> (Vec<ListenerConfig>, HashSet<SocketAddr>) {
     if raw.is_empty() {
@@ -465,6 +480,7 @@ fn listeners(
             listener(
                 errors,
                 &format!("listeners[{i}]"),
+                dir,
                 l,
                 &mut names,
                 &mut addresses,
@@ -479,6 +495,7 @@ fn listeners(
 fn listener(
     errors: &mut Errors,
     path: &str,
+    dir: &Path,
     l: &RawListener,
     names: &mut HashSet<String>,
     addresses: &mut HashSet<SocketAddr>,
@@ -511,7 +528,7 @@ fn listener(
             format!("address {a} is used by another listener"),
         );
     }
-    let kind = listener_kind(errors, path, l);
+    let kind = listener_kind(errors, path, dir, l);
     let proxy_protocol = proxy_protocol(errors, path, l.proxy_protocol.as_ref());
     if let Some(r) = &l.default_route
         && r.is_empty()
@@ -528,14 +545,30 @@ fn listener(
 }
 
 /// The listener's protocol with its own settings; a setting of another protocol is an error.
-fn listener_kind(errors: &mut Errors, path: &str, l: &RawListener) -> Option<ListenerKind> {
+fn listener_kind(
+    errors: &mut Errors,
+    path: &str,
+    dir: &Path,
+    l: &RawListener,
+) -> Option<ListenerKind> {
     let kind = match l.protocol.as_str() {
         "sni" => Some(ListenerKind::Sni),
         "http-connect" => Some(ListenerKind::HttpConnect {
             destination_header: destination_header(errors, path, l.destination_header.as_deref()),
         }),
         "proxy-destination" => Some(ListenerKind::ProxyDestination),
-        "egress-connect" | "wireguard" => {
+        "egress-connect" => match &l.tls {
+            Some(raw) => super::tls::files(errors, &at(path, "tls"), dir, raw)
+                .map(|tls| ListenerKind::EgressConnect { tls }),
+            None => {
+                errors.push(
+                    at(path, "tls"),
+                    "required for egress-connect listeners: {certificateFile, keyFile, clientCAFile}",
+                );
+                None
+            }
+        },
+        "wireguard" => {
             errors.push(
                 at(path, "protocol"),
                 format!(
@@ -553,6 +586,9 @@ fn listener_kind(errors: &mut Errors, path: &str, l: &RawListener) -> Option<Lis
             None
         }
     };
+    if l.tls.is_some() && l.protocol != "egress-connect" {
+        errors.push(at(path, "tls"), "only valid for egress-connect listeners");
+    }
     if l.destination_header.is_some() && !matches!(kind, Some(ListenerKind::HttpConnect { .. })) {
         errors.push(
             at(path, "destinationHeader"),

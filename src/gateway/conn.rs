@@ -289,6 +289,9 @@ async fn pipeline(
             super::connect::handle(conn, config, destination_header, shared).await
         }
         ListenerKind::ProxyDestination => super::proxydst::handle(conn, config, shared).await,
+        ListenerKind::EgressConnect { .. } => {
+            conn.reject(Outcome::BadRequest, "egress-connect is not served yet")
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! served fails before any traffic is accepted. One file per listener protocol, wired onto
 //! the shared serving layer ([`crate::serve`]): its accept loop, record, forward and drain.
 
+mod certs;
 mod conn;
 mod connect;
 mod proxydst;

@@ -8,6 +8,7 @@
 
 pub(crate) mod dial;
 pub mod fds;
+pub mod prefixed;
 pub(crate) mod lograte;
 pub(crate) mod relay;
 pub mod socket;

@@ -91,7 +91,7 @@ impl TlsError {
 }
 
 /// The contents of a [`TlsFiles`] set, as read at one moment.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TlsBytes {
     /// The certificate chain PEM.
     pub certificate: Vec<u8>,
@@ -130,7 +130,8 @@ fn read_one(path: &Path) -> Result<Vec<u8>, TlsError> {
 }
 
 /// Builds the server config for `bytes` (read from `files`, which name the errors): the
-/// chain and key presented, a client certificate required that chains to the CA bundle.
+/// chain and key presented, a client certificate required that chains to the CA bundle,
+/// TLS 1.2 and 1.3, no session resumption.
 pub fn server_config(files: &TlsFiles, bytes: &TlsBytes) -> Result<Arc<ServerConfig>, TlsError> {
     let provider = provider();
     let pem = |path: &Path, detail: String| TlsError::Pem {
@@ -173,7 +174,7 @@ pub fn server_config(files: &TlsFiles, bytes: &TlsBytes) -> Result<Arc<ServerCon
             path: files.client_ca_file.clone(),
             detail: e.to_string(),
         })?;
-    let config = ServerConfig::builder_with_provider(provider)
+    let mut config = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
         .and_then(|b| {
             b.with_client_cert_verifier(verifier)
@@ -183,6 +184,10 @@ pub fn server_config(files: &TlsFiles, bytes: &TlsBytes) -> Result<Arc<ServerCon
             path: files.certificate_file.clone(),
             detail: e.to_string(),
         })?;
+    // No resumption: a resumed session skips the client certificate check of the config it
+    // is resumed on, and each config has its own client CA.
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
     Ok(Arc::new(config))
 }
 

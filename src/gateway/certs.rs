@@ -1,0 +1,177 @@
+//! The TLS material of the `egress-connect` listeners and of every route's `egress.tls`: one
+//! rustls server config per set of files, kept current as the files and the table change.
+//!
+//! Reads never wait: handshakes look their config up in a map published behind an
+//! `ArcSwap`. [`Certs::refresh`] re-reads every file set (on a file change, a table change,
+//! `SIGHUP` and periodically) and rebuilds only sets whose bytes changed; a set that fails to
+//! load keeps its last good config (logged and counted in
+//! `trellis_tls_material_loads_total{result="rejected"}`), so a half-written rotation never
+//! takes a shoot down. A set that never loaded has no config: its handshakes are refused.
+//! Established connections are never touched: they hold the config they started with.
+
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+use rustls::ServerConfig;
+
+use crate::admin::metrics::Metrics;
+use crate::net::tls::{self, TlsBytes, TlsError};
+use crate::route::{RoutingTable, TlsFiles};
+
+/// One loaded set of files.
+#[derive(Debug, Clone)]
+struct Loaded {
+    /// The config handshakes use; `None` until the files loaded once.
+    config: Option<Arc<ServerConfig>>,
+    /// A hash of the bytes `config` was built from (or that last failed), to skip unchanged
+    /// files.
+    hash: u64,
+}
+
+/// The configs by file set.
+#[derive(Debug)]
+pub(crate) struct Certs {
+    current: ArcSwap<HashMap<TlsFiles, Loaded>>,
+    /// The listeners' sets, always kept.
+    listeners: BTreeSet<TlsFiles>,
+    /// The sets the active table names.
+    routes: Mutex<BTreeSet<TlsFiles>>,
+    /// Serialises refreshes (a table change and a file change at once).
+    refreshing: Mutex<()>,
+    metrics: Arc<Metrics>,
+}
+
+impl Certs {
+    /// Loads the listeners' sets; any that fails is an error (a gateway does not start
+    /// with a listener it cannot serve).
+    pub(crate) fn new(
+        listeners: impl IntoIterator<Item = TlsFiles>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Certs, TlsError> {
+        let listeners: BTreeSet<TlsFiles> = listeners.into_iter().collect();
+        let mut map = HashMap::new();
+        for files in &listeners {
+            let bytes = tls::read(files)?;
+            let config = tls::server_config(files, &bytes)?;
+            metrics.tls_load("loaded");
+            map.insert(
+                files.clone(),
+                Loaded {
+                    config: Some(config),
+                    hash: hash(&bytes),
+                },
+            );
+        }
+        Ok(Certs {
+            current: ArcSwap::from_pointee(map),
+            listeners,
+            routes: Mutex::new(BTreeSet::new()),
+            refreshing: Mutex::new(()),
+            metrics,
+        })
+    }
+
+    /// The config for `files`, if they ever loaded.
+    pub(crate) fn get(&self, files: &TlsFiles) -> Option<Arc<ServerConfig>> {
+        self.current.load().get(files)?.config.clone()
+    }
+
+    /// Takes the file sets `table` names (sets no longer named are dropped) and loads the
+    /// new ones.
+    pub(crate) fn set_table(&self, table: &RoutingTable) {
+        let sets: BTreeSet<TlsFiles> = table
+            .routes()
+            .iter()
+            .filter_map(|r| r.egress.as_ref()?.tls.clone())
+            .collect();
+        *self.routes.lock().unwrap_or_else(|e| e.into_inner()) = sets;
+        self.refresh();
+    }
+
+    /// Re-reads every set and rebuilds those whose bytes changed (see the module docs).
+    /// Returns how many sets are without a config (never loaded).
+    pub(crate) fn refresh(&self) -> usize {
+        let _one = self.refreshing.lock().unwrap_or_else(|e| e.into_inner());
+        let wanted: Vec<TlsFiles> = {
+            let routes = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+            self.listeners.union(&routes).cloned().collect()
+        };
+        let old = self.current.load_full();
+        let mut next = HashMap::with_capacity(wanted.len());
+        let mut changed = wanted.len() != old.len();
+        for files in wanted {
+            let prev = old.get(&files);
+            let loaded = match tls::read(&files) {
+                Ok(bytes) => {
+                    let h = hash(&bytes);
+                    match prev {
+                        Some(p) if p.hash == h => p.clone(),
+                        _ => {
+                            changed = true;
+                            self.build(&files, &bytes, prev, h)
+                        }
+                    }
+                }
+                Err(e) => {
+                    // Unreadable (a rotation in progress, a removed secret): the last good
+                    // config stays. Logged once per change of state, not per refresh.
+                    if prev.is_none_or(|p| p.hash != 0) {
+                        self.reject(&files, &e);
+                    }
+                    changed |= prev.is_none();
+                    Loaded {
+                        config: prev.and_then(|p| p.config.clone()),
+                        hash: 0,
+                    }
+                }
+            };
+            next.insert(files, loaded);
+        }
+        let missing = next.values().filter(|l| l.config.is_none()).count();
+        if changed {
+            self.current.store(Arc::new(next));
+        }
+        missing
+    }
+
+    fn build(&self, files: &TlsFiles, bytes: &TlsBytes, prev: Option<&Loaded>, h: u64) -> Loaded {
+        match tls::server_config(files, bytes) {
+            Ok(config) => {
+                self.metrics.tls_load("loaded");
+                if prev.is_some() {
+                    tracing::info!(certificate = %files.certificate_file.display(), "TLS material reloaded");
+                }
+                Loaded {
+                    config: Some(config),
+                    hash: h,
+                }
+            }
+            Err(e) => {
+                self.reject(files, &e);
+                Loaded {
+                    config: prev.and_then(|p| p.config.clone()),
+                    hash: h,
+                }
+            }
+        }
+    }
+
+    fn reject(&self, files: &TlsFiles, e: &TlsError) {
+        self.metrics.tls_load("rejected");
+        tracing::warn!(
+            certificate = %files.certificate_file.display(),
+            error = %e,
+            kind = e.kind(),
+            "TLS material not loaded; the last good material stays in use"
+        );
+    }
+}
+
+/// A hash of a set's bytes (never 0, which marks an unreadable set).
+fn hash(bytes: &TlsBytes) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut h);
+    h.finish().max(1)
+}
