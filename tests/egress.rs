@@ -1,0 +1,676 @@
+//! `egress-connect` listeners with Gardener's certificates as Gardener issues them: per shoot a
+//! `ca-vpn` (CN `vpn`), a `vpn-seed-server` server certificate and a
+//! `kube-apiserver-http-proxy` client certificate. Clients are rustls, Python's `ssl` and
+//! curl, speaking kube-apiserver's bytes (`CONNECT 10.x.y.z:port HTTP/1.1`,
+//! `Host: 127.0.0.1`); targets are plain TCP servers on loopback.
+// A test or bench fails loudly on what it did not expect; its helpers are its own.
+#![allow(clippy::unwrap_used, unreachable_pub)]
+
+mod common;
+
+use std::net::{IpAddr, SocketAddr};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio_rustls::client::TlsStream;
+
+/// The 200 a kube-apiserver accepts, exactly.
+const OK: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
+
+/// A certificate authority (rcgen).
+struct Ca {
+    params: rcgen::CertificateParams,
+    key: rcgen::KeyPair,
+    pem: String,
+}
+
+impl Ca {
+    fn new(cn: &str) -> Ca {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::CrlSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let key = rcgen::KeyPair::generate().unwrap();
+        let pem = params.self_signed(&key).unwrap().pem();
+        Ca { params, key, pem }
+    }
+
+    /// A leaf (certificate PEM, key PEM) for `cn` with DNS SANs `sans`.
+    fn issue(&self, cn: &str, sans: &[String], server: bool) -> (String, String) {
+        let mut params = rcgen::CertificateParams::new(sans.to_vec()).unwrap();
+        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        params.extended_key_usages = vec![if server {
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth
+        } else {
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth
+        }];
+        let key = rcgen::KeyPair::generate().unwrap();
+        let issuer = rcgen::Issuer::from_params(&self.params, &self.key);
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+/// One shoot's egress PKI as Gardener issues it, written to files.
+struct Shoot {
+    namespace: String,
+    ca: Ca,
+    /// `tls.crt`, `tls.key`, `ca.crt` of the vpn-seed-server certificate, in `dir`.
+    files: [std::path::PathBuf; 3],
+    client_cert: String,
+    client_key: String,
+}
+
+impl Shoot {
+    fn new(dir: &TestDir, namespace: &str) -> Shoot {
+        let ca = Ca::new("vpn");
+        // kutil.DNSNamesForService("vpn-seed-server", namespace).
+        let sans: Vec<String> = [
+            "vpn-seed-server".to_string(),
+            format!("vpn-seed-server.{namespace}"),
+            format!("vpn-seed-server.{namespace}.svc"),
+            format!("vpn-seed-server.{namespace}.svc.cluster.local"),
+        ]
+        .into();
+        let (cert, key) = ca.issue("vpn-seed-server", &sans, true);
+        let (client_cert, client_key) = ca.issue("kube-apiserver-http-proxy", &[], false);
+        let files = [
+            dir.path(&format!("{namespace}-tls.crt")),
+            dir.path(&format!("{namespace}-tls.key")),
+            dir.path(&format!("{namespace}-ca.crt")),
+        ];
+        std::fs::write(&files[0], &cert).unwrap();
+        std::fs::write(&files[1], &key).unwrap();
+        std::fs::write(&files[2], &ca.pem).unwrap();
+        Shoot {
+            namespace: namespace.to_string(),
+            ca,
+            files,
+            client_cert,
+            client_key,
+        }
+    }
+
+    /// The `tls:` section naming this shoot's files.
+    fn tls_yaml(&self) -> String {
+        format!(
+            "{{certificateFile: {:?}, keyFile: {:?}, clientCAFile: {:?}}}",
+            self.files[0], self.files[1], self.files[2]
+        )
+    }
+
+    fn client(&self) -> Client {
+        Client {
+            trust: self.ca.pem.clone(),
+            cert: Some((self.client_cert.clone(), self.client_key.clone())),
+        }
+    }
+}
+
+/// What a TLS client presents and trusts.
+#[derive(Clone)]
+struct Client {
+    /// CA PEM the server certificate must chain to.
+    trust: String,
+    /// Client certificate and key PEM.
+    cert: Option<(String, String)>,
+}
+
+fn pem_certs(pem: &str) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+impl Client {
+    fn connector(&self, tls12: bool) -> tokio_rustls::TlsConnector {
+        use rustls::pki_types::pem::PemObject;
+        let mut roots = rustls::RootCertStore::empty();
+        for c in pem_certs(&self.trust) {
+            roots.add(c).unwrap();
+        }
+        let versions: &[&rustls::SupportedProtocolVersion] = if tls12 {
+            &[&rustls::version::TLS12]
+        } else {
+            &[&rustls::version::TLS13]
+        };
+        let builder = rustls::ClientConfig::builder_with_provider(crypto())
+            .with_protocol_versions(versions)
+            .unwrap()
+            .with_root_certificates(roots);
+        let config = match &self.cert {
+            Some((cert, key)) => builder
+                .with_client_auth_cert(
+                    pem_certs(cert),
+                    rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+                )
+                .unwrap(),
+            None => builder.with_no_client_auth(),
+        };
+        tokio_rustls::TlsConnector::from(Arc::new(config))
+    }
+}
+
+/// A TCP connection to `gw` from `source` (a loopback address).
+async fn tcp_from(gw: SocketAddr, source: Option<IpAddr>) -> std::io::Result<TcpStream> {
+    let sock = TcpSocket::new_v4()?;
+    if let Some(ip) = source {
+        sock.bind(SocketAddr::new(ip, 0))?;
+    }
+    sock.connect(gw).await
+}
+
+/// A TLS handshake with SNI `sni` (what kube-apiserver sends: `vpn-seed-server`).
+async fn handshake(
+    gw: SocketAddr,
+    source: Option<IpAddr>,
+    sni: &str,
+    client: &Client,
+    tls12: bool,
+) -> std::io::Result<TlsStream<TcpStream>> {
+    let tcp = tcp_from(gw, source).await?;
+    let name = rustls::pki_types::ServerName::try_from(sni.to_string()).unwrap();
+    let mut tls = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.connector(tls12).connect(name, tcp),
+    )
+    .await??;
+    // TLS 1.3 servers refuse a client certificate after the client's handshake is done:
+    // a read makes the refusal (an alert) show.
+    tls.flush().await?;
+    Ok(tls)
+}
+
+/// Sends kube-apiserver's CONNECT for `target` and reads the first read's worth of answer.
+async fn connect_to(tls: &mut TlsStream<TcpStream>, target: &str) -> Vec<u8> {
+    tls.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(15), tls.read(&mut buf))
+        .await
+        .expect("no answer")
+        .unwrap_or(0);
+    buf.truncate(n);
+    buf
+}
+
+/// The status of an answer (0 when none).
+fn status(answer: &[u8]) -> u16 {
+    String::from_utf8_lossy(answer)
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A target that counts its connections and echoes; `greeting` is sent first.
+struct Target {
+    addr: SocketAddr,
+    connections: Arc<AtomicUsize>,
+}
+
+async fn target_at(ip: &str, greeting: &'static [u8]) -> Target {
+    let listener = TcpListener::bind(format!("{ip}:0")).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let count = connections.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                if !greeting.is_empty() {
+                    let _ = s.write_all(greeting).await;
+                }
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+                let _ = w.shutdown().await;
+            });
+        }
+    });
+    Target { addr, connections }
+}
+
+fn listener_tls(shoot: &Shoot) -> String {
+    format!("  tls: {}", shoot.tls_yaml())
+}
+
+/// A gateway with one `egress-connect` listener named `egress` whose own `tls` is
+/// `default`'s.
+fn gateway(routes: &str, default: &Shoot) -> Gateway {
+    Gateway::start_listeners(
+        routes,
+        &[("egress", "egress-connect", &listener_tls(default))],
+        "",
+    )
+}
+
+fn table(routes: &str) -> String {
+    format!("apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes:\n{routes}")
+}
+
+/// Three shoots, each with Gardener's certificates, told apart by their kube-apiserver's
+/// address; each reaches its own target, and a certificate of one presented from another's
+/// address is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn gardener_shoots_told_apart_by_client_address_each_reach_their_own_target() {
+    let dir = TestDir::new("egress-gardener");
+    let shoots: Vec<Shoot> = (0..3)
+        .map(|i| Shoot::new(&dir, &format!("shoot--dev--s{i}")))
+        .collect();
+    // Each shoot's target on its own loopback address; each route allows only its own.
+    let mut targets = Vec::new();
+    let mut routes = String::new();
+    for (i, s) in shoots.iter().enumerate() {
+        let t = target_at(&format!("127.0.{}.1", 10 + i), b"").await;
+        routes += &format!(
+            "- name: {ns}\n  egress:\n    clientSources: [\"127.0.0.{src}/32\"]\n    tls: {tls}\n    directNetworks: [\"127.0.{net}.0/24\"]\n",
+            ns = s.namespace,
+            src = 21 + i,
+            tls = s.tls_yaml(),
+            net = 10 + i,
+        );
+        targets.push(t);
+    }
+    // The listener's own material is a fourth CA: no shoot's client certificate chains to it.
+    let other = Shoot::new(&dir, "listener");
+    let gw = gateway(&table(&routes), &other);
+    let addr = gw.addr("egress");
+    for (i, s) in shoots.iter().enumerate() {
+        let source: IpAddr = format!("127.0.0.{}", 21 + i).parse().unwrap();
+        let mut tls = handshake(addr, Some(source), "vpn-seed-server", &s.client(), false)
+            .await
+            .unwrap();
+        let answer = connect_to(&mut tls, &targets[i].addr.to_string()).await;
+        assert_eq!(answer, OK, "shoot {i}");
+        tls.write_all(b"ping").await.unwrap();
+        let mut echo = [0u8; 4];
+        tls.read_exact(&mut echo).await.unwrap();
+        assert_eq!(&echo, b"ping");
+        // Another shoot's target is outside this route's networks.
+        let mut tls = handshake(addr, Some(source), "vpn-seed-server", &s.client(), false)
+            .await
+            .unwrap();
+        let other_target = targets[(i + 1) % 3].addr.to_string();
+        assert_eq!(status(&connect_to(&mut tls, &other_target).await), 403);
+    }
+    // Shoot 0's certificate from shoot 1's address: shoot 1's route accepts only its own CA
+    // (and presents shoot 1's server certificate, which shoot 0's CA does not trust).
+    let source: IpAddr = "127.0.0.22".parse().unwrap();
+    let crossed = Client {
+        trust: shoots[1].ca.pem.clone(),
+        cert: shoots[0].client().cert,
+    };
+    let refused = match handshake(addr, Some(source), "vpn-seed-server", &crossed, false).await {
+        Err(_) => true,
+        Ok(mut tls) => status(&connect_to(&mut tls, &targets[1].addr.to_string()).await) == 0,
+    };
+    assert!(refused, "a certificate of another shoot's CA was accepted");
+    for (i, t) in targets.iter().enumerate() {
+        assert_eq!(t.connections.load(Ordering::SeqCst), 1, "target {i}");
+    }
+    let m = gw.metrics();
+    assert!(
+        metric_in(&m, "trellis_egress_requests_total{route=\"shoot--dev--s1\",result=\"connected\"}") >= 1.0,
+        "{m}"
+    );
+}
+
+/// The three ways a connection finds its route: server name (with the route's own
+/// certificate), client address, and the client certificate's identity under the listener's
+/// CA; a route chosen before the handshake that lists identities requires one.
+#[tokio::test(flavor = "multi_thread")]
+async fn each_selection_mode() {
+    let dir = TestDir::new("egress-modes");
+    let by_name = Shoot::new(&dir, "by-name");
+    let by_source = Shoot::new(&dir, "by-source");
+    let listener = Shoot::new(&dir, "listener");
+    let target = target_at("127.0.0.1", b"").await;
+    let routes = table(&format!(
+        "- name: by-name
+  egress:
+    serverNames: [vpn-seed-server.by-name]
+    tls: {by_name}
+    directNetworks: [\"127.0.0.1/32\"]
+- name: by-source
+  egress:
+    clientSources: [\"127.0.0.31/32\"]
+    tls: {by_source}
+    clientIdentities: [kube-apiserver-http-proxy]
+    directNetworks: [\"127.0.0.1/32\"]
+- name: by-identity
+  egress:
+    clientIdentities: [shoot--dev--id]
+    directNetworks: [\"127.0.0.1/32\"]
+",
+        by_name = by_name.tls_yaml(),
+        by_source = by_source.tls_yaml(),
+    ));
+    let gw = gateway(&routes, &listener);
+    let addr = gw.addr("egress");
+    let t = target.addr.to_string();
+
+    // By server name: that route's own certificate and CA, from any address, TLS 1.2 too.
+    for tls12 in [false, true] {
+        let mut tls = handshake(addr, None, "vpn-seed-server.by-name", &by_name.client(), tls12)
+            .await
+            .unwrap();
+        assert_eq!(connect_to(&mut tls, &t).await, OK, "tls12 {tls12}");
+    }
+    // By source, with the identity the route requires.
+    let source = Some("127.0.0.31".parse().unwrap());
+    let mut tls = handshake(addr, source, "vpn-seed-server", &by_source.client(), false)
+        .await
+        .unwrap();
+    assert_eq!(connect_to(&mut tls, &t).await, OK);
+    // By source, but the leaf lacks the required identity: 403.
+    let (cert, key) = by_source.ca.issue("someone-else", &[], false);
+    let lacking = Client {
+        trust: by_source.ca.pem.clone(),
+        cert: Some((cert, key)),
+    };
+    let mut tls = handshake(addr, source, "vpn-seed-server", &lacking, false)
+        .await
+        .unwrap();
+    assert_eq!(status(&connect_to(&mut tls, &t).await), 403);
+    // By identity (listener CA): CN, and a DNS SAN.
+    for (cn, sans) in [("shoot--dev--id", vec![]), ("x", vec!["shoot--dev--id".to_string()])] {
+        let (cert, key) = listener.ca.issue(cn, &sans, false);
+        let c = Client {
+            trust: listener.ca.pem.clone(),
+            cert: Some((cert, key)),
+        };
+        let mut tls = handshake(addr, None, "vpn-seed-server", &c, false)
+            .await
+            .unwrap();
+        assert_eq!(connect_to(&mut tls, &t).await, OK, "{cn}");
+    }
+    // An identity no route has: 403.
+    let (cert, key) = listener.ca.issue("shoot--dev--unknown", &[], false);
+    let unknown = Client {
+        trust: listener.ca.pem.clone(),
+        cert: Some((cert, key)),
+    };
+    let mut tls = handshake(addr, None, "vpn-seed-server", &unknown, false)
+        .await
+        .unwrap();
+    assert_eq!(status(&connect_to(&mut tls, &t).await), 403);
+    // No client certificate, and one from a CA the listener does not accept: no handshake.
+    let anonymous = Client {
+        trust: listener.ca.pem.clone(),
+        cert: None,
+    };
+    let wrong_ca = Client {
+        trust: listener.ca.pem.clone(),
+        cert: by_name.client().cert,
+    };
+    for (what, c) in [("no certificate", &anonymous), ("wrong CA", &wrong_ca)] {
+        let refused = match handshake(addr, None, "vpn-seed-server", c, false).await {
+            Err(_) => true,
+            Ok(mut tls) => status(&connect_to(&mut tls, &t).await) == 0,
+        };
+        assert!(refused, "{what} was accepted");
+    }
+    assert_eq!(target.connections.load(Ordering::SeqCst), 5);
+    let m = gw.metrics();
+    for (route, result) in [
+        ("by-source", "identity_mismatch"),
+        ("", "no_route"),
+        ("", "handshake_failed"),
+    ] {
+        assert!(
+            metric_in(
+                &m,
+                &format!("trellis_egress_requests_total{{route=\"{route}\",result=\"{result}\"}}")
+            ) >= 1.0,
+            "{route} {result}: {m}"
+        );
+    }
+}
+
+/// Targets: an allowed IP, a host name resolved by the gateway, one outside the lists, a
+/// refused port (`502`), a black hole (`504`), `via: tunnel` with no tunnel yet (`504`); 10 MB
+/// each way byte-exact and half-close.
+#[tokio::test(flavor = "multi_thread")]
+async fn targets_answers_and_bulk() {
+    let dir = TestDir::new("egress-targets");
+    let shoot = Shoot::new(&dir, "shoot--dev--t");
+    let target = target_at("127.0.0.1", b"").await;
+    // A port nobody listens on, and a listener that never accepts, its backlog full: SYNs to
+    // it are dropped.
+    let refused = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let hole = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    hole.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+    hole.listen(0).unwrap();
+    let hole_addr = hole.local_addr().unwrap().as_socket().unwrap();
+    let mut fillers = Vec::new();
+    for _ in 0..4 {
+        // Fills the accept queue (a backlog of 0 holds one, the kernel adds slack).
+        if let Ok(Ok(s)) =
+            tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(hole_addr)).await
+        {
+            fillers.push(s);
+        }
+    }
+    let routes = table(&format!(
+        "- name: t
+  timeouts: {{connect: 1s}}
+  egress:
+    serverNames: [vpn-seed-server]
+    tls: {tls}
+    directNetworks: [\"127.0.0.1/32\"]
+- name: tunnel
+  egress:
+    serverNames: [tunnel]
+    tls: {tls}
+    allowedNetworks: [\"10.250.0.0/16\"]
+",
+        tls = shoot.tls_yaml()
+    ));
+    let gw = gateway(&routes, &shoot);
+    let addr = gw.addr("egress");
+    let c = shoot.client();
+    let ask = |sni: &'static str, target: String| {
+        let c = c.clone();
+        async move {
+            let mut tls = handshake(addr, None, sni, &c, false).await.unwrap();
+            let answer = connect_to(&mut tls, &target).await;
+            (tls, answer)
+        }
+    };
+    let port = target.addr.port();
+    assert_eq!(ask("vpn-seed-server", format!("localhost:{port}")).await.1, OK);
+    let (_, a) = ask("vpn-seed-server", format!("127.0.0.2:{port}")).await;
+    assert_eq!(status(&a), 403);
+    assert!(!String::from_utf8_lossy(&a).contains("127.0.0"), "{a:?}");
+    let (_, a) = ask("vpn-seed-server", format!("no-such-name.invalid:{port}")).await;
+    assert!(matches!(status(&a), 403 | 502), "{a:?}");
+    let (_, a) = ask("vpn-seed-server", refused.to_string()).await;
+    assert_eq!(status(&a), 502);
+    let (_, a) = ask("vpn-seed-server", hole_addr.to_string()).await;
+    assert_eq!(status(&a), 504);
+    let (_, a) = ask("tunnel", "10.250.1.2:443".into()).await;
+    assert_eq!(status(&a), 504);
+    // A non-2xx answer closes the connection.
+    let (mut tls, a) = ask("vpn-seed-server", format!("127.0.0.2:{port}")).await;
+    assert_eq!(status(&a), 403);
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut rest))
+        .await
+        .expect("not closed after a 403");
+
+    // 10 MB each way, byte-exact, then half-close: the client's FIN reaches the target,
+    // whose echo ends, and the target's FIN reaches the client.
+    let (tls, a) = ask("vpn-seed-server", target.addr.to_string()).await;
+    assert_eq!(a, OK);
+    let data: Vec<u8> = (0..10 * 1024 * 1024u32).map(|i| (i * 7 % 251) as u8).collect();
+    let (mut r, mut w) = tokio::io::split(tls);
+    let sent = data.clone();
+    let writer = tokio::spawn(async move {
+        w.write_all(&sent).await.unwrap();
+        w.shutdown().await.unwrap();
+        w
+    });
+    let mut back = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), r.read_to_end(&mut back))
+        .await
+        .expect("echo did not end after the half-close")
+        .unwrap();
+    writer.await.unwrap();
+    assert!(back == data, "echo differs ({} of {} bytes)", back.len(), data.len());
+    let m = gw.metrics();
+    for (route, result) in [
+        ("t", "target_denied"),
+        ("t", "connect_failed"),
+        ("t", "connect_timeout"),
+        ("tunnel", "no_tunnel"),
+    ] {
+        assert!(
+            metric_in(
+                &m,
+                &format!("trellis_egress_requests_total{{route=\"{route}\",result=\"{result}\"}}")
+            ) >= 1.0,
+            "{route} {result}: {m}"
+        );
+    }
+    drop(fillers);
+}
+
+/// Python's `ssl`, as kube-apiserver's egress dialer does it: the answer is read with a
+/// buffered reader, and any byte buffered past the response head is an error. A target that
+/// sends first, and one that sends nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_byte_follows_the_200_until_the_target_sends_one() {
+    let dir = TestDir::new("egress-python");
+    let shoot = Shoot::new(&dir, "shoot--dev--py");
+    let talker = target_at("127.0.0.1", b"SSH-2.0-banner\r\n").await;
+    let silent = target_at("127.0.0.1", b"").await;
+    let routes = table(&format!(
+        "- name: py\n  egress:\n    serverNames: [vpn-seed-server]\n    tls: {}\n    directNetworks: [\"127.0.0.1/32\"]\n",
+        shoot.tls_yaml()
+    ));
+    let gw = gateway(&routes, &shoot);
+    let ca = dir.path("client-ca.pem");
+    let cert = dir.path("client.crt");
+    let key = dir.path("client.key");
+    std::fs::write(&ca, &shoot.ca.pem).unwrap();
+    std::fs::write(&cert, &shoot.client_cert).unwrap();
+    std::fs::write(&key, &shoot.client_key).unwrap();
+    // Reads the response head the way Go's http.ReadResponse over a bufio.Reader does: one
+    // TLS record at a time; whatever that read returned past the head is "buffered data".
+    let script = r#"
+import socket, ssl, sys
+host, port, ca, cert, key, target = sys.argv[1:7]
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+ctx.load_verify_locations(ca)
+ctx.load_cert_chain(cert, key)
+s = ctx.wrap_socket(socket.create_connection((host, int(port))), server_hostname="vpn-seed-server")
+s.sendall(("CONNECT %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % target).encode())
+first = s.recv(4096)
+head, sep, extra = first.partition(b"\r\n\r\n")
+print("head", repr(head + sep))
+print("buffered", len(extra))
+s.settimeout(0.5)
+try:
+    later = s.recv(4096)
+except socket.timeout:
+    later = b""
+print("later", repr(later))
+s.settimeout(5)
+s.sendall(b"hello")
+echo = b""
+while len(echo) < 5:
+    echo += s.recv(4096)
+print("echo", repr(echo[-5:]))
+"#;
+    let egress = gw.addr("egress");
+    for (name, t, later) in [
+        ("talker", &talker, "b'SSH-2.0-banner\\r\\n'"),
+        ("silent", &silent, "b''"),
+    ] {
+        let (ok, out) = run(
+            Command::new("python3").args([
+                "-c",
+                script,
+                "127.0.0.1",
+                &egress.port().to_string(),
+                ca.to_str().unwrap(),
+                cert.to_str().unwrap(),
+                key.to_str().unwrap(),
+                &t.addr.to_string(),
+            ]),
+            b"",
+            Duration::from_secs(30),
+        );
+        assert!(ok, "{name}: {out}");
+        assert!(
+            out.contains("head b'HTTP/1.1 200 Connection established\\r\\n\\r\\n'"),
+            "{name}: {out}"
+        );
+        assert!(out.contains("buffered 0"), "{name}: {out}");
+        assert!(out.contains(&format!("later {later}")), "{name}: {out}");
+        assert!(out.contains("echo b'hello'"), "{name}: {out}");
+    }
+}
+
+/// curl as the README shows it: `--proxy https://…` with the client certificate.
+#[tokio::test(flavor = "multi_thread")]
+async fn curl_through_the_egress_proxy() {
+    let dir = TestDir::new("egress-curl");
+    let shoot = Shoot::new(&dir, "shoot--dev--curl");
+    let web = RawBackend::start(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nshoot", 1 << 20).await;
+    let routes = table(&format!(
+        "- name: curl\n  egress:\n    clientIdentities: [kube-apiserver-http-proxy]\n    directNetworks: [\"127.0.0.1/32\"]\n",
+    ));
+    let gw = gateway(&routes, &shoot);
+    let ca = dir.path("client-ca.pem");
+    let cert = dir.path("client.crt");
+    let key = dir.path("client.key");
+    std::fs::write(&ca, &shoot.ca.pem).unwrap();
+    std::fs::write(&cert, &shoot.client_cert).unwrap();
+    std::fs::write(&key, &shoot.client_key).unwrap();
+    let egress = gw.addr("egress");
+    let (ok, out) = run(
+        Command::new("curl").args([
+            "-sS",
+            "--max-time",
+            "20",
+            "--proxy",
+            &format!("https://vpn-seed-server:{}", egress.port()),
+            "--proxy-cacert",
+            ca.to_str().unwrap(),
+            "--proxy-cert",
+            cert.to_str().unwrap(),
+            "--proxy-key",
+            key.to_str().unwrap(),
+            "--proxytunnel",
+            "--resolve",
+            &format!("vpn-seed-server:{}:127.0.0.1", egress.port()),
+            &format!("http://{}/", web.addr),
+        ]),
+        b"",
+        Duration::from_secs(30),
+    );
+    assert!(ok && out.ends_with("shoot"), "{out}");
+    let log = gw.wait_access_log(|l| {
+        l["fields"]["listener"] == "egress" && l["fields"]["route"] == "curl"
+    });
+    assert_eq!(log["fields"]["identity"], "kube-apiserver-http-proxy", "{log}");
+    assert_eq!(log["fields"]["target_name"], web.addr.to_string(), "{log}");
+}
