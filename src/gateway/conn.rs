@@ -12,7 +12,9 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::Shared;
+use crate::net::relay::Leg;
 use crate::net::socket::normalize;
+use crate::net::stream::{ClientStream, READ_CHUNK, read_appending};
 use crate::route::Route;
 use crate::serve::forward::{self, Linked, Reply, Routed};
 use crate::serve::record::{ConnRecord, Outcome};
@@ -20,10 +22,11 @@ use crate::serve::tracker::ConnGuard;
 use crate::wire::Parsed;
 use crate::wire::proxy::{self, ProxyInfo};
 
-/// A connection between accept and routing.
-pub(super) struct Conn {
-    /// The client socket.
-    pub stream: TcpStream,
+/// A connection between accept and routing, over its client stream `S`: the accepted
+/// socket, or a stream over it (TLS) for a listener that terminates one.
+pub(super) struct Conn<S> {
+    /// The client stream.
+    pub stream: S,
     /// Bytes read and not yet consumed by an earlier stage.
     pub buf: Vec<u8>,
     /// Handshake deadline: everything before routing must finish by then.
@@ -56,7 +59,7 @@ pub(super) enum ReadError<E> {
     Reject(E),
 }
 
-impl Conn {
+impl<S: Leg + Send> Conn<S> {
     /// Reads until `parse` completes on the buffered bytes, reading at most `max` bytes in
     /// all. Returns the value and how many buffered bytes it consumed.
     pub(super) async fn read_until<T, E>(
@@ -90,7 +93,7 @@ impl Conn {
         let start = self.buf.len();
         let read = tokio::time::timeout_at(
             self.deadline,
-            read_appending(&self.stream, &mut self.buf, room),
+            read_appending(&mut self.stream, &mut self.buf, room),
         )
         .await;
         let n = match read {
@@ -104,15 +107,17 @@ impl Conn {
         Ok(())
     }
 
+    /// Writes `bytes` (an alert or an error response), half-closes, and lets the client read
+    /// them before the stream closes.
+    pub(super) async fn reject_with(&mut self, bytes: &[u8]) {
+        forward::reject_with(&mut self.stream, bytes).await;
+    }
+}
+
+impl<S> Conn<S> {
     /// Drops the first `n` buffered bytes (consumed by a stage).
     pub(super) fn consume(&mut self, n: usize) {
         self.buf.drain(..n);
-    }
-
-    /// Writes `bytes` (an alert or an error response), half-closes, and lets the client read
-    /// them before the socket closes.
-    pub(super) async fn reject_with(&mut self, bytes: &[u8]) {
-        forward::reject_with(&mut self.stream, bytes).await;
     }
 
     /// Takes the connection apart and frees its box (in a plain function: a box moved out
@@ -122,7 +127,7 @@ impl Conn {
     fn into_parts(
         self: Box<Self>,
     ) -> (
-        TcpStream,
+        S,
         Vec<u8>,
         ConnRecord,
         ConnGuard,
@@ -144,7 +149,7 @@ impl Conn {
     /// Rejects the connection before routing: counts `outcome`, logs, closes. `None`, for
     /// a stage's `return`: nothing to relay.
     #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
-    pub(super) fn reject(self: Box<Self>, outcome: Outcome, detail: &str) -> Option<Ready> {
+    pub(super) fn reject<R>(self: Box<Self>, outcome: Outcome, detail: &str) -> Option<R> {
         let Conn { record, .. } = *self;
         record.reject(outcome, detail);
         None
@@ -153,12 +158,14 @@ impl Conn {
     /// Refuses a client that `route` does not admit: counts `denied`, logs, closes. `None`,
     /// like [`Conn::reject`].
     #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
-    pub(super) fn deny(self: Box<Self>, route: Arc<Route>) -> Option<Ready> {
+    pub(super) fn deny<R>(self: Box<Self>, route: Arc<Route>) -> Option<R> {
         let Conn { record, .. } = *self;
         record.deny(route);
         None
     }
+}
 
+impl<S: ClientStream> Conn<S> {
     /// Links the connection to `route`: dial, reply (and, for a forwarded CONNECT, have the
     /// head accepted). `None` when it ended there; else the caller relays it.
     pub(super) async fn link(
@@ -166,7 +173,7 @@ impl Conn {
         route: &Arc<Route>,
         mut reply: Reply,
         shared: &Shared,
-    ) -> Option<Ready> {
+    ) -> Option<Ready<S>> {
         let cfg = &shared.config;
         let (stream, mut buf, record, guard, source, destination) = self.into_parts();
         if let Some(version) = route.send_proxy_protocol {
@@ -205,8 +212,9 @@ impl Conn {
     }
 }
 
-/// A gateway connection ready to relay.
-pub(super) type Ready = Linked<TcpStream, TcpStream>;
+/// A gateway connection ready to relay: its client stream `S` (the accepted socket unless
+/// named) and its backend stream `B` (a kernel socket unless named).
+pub(super) type Ready<S = TcpStream, B = TcpStream> = Linked<S, B>;
 
 /// The metric result for a parsed header.
 pub(super) fn header_result(info: &ProxyInfo) -> &'static str {
@@ -222,38 +230,6 @@ fn unspecified(addr: SocketAddr) -> std::net::IpAddr {
     match addr {
         SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
         SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
-    }
-}
-
-/// Most bytes one read before routing takes.
-const READ_CHUNK: usize = 4096;
-
-thread_local! {
-    /// Where reads before routing land before they are appended to their connection's
-    /// buffer; one per worker thread, as a connection never changes threads.
-    static SCRATCH: std::cell::RefCell<[u8; READ_CHUNK]> = const {
-        std::cell::RefCell::new([0; READ_CHUNK])
-    };
-}
-
-/// Waits until `stream` is readable, then appends at most `room` bytes to `buf`. Returns
-/// how many (0: end of stream).
-async fn read_appending(
-    stream: &TcpStream,
-    buf: &mut Vec<u8>,
-    room: usize,
-) -> std::io::Result<usize> {
-    loop {
-        stream.readable().await?;
-        let read = SCRATCH.with_borrow_mut(|scratch| {
-            let n = stream.try_read(&mut scratch[..room])?;
-            buf.extend_from_slice(&scratch[..n]);
-            Ok::<_, std::io::Error>(n)
-        });
-        match read {
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            other => return other,
-        }
     }
 }
 

@@ -18,6 +18,8 @@
 //! takes `X-Gardener-Destination` as well as `Reversed-VPN`), or the same header repeated,
 //! to a destination the gateway never matched: otherwise `403`, counted `no_route`.
 
+use tokio::net::TcpStream;
+
 use super::conn::{Conn, ReadError, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::{DEFAULT_DESTINATION_HEADER, ListenerConfig, ListenerKind};
@@ -70,7 +72,7 @@ fn forwardable(head: &RequestHead, own: &str, known: &[String]) -> Result<(), &'
 /// Takes one `http-connect` connection from its request head to a linked backend (`None`:
 /// it ended before).
 pub(super) async fn handle(
-    mut conn: Box<Conn>,
+    mut conn: Box<Conn<TcpStream>>,
     config: &ListenerConfig,
     destination_header: &str,
     shared: &Shared,

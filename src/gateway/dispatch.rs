@@ -104,7 +104,7 @@ async fn pipeline(
 
 /// Reads the load balancer's PROXY header. `Ok(None)`: optional mode and none was sent.
 async fn load_balancer_header(
-    conn: &mut Conn,
+    conn: &mut Conn<TcpStream>,
     mode: ProxyMode,
     shared: &Shared,
 ) -> Result<Option<ProxyInfo>, StageReject> {

@@ -6,6 +6,8 @@
 //! client writes itself. A route that sends its backends a PROXY header puts this header's
 //! destination in it.
 
+use tokio::net::TcpStream;
+
 use super::conn::{Conn, Ready, header_result, proxy_stage_error};
 use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
@@ -17,7 +19,7 @@ use crate::wire::proxy;
 /// Takes one `proxy-destination` connection from its PROXY header to a linked backend
 /// (`None`: it ended before).
 pub(super) async fn handle(
-    mut conn: Box<Conn>,
+    mut conn: Box<Conn<TcpStream>>,
     config: &ListenerConfig,
     shared: &Shared,
 ) -> Option<Ready> {

@@ -5,6 +5,8 @@
 //! never terminated. Unroutable hellos get a fatal `unrecognized_name` alert, clients outside the route's
 //! `allowedSourceRanges` an `access_denied` alert.
 
+use tokio::net::TcpStream;
+
 use super::conn::{Conn, ReadError, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
@@ -15,7 +17,7 @@ use crate::wire::tls::{self, Reject};
 /// Takes one `sni` connection from its ClientHello to a linked backend (`None`: it ended
 /// before).
 pub(super) async fn handle(
-    mut conn: Box<Conn>,
+    mut conn: Box<Conn<TcpStream>>,
     config: &ListenerConfig,
     shared: &Shared,
 ) -> Option<Ready> {
