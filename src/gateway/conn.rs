@@ -12,6 +12,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::Shared;
+use crate::net::dial::Dest;
 use crate::net::relay::Leg;
 use crate::net::socket::normalize;
 use crate::net::stream::{ClientStream, READ_CHUNK, read_appending};
@@ -166,11 +167,13 @@ impl<S> Conn<S> {
 }
 
 impl<S: ClientStream> Conn<S> {
-    /// Links the connection to `route`: dial, reply (and, for a forwarded CONNECT, have the
-    /// head accepted). `None` when it ended there; else the caller relays it.
+    /// Links the connection on `route` to `to` (the route's backends, or an explicit
+    /// address) with the gateway's dialer: dial, reply (and, for a forwarded CONNECT, have
+    /// the head accepted). `None` when it ended there; else the caller relays it.
     pub(super) async fn link(
         self: Box<Self>,
         route: &Arc<Route>,
+        to: Dest<'_>,
         mut reply: Reply,
         shared: &Shared,
     ) -> Option<Ready<S>> {
@@ -201,6 +204,7 @@ impl<S: ClientStream> Conn<S> {
             record,
             guard,
             route,
+            to,
             limits: crate::net::relay::Limits {
                 idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
                 half_close: cfg.timeouts.half_close,

@@ -23,6 +23,7 @@ use tokio::net::TcpStream;
 use super::conn::{Conn, ReadError, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::{DEFAULT_DESTINATION_HEADER, ListenerConfig, ListenerKind};
+use crate::net::dial::Dest;
 use crate::serve::forward::{Forwarded, Reply};
 use crate::serve::record::Outcome;
 use crate::wire::http::{self, RequestHead};
@@ -150,7 +151,7 @@ pub(super) async fn handle(
         conn.consume(consumed);
         Reply::Http
     };
-    conn.link(&route, reply, shared).await
+    conn.link(&route, Dest::Backends, reply, shared).await
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use tokio::net::TcpStream;
 use super::conn::{Conn, Ready, header_result, proxy_stage_error};
 use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
+use crate::net::dial::Dest;
 use crate::net::socket::normalize;
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
@@ -58,5 +59,5 @@ pub(super) async fn handle(
         Pick::Denied(route) => return conn.deny(route),
         Pick::NoRoute => return conn.reject(Outcome::NoRoute, "unknown PROXY destination"),
     };
-    conn.link(&route, Reply::None, shared).await
+    conn.link(&route, Dest::Backends, Reply::None, shared).await
 }

@@ -10,6 +10,7 @@ use tokio::net::TcpStream;
 use super::conn::{Conn, ReadError, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
+use crate::net::dial::Dest;
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
 use crate::wire::tls::{self, Reject};
@@ -74,5 +75,5 @@ pub(super) async fn handle(
         }
     };
     // Every byte read, the ClientHello included, goes to the backend unchanged.
-    conn.link(&route, Reply::None, shared).await
+    conn.link(&route, Dest::Backends, Reply::None, shared).await
 }
