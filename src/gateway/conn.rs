@@ -1,10 +1,10 @@
-//! The per-connection pipeline every listener shares: a PROXY header from a load balancer
-//! (per the listener's mode and trusted sources), the per-source limit (the PROXY source
-//! counts as the client), then the listener's own protocol. Everything before routing runs
-//! under one handshake deadline, with bounded buffers. A route with `sendProxyProtocol` gets
-//! a PROXY header in front of the first bytes replayed to its backend.
+//! The connection helpers every listener protocol uses between accept and routing: a
+//! connection's state ([`Conn`]), reads into its buffer under the handshake deadline until a
+//! parser completes (never past a cap), rejections, and linking a route's backend (a route
+//! with `sendProxyProtocol` gets a PROXY header in front of the first bytes replayed to its
+//! backend). It never decides which protocol serves a connection (`dispatch` does) and never
+//! parses bytes itself.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -12,20 +12,22 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::Shared;
-use crate::config::gateway::{ListenerConfig, ListenerKind, ProxyMode};
+use crate::net::dial::Dest;
+use crate::net::relay::Leg;
 use crate::net::socket::normalize;
+use crate::net::stream::{ClientStream, READ_CHUNK, read_appending};
 use crate::route::Route;
-use crate::serve::accept::Accepted;
 use crate::serve::forward::{self, Linked, Reply, Routed};
 use crate::serve::record::{ConnRecord, Outcome};
 use crate::serve::tracker::ConnGuard;
 use crate::wire::Parsed;
-use crate::wire::proxy::{self, Detect, ProxyInfo};
+use crate::wire::proxy::{self, ProxyInfo};
 
-/// A connection between accept and routing.
-pub(super) struct Conn {
-    /// The client socket.
-    pub stream: TcpStream,
+/// A connection between accept and routing, over its client stream `S`: the accepted
+/// socket, or a stream over it (TLS) for a listener that terminates one.
+pub(super) struct Conn<S> {
+    /// The client stream.
+    pub stream: S,
     /// Bytes read and not yet consumed by an earlier stage.
     pub buf: Vec<u8>,
     /// Handshake deadline: everything before routing must finish by then.
@@ -58,7 +60,7 @@ pub(super) enum ReadError<E> {
     Reject(E),
 }
 
-impl Conn {
+impl<S: Leg + Send> Conn<S> {
     /// Reads until `parse` completes on the buffered bytes, reading at most `max` bytes in
     /// all. Returns the value and how many buffered bytes it consumed.
     pub(super) async fn read_until<T, E>(
@@ -92,7 +94,7 @@ impl Conn {
         let start = self.buf.len();
         let read = tokio::time::timeout_at(
             self.deadline,
-            read_appending(&self.stream, &mut self.buf, room),
+            read_appending(&mut self.stream, &mut self.buf, room),
         )
         .await;
         let n = match read {
@@ -106,15 +108,17 @@ impl Conn {
         Ok(())
     }
 
+    /// Writes `bytes` (an alert or an error response), half-closes, and lets the client read
+    /// them before the stream closes.
+    pub(super) async fn reject_with(&mut self, bytes: &[u8]) {
+        forward::reject_with(&mut self.stream, bytes).await;
+    }
+}
+
+impl<S> Conn<S> {
     /// Drops the first `n` buffered bytes (consumed by a stage).
     pub(super) fn consume(&mut self, n: usize) {
         self.buf.drain(..n);
-    }
-
-    /// Writes `bytes` (an alert or an error response), half-closes, and lets the client read
-    /// them before the socket closes.
-    pub(super) async fn reject_with(&mut self, bytes: &[u8]) {
-        forward::reject_with(&mut self.stream, bytes).await;
     }
 
     /// Takes the connection apart and frees its box (in a plain function: a box moved out
@@ -124,7 +128,7 @@ impl Conn {
     fn into_parts(
         self: Box<Self>,
     ) -> (
-        TcpStream,
+        S,
         Vec<u8>,
         ConnRecord,
         ConnGuard,
@@ -146,7 +150,7 @@ impl Conn {
     /// Rejects the connection before routing: counts `outcome`, logs, closes. `None`, for
     /// a stage's `return`: nothing to relay.
     #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
-    pub(super) fn reject(self: Box<Self>, outcome: Outcome, detail: &str) -> Option<Ready> {
+    pub(super) fn reject<R>(self: Box<Self>, outcome: Outcome, detail: &str) -> Option<R> {
         let Conn { record, .. } = *self;
         record.reject(outcome, detail);
         None
@@ -155,20 +159,24 @@ impl Conn {
     /// Refuses a client that `route` does not admit: counts `denied`, logs, closes. `None`,
     /// like [`Conn::reject`].
     #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
-    pub(super) fn deny(self: Box<Self>, route: Arc<Route>) -> Option<Ready> {
+    pub(super) fn deny<R>(self: Box<Self>, route: Arc<Route>) -> Option<R> {
         let Conn { record, .. } = *self;
         record.deny(route);
         None
     }
+}
 
-    /// Links the connection to `route`: dial, reply (and, for a forwarded CONNECT, have the
-    /// head accepted). `None` when it ended there; else the caller relays it.
+impl<S: ClientStream> Conn<S> {
+    /// Links the connection on `route` to `to` (the route's backends, or an explicit
+    /// address) with the gateway's dialer: dial, reply (and, for a forwarded CONNECT, have
+    /// the head accepted). `None` when it ended there; else the caller relays it.
     pub(super) async fn link(
         self: Box<Self>,
         route: &Arc<Route>,
+        to: Dest<'_>,
         mut reply: Reply,
         shared: &Shared,
-    ) -> Option<Ready> {
+    ) -> Option<Ready<S>> {
         let cfg = &shared.config;
         let (stream, mut buf, record, guard, source, destination) = self.into_parts();
         if let Some(version) = route.send_proxy_protocol {
@@ -196,6 +204,7 @@ impl Conn {
             record,
             guard,
             route,
+            to,
             limits: crate::net::relay::Limits {
                 idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
                 half_close: cfg.timeouts.half_close,
@@ -207,93 +216,9 @@ impl Conn {
     }
 }
 
-/// A gateway connection ready to relay.
-pub(super) type Ready = Linked<TcpStream, TcpStream>;
-
-/// Runs one accepted connection: the pipeline up to a linked backend, in a box that is
-/// freed before the relay, then the relay (see [`Linked`] for why). The box is made here,
-/// so the task's own future holds the box, the relay and nothing else.
-pub(super) fn serve(
-    acc: Accepted<TcpStream>,
-    config: Arc<ListenerConfig>,
-    shared: Arc<Shared>,
-) -> impl Future<Output = ()> + Send + 'static {
-    let pipeline = Box::pin(pipeline(acc, config, shared.clone()));
-    async move {
-        let Some(ready) = pipeline.await else {
-            return;
-        };
-        ready.relay(&shared.drain.hard_stop).await;
-    }
-}
-
-/// Everything before the relay: the load balancer's PROXY header, the per-source limit, the
-/// listener's protocol, routing and [`Conn::link`].
-async fn pipeline(
-    acc: Accepted<TcpStream>,
-    config: Arc<ListenerConfig>,
-    shared: Arc<Shared>,
-) -> Option<Ready> {
-    let (config, shared) = (&*config, &*shared);
-    let Accepted {
-        stream,
-        guard,
-        record,
-    } = acc;
-    let deadline = Instant::from_std(record.accepted_at()) + shared.config.timeouts.handshake;
-    let peer = record.peer;
-    // Boxed: the connection state crosses three async layers as one pointer instead of
-    // being copied into each layer's future.
-    let mut conn = Box::new(Conn {
-        stream,
-        buf: Vec::new(),
-        deadline,
-        record,
-        guard,
-        source: peer,
-        destination: None,
-    });
-
-    let mode = config.proxy_protocol.mode_for(peer.ip());
-    if mode != ProxyMode::Off {
-        match load_balancer_header(&mut conn, mode, shared).await {
-            Ok(Some(info)) => {
-                shared
-                    .metrics
-                    .proxy_header(&config.name, header_result(&info));
-                conn.record.set_proxy(&info);
-                conn.destination = info.destination().map(normalize);
-            }
-            Ok(None) => shared.metrics.proxy_header(&config.name, "absent"),
-            Err((outcome, result, detail)) => {
-                if let Some(result) = result {
-                    shared.metrics.proxy_header(&config.name, result);
-                }
-                return conn.reject(outcome, &detail);
-            }
-        }
-    }
-
-    // Set here, before the listener's own protocol: what a client writes after this point
-    // (a `proxy-destination` header) never decides which routes admit it.
-    conn.source = conn.record.client;
-    let per_source = shared.config.limits.max_connections_per_source;
-    let client = conn.source.ip();
-    if !conn.guard.limit_source(client, per_source) {
-        return conn.reject(Outcome::Limited, "per-source connection limit");
-    }
-
-    match &config.kind {
-        ListenerKind::Sni => super::sni::handle(conn, config, shared).await,
-        ListenerKind::HttpConnect { destination_header } => {
-            super::connect::handle(conn, config, destination_header, shared).await
-        }
-        ListenerKind::ProxyDestination => super::proxydst::handle(conn, config, shared).await,
-        ListenerKind::EgressConnect { .. } => {
-            conn.reject(Outcome::BadRequest, "egress-connect is not served yet")
-        }
-    }
-}
+/// A gateway connection ready to relay: its client stream `S` (the accepted socket unless
+/// named) and its backend stream `B` (a kernel socket unless named).
+pub(super) type Ready<S = TcpStream, B = TcpStream> = Linked<S, B>;
 
 /// The metric result for a parsed header.
 pub(super) fn header_result(info: &ProxyInfo) -> &'static str {
@@ -312,73 +237,8 @@ fn unspecified(addr: SocketAddr) -> std::net::IpAddr {
     }
 }
 
-/// Most bytes one read before routing takes.
-const READ_CHUNK: usize = 4096;
-
-thread_local! {
-    /// Where reads before routing land before they are appended to their connection's
-    /// buffer; one per worker thread, as a connection never changes threads.
-    static SCRATCH: std::cell::RefCell<[u8; READ_CHUNK]> = const {
-        std::cell::RefCell::new([0; READ_CHUNK])
-    };
-}
-
-/// Waits until `stream` is readable, then appends at most `room` bytes to `buf`. Returns
-/// how many (0: end of stream).
-async fn read_appending(
-    stream: &TcpStream,
-    buf: &mut Vec<u8>,
-    room: usize,
-) -> std::io::Result<usize> {
-    loop {
-        stream.readable().await?;
-        let read = SCRATCH.with_borrow_mut(|scratch| {
-            let n = stream.try_read(&mut scratch[..room])?;
-            buf.extend_from_slice(&scratch[..n]);
-            Ok::<_, std::io::Error>(n)
-        });
-        match read {
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            other => return other,
-        }
-    }
-}
-
 /// A rejection: downstream outcome, proxy-header metric result (if any), detail.
 pub(super) type StageReject = (Outcome, Option<&'static str>, String);
-
-/// Reads the load balancer's PROXY header. `Ok(None)`: optional mode and none was sent.
-async fn load_balancer_header(
-    conn: &mut Conn,
-    mode: ProxyMode,
-    shared: &Shared,
-) -> Result<Option<ProxyInfo>, StageReject> {
-    let limit = shared.config.limits.max_header_bytes;
-    if mode == ProxyMode::Optional {
-        let detected = conn
-            .read_until(proxy::V2_SIGNATURE.len(), |b| {
-                Ok::<_, proxy::Reject>(match proxy::detect(b) {
-                    Detect::NeedMore => Parsed::Incomplete,
-                    d => Parsed::Complete {
-                        value: d,
-                        consumed: 0,
-                    },
-                })
-            })
-            .await;
-        match detected {
-            Ok((Detect::Proxy, _)) => {}
-            Ok(_) => return Ok(None),
-            Err(e) => return Err(proxy_stage_error(e)),
-        }
-    }
-    let (info, consumed) = conn
-        .read_until(limit, |b| proxy::parse(b, limit))
-        .await
-        .map_err(proxy_stage_error)?;
-    conn.consume(consumed);
-    Ok(Some(info))
-}
 
 /// Maps a failed PROXY header read to a rejection (shared with `proxy-destination`).
 pub(super) fn proxy_stage_error(e: ReadError<proxy::Reject>) -> StageReject {
@@ -399,29 +259,5 @@ pub(super) fn proxy_stage_error(e: ReadError<proxy::Reject>) -> StageReject {
             "no PROXY header in time".into(),
         ),
         ReadError::Reject(r) => (Outcome::BadRequest, Some(r.kind()), r.to_string()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The size of what `f` returns, without calling it.
-    fn returned_size<A, B, C, R>(_: impl FnOnce(A, B, C) -> R) -> usize {
-        std::mem::size_of::<R>()
-    }
-
-    /// An idle connection lives in its task's future: that future must hold the relay's
-    /// state and a pointer to the pipeline, not the pipeline's locals beside the relay
-    /// (1,900 bytes and a 2 KiB task when the relay was awaited inside the pipeline).
-    #[test]
-    fn a_connection_task_holds_the_relay_not_the_pipeline() {
-        let future = returned_size(serve);
-        let pipeline = returned_size(pipeline);
-        eprintln!("task future {future} B, pipeline {pipeline} B");
-        assert!(future <= 700, "the task's future is {future} bytes");
-        // A connection in its handshake holds the boxed stage: it stays small too (the dial,
-        // large and short-lived, is boxed within it).
-        assert!(pipeline <= 2048, "the boxed stage is {pipeline} bytes");
     }
 }

@@ -18,9 +18,12 @@
 //! takes `X-Gardener-Destination` as well as `Reversed-VPN`), or the same header repeated,
 //! to a destination the gateway never matched: otherwise `403`, counted `no_route`.
 
+use tokio::net::TcpStream;
+
 use super::conn::{Conn, ReadError, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::{DEFAULT_DESTINATION_HEADER, ListenerConfig, ListenerKind};
+use crate::net::dial::Dest;
 use crate::serve::forward::{Forwarded, Reply};
 use crate::serve::record::Outcome;
 use crate::wire::http::{self, RequestHead};
@@ -70,7 +73,7 @@ fn forwardable(head: &RequestHead, own: &str, known: &[String]) -> Result<(), &'
 /// Takes one `http-connect` connection from its request head to a linked backend (`None`:
 /// it ended before).
 pub(super) async fn handle(
-    mut conn: Box<Conn>,
+    mut conn: Box<Conn<TcpStream>>,
     config: &ListenerConfig,
     destination_header: &str,
     shared: &Shared,
@@ -148,7 +151,7 @@ pub(super) async fn handle(
         conn.consume(consumed);
         Reply::Http
     };
-    conn.link(&route, reply, shared).await
+    conn.link(&route, Dest::Backends, reply, shared).await
 }
 
 #[cfg(test)]

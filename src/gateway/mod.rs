@@ -8,6 +8,7 @@
 mod certs;
 mod conn;
 mod connect;
+mod dispatch;
 mod proxydst;
 mod sni;
 pub(crate) mod table;
@@ -276,7 +277,8 @@ fn worker(
                     let shared = shared.clone();
                     // The connection's future itself, not one wrapping it: a wrapper would
                     // hold a second copy of what it hands on.
-                    let serve = move |accepted| conn::serve(accepted, l.clone(), shared.clone());
+                    let serve =
+                        move |accepted| dispatch::serve(accepted, l.clone(), shared.clone());
                     loops.push(tokio::spawn(accept_loop(
                         sock,
                         admission,

@@ -6,9 +6,12 @@
 //! client writes itself. A route that sends its backends a PROXY header puts this header's
 //! destination in it.
 
+use tokio::net::TcpStream;
+
 use super::conn::{Conn, Ready, header_result, proxy_stage_error};
 use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
+use crate::net::dial::Dest;
 use crate::net::socket::normalize;
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
@@ -17,7 +20,7 @@ use crate::wire::proxy;
 /// Takes one `proxy-destination` connection from its PROXY header to a linked backend
 /// (`None`: it ended before).
 pub(super) async fn handle(
-    mut conn: Box<Conn>,
+    mut conn: Box<Conn<TcpStream>>,
     config: &ListenerConfig,
     shared: &Shared,
 ) -> Option<Ready> {
@@ -56,5 +59,5 @@ pub(super) async fn handle(
         Pick::Denied(route) => return conn.deny(route),
         Pick::NoRoute => return conn.reject(Outcome::NoRoute, "unknown PROXY destination"),
     };
-    conn.link(&route, Reply::None, shared).await
+    conn.link(&route, Dest::Backends, Reply::None, shared).await
 }

@@ -5,9 +5,12 @@
 //! never terminated. Unroutable hellos get a fatal `unrecognized_name` alert, clients outside the route's
 //! `allowedSourceRanges` an `access_denied` alert.
 
+use tokio::net::TcpStream;
+
 use super::conn::{Conn, ReadError, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
+use crate::net::dial::Dest;
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
 use crate::wire::tls::{self, Reject};
@@ -15,7 +18,7 @@ use crate::wire::tls::{self, Reject};
 /// Takes one `sni` connection from its ClientHello to a linked backend (`None`: it ended
 /// before).
 pub(super) async fn handle(
-    mut conn: Box<Conn>,
+    mut conn: Box<Conn<TcpStream>>,
     config: &ListenerConfig,
     shared: &Shared,
 ) -> Option<Ready> {
@@ -72,5 +75,5 @@ pub(super) async fn handle(
         }
     };
     // Every byte read, the ClientHello included, goes to the backend unchanged.
-    conn.link(&route, Reply::None, shared).await
+    conn.link(&route, Dest::Backends, Reply::None, shared).await
 }

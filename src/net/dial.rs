@@ -1,17 +1,19 @@
-//! Dialing a route's backend: the [`Dialer`] interface every role forwards through, the
-//! direct TCP dialer, and a [`Tunneled`] layer that opens a CONNECT or PROXY v2 tunnel over
-//! another dialer's stream (the node daemon towards the seed gateway).
+//! Dialing for a routed connection: the [`Dialer`] interface every role forwards through,
+//! the direct TCP dialer, and a [`Tunneled`] layer that opens a CONNECT or PROXY v2 tunnel
+//! over another dialer's stream (the node daemon towards the seed gateway). A dial goes to
+//! one of the route's backends or to an explicit address ([`Dest`]).
 //!
 //! [`Direct`] tries backends in the order [`Route::backend_order`] gives. Each attempt gets
 //! an equal share of what is left of the connect budget, so a backend that swallows SYNs
 //! cannot use up the time the next one needs. A failed backend is put into passive
-//! back-off. Nothing here knows about listeners or metrics: failures are reported through
-//! the target's callback.
+//! back-off. An explicit address is dialed the same way, as the only candidate, with no
+//! back-off state. Nothing here knows about listeners or metrics: failures are reported
+//! through the target's callback.
 
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use socket2::{Domain, Socket, Type};
@@ -24,7 +26,7 @@ use super::lograte::LogRate;
 use super::relay::Leg;
 use super::socket;
 use crate::config::node::IpFamily;
-use crate::route::{BackendAddress, BackendGuard, Route};
+use crate::route::{BackendAddress, BackendGuard, BackendState, Route};
 use crate::wire::{Parsed, http, proxy};
 
 /// Shortest time given to one connect attempt, even when the budget is nearly used up.
@@ -161,11 +163,24 @@ impl DialError {
     }
 }
 
+/// Where a dial goes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Dest<'a> {
+    /// One of the route's backends, with failover and passive back-off.
+    Backends,
+    /// This address, whatever the route's backends are: an IP address, or a name resolved
+    /// on every dial (a CONNECT's own target, the node's upstream).
+    Address(&'a BackendAddress),
+}
+
 /// What a dial is for.
 #[derive(Clone, Copy)]
 pub(crate) struct Target<'a> {
-    /// The route whose backends to reach.
+    /// The route the connection belongs to: its name (logs, errors), its connect budget, and
+    /// its backends when `to` is [`Dest::Backends`].
     pub route: &'a Route,
+    /// Where to.
+    pub to: Dest<'a>,
     /// The client (the PROXY source when one was received).
     pub client: SocketAddr,
     /// The address the client connected to, when the caller looked it up.
@@ -192,12 +207,12 @@ pub(crate) struct Dialed<S> {
     pub early: Vec<u8>,
 }
 
-/// Yields a stream to one of a route's backends.
+/// Yields a stream to a target's destination.
 pub(crate) trait Dialer: Send + Sync {
     /// The stream it yields.
     type Stream: Leg + Send;
 
-    /// Dials one of `target.route`'s backends.
+    /// Dials `target.to` (one of `target.route`'s backends, or an explicit address).
     fn dial<'a>(
         &'a self,
         target: Target<'a>,
@@ -221,57 +236,86 @@ impl Dialer for Direct {
     type Stream = TcpStream;
 
     async fn dial(&self, target: Target<'_>) -> Result<Dialed<TcpStream>, DialError> {
-        {
-            let route = target.route;
-            let budget = route.timeouts.connect.unwrap_or(self.connect_timeout);
-            let start = Instant::now();
-            let deadline = start + budget;
-            let order = route.backend_order(self.zone.as_deref(), std::time::Instant::now());
-            if order.is_empty() {
-                return Err(DialError::NoBackends {
-                    route: route.name().to_owned(),
-                });
-            }
-            let mut last = (None, String::new());
-            for (i, backend) in order.iter().enumerate() {
-                let remaining = deadline.saturating_duration_since(Instant::now());
-                if remaining.is_zero() {
-                    break;
+        let route = target.route;
+        let budget = route.timeouts.connect.unwrap_or(self.connect_timeout);
+        let start = Instant::now();
+        let deadline = start + budget;
+        match target.to {
+            Dest::Backends => {
+                let order = route.backend_order(self.zone.as_deref(), std::time::Instant::now());
+                if order.is_empty() {
+                    return Err(DialError::NoBackends {
+                        route: route.name().to_owned(),
+                    });
                 }
-                let share = (remaining / (order.len() - i) as u32)
-                    .max(MIN_ATTEMPT)
-                    .min(remaining);
-                let name = backend.address.to_string();
-                match attempt(&backend.address, self.family, Instant::now() + share).await {
-                    Ok((stream, addr)) => {
-                        backend.state.record_success();
-                        let (idle, interval) = self.keepalive;
-                        socket::tune(&stream, idle, interval);
-                        return Ok(Dialed {
-                            stream,
-                            backend: name,
-                            addr,
-                            guard: Some(backend.state.track()),
-                            elapsed: start.elapsed(),
-                            early: Vec::new(),
-                        });
-                    }
-                    Err(reason) => {
-                        log_failure(route.name(), &name, reason, "tcp connect");
-                        backend.state.record_failure(std::time::Instant::now());
-                        (target.on_failure)(reason);
-                        last = (Some(reason), name);
-                    }
-                }
+                let candidates = order.iter().map(|b| (&b.address, Some(&b.state)));
+                self.in_turn(target, candidates, start, deadline).await
             }
-            let reason = last.0.unwrap_or(ConnectFailure::Timeout);
-            Err(DialError::Failed {
-                route: route.name().to_owned(),
-                timed_out: reason == ConnectFailure::Timeout || Instant::now() >= deadline,
-                reason,
-                backend: last.1,
-            })
+            Dest::Address(address) => {
+                let candidates = std::iter::once((address, None));
+                self.in_turn(target, candidates, start, deadline).await
+            }
         }
+    }
+}
+
+impl Direct {
+    /// Tries `candidates` in turn until one connects, each with an equal share of what is
+    /// left of the budget; a candidate with back-off state has its success or failure
+    /// recorded there and is tracked while connected.
+    async fn in_turn<'b>(
+        &self,
+        target: Target<'_>,
+        candidates: impl ExactSizeIterator<Item = (&'b BackendAddress, Option<&'b Arc<BackendState>>)>,
+        start: Instant,
+        deadline: Instant,
+    ) -> Result<Dialed<TcpStream>, DialError> {
+        let route = target.route;
+        let count = candidates.len();
+        let mut last = (None, String::new());
+        for (i, (address, state)) in candidates.enumerate() {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                break;
+            }
+            let share = (remaining / (count - i) as u32)
+                .max(MIN_ATTEMPT)
+                .min(remaining);
+            let name = address.to_string();
+            match attempt(address, self.family, Instant::now() + share).await {
+                Ok((stream, addr)) => {
+                    let guard = state.map(|state| {
+                        state.record_success();
+                        state.track()
+                    });
+                    let (idle, interval) = self.keepalive;
+                    socket::tune(&stream, idle, interval);
+                    return Ok(Dialed {
+                        stream,
+                        backend: name,
+                        addr,
+                        guard,
+                        elapsed: start.elapsed(),
+                        early: Vec::new(),
+                    });
+                }
+                Err(reason) => {
+                    log_failure(route.name(), &name, reason, "tcp connect");
+                    if let Some(state) = state {
+                        state.record_failure(std::time::Instant::now());
+                    }
+                    (target.on_failure)(reason);
+                    last = (Some(reason), name);
+                }
+            }
+        }
+        let reason = last.0.unwrap_or(ConnectFailure::Timeout);
+        Err(DialError::Failed {
+            route: route.name().to_owned(),
+            timed_out: reason == ConnectFailure::Timeout || Instant::now() >= deadline,
+            reason,
+            backend: last.1,
+        })
     }
 }
 
@@ -642,6 +686,102 @@ mod tests {
             attempt(&v4, IpFamily::V6, soon(1000)).await.err(),
             Some(ConnectFailure::Resolve)
         );
+    }
+
+    /// A route named `name` whose one backend is `backend`.
+    fn route_to(name: &str, backend: Option<SocketAddr>) -> Route {
+        let registry = crate::route::BackendRegistry::default();
+        let backends = backend
+            .map(|a| {
+                let address = BackendAddress::Ip(a);
+                crate::route::Backend {
+                    state: registry.state(&address),
+                    address,
+                    zone: None,
+                }
+            })
+            .into_iter()
+            .collect();
+        Route::new::<&str, &str>(name, &[], &[], Vec::new(), backends).unwrap()
+    }
+
+    fn direct() -> Direct {
+        Direct {
+            zone: None,
+            connect_timeout: Duration::from_secs(2),
+            keepalive: (Duration::from_secs(60), Duration::from_secs(10)),
+            family: IpFamily::Any,
+        }
+    }
+
+    /// An explicit address is dialed whatever the route's backends are (a route with none
+    /// reaches it; one whose backend is elsewhere does not go there), a name is resolved on
+    /// the dial, and a refused address fails as a backend does: its reason, the callback,
+    /// the address named.
+    #[tokio::test]
+    async fn an_explicit_address_is_dialed_instead_of_the_backends() {
+        let there = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let elsewhere = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (there_addr, elsewhere_addr) =
+            (there.local_addr().unwrap(), elsewhere.local_addr().unwrap());
+        let with_backend = route_to("with-backend", Some(elsewhere_addr));
+        let without = route_to("without", None);
+        let failures = std::sync::Mutex::new(Vec::new());
+        let on_failure = |r: ConnectFailure| failures.lock().unwrap().push(r);
+        let target = |route, to| Target {
+            route,
+            to,
+            client: "127.0.0.1:1".parse().unwrap(),
+            local: None,
+            on_failure: &on_failure,
+        };
+        let dialer = direct();
+
+        let address = BackendAddress::Ip(there_addr);
+        for route in [&with_backend, &without] {
+            let dialed = dialer
+                .dial(target(route, Dest::Address(&address)))
+                .await
+                .unwrap();
+            assert_eq!(dialed.addr, there_addr, "{}", route.name());
+            assert_eq!(dialed.backend, there_addr.to_string());
+            assert!(dialed.guard.is_none(), "no back-off state to track");
+            there.accept().await.unwrap();
+        }
+        let dialed = dialer
+            .dial(target(&with_backend, Dest::Backends))
+            .await
+            .unwrap();
+        assert_eq!(dialed.addr, elsewhere_addr);
+        let named = BackendAddress::Dns {
+            host: "localhost".into(),
+            port: there_addr.port(),
+        };
+        let dialed = dialer
+            .dial(target(&without, Dest::Address(&named)))
+            .await
+            .unwrap();
+        assert_eq!(dialed.addr, there_addr);
+        assert_eq!(dialed.backend, format!("localhost:{}", there_addr.port()));
+        failures.lock().unwrap().clear();
+
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let refused = BackendAddress::Ip(closed);
+        match dialer
+            .dial(target(&with_backend, Dest::Address(&refused)))
+            .await
+        {
+            Err(e @ DialError::Failed { .. }) => {
+                assert_eq!(e.kind(), "connect_failed");
+                assert_eq!(e.backend(), Some(closed.to_string().as_str()));
+                assert!(!e.timed_out());
+            }
+            other => panic!("expected a refused connect, got {other:?}"),
+        }
+        assert_eq!(*failures.lock().unwrap(), [ConnectFailure::Refused]);
     }
 
     #[tokio::test]

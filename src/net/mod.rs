@@ -1,5 +1,6 @@
-//! Sockets and byte moving: listener sockets, the dial interface with its direct TCP dialer
-//! and tunnel layer, and the duplex copy loop with half-close, idle and lifetime bounds.
+//! Sockets and byte moving: listener sockets, reads from client streams before routing, the
+//! dial interface with its direct TCP dialer and tunnel layer, and the duplex copy loop with
+//! half-close, idle and lifetime bounds.
 //!
 //! Nothing here knows about listeners' routing rules or metrics registries; callers hand in
 //! a route (for backend choice), counters, and the bytes already read (to replay). The only
@@ -12,4 +13,5 @@ pub mod prefixed;
 pub(crate) mod lograte;
 pub(crate) mod relay;
 pub mod socket;
+pub(crate) mod stream;
 pub mod tls;

@@ -20,10 +20,10 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::admin::{self, AdminState, Metrics};
 use crate::config::node::{NodeConfig, UpstreamProtocol};
-use crate::net::dial::{Direct, Hello, Tunneled};
+use crate::net::dial::{Dest, Direct, Hello, Tunneled};
 use crate::net::relay::Limits;
 use crate::net::socket::{self, ListenOptions, normalize};
-use crate::route::{Backend, BackendAddress, BackendRegistry, Route};
+use crate::route::{BackendAddress, Route};
 use crate::serve::accept::{Accepted, Admission, accept_loop};
 use crate::serve::drain::{Drain, DrainTimes};
 use crate::serve::forward::{Linked, Reply, Routed, link};
@@ -304,8 +304,11 @@ async fn manage_link(
 /// What every connection of the node shares.
 struct Node {
     config: Arc<NodeConfig>,
-    /// The one route: the gateway.
+    /// What every connection is counted and logged under ([`ROUTE`]); it has no backends,
+    /// as every connection goes to `upstream`.
     route: Route,
+    /// The gateway: an address, or a name resolved on every connect.
+    upstream: BackendAddress,
     /// Reaches the gateway and opens the tunnel.
     dialer: Tunneled<Direct>,
     drain: Drain,
@@ -313,20 +316,14 @@ struct Node {
 
 impl Node {
     fn new(config: Arc<NodeConfig>) -> Self {
-        let address = match config.upstream_host.parse::<std::net::IpAddr>() {
+        let upstream = match config.upstream_host.parse::<std::net::IpAddr>() {
             Ok(ip) => BackendAddress::Ip(SocketAddr::new(ip, config.upstream_port)),
             Err(_) => BackendAddress::Dns {
                 host: config.upstream_host.clone(),
                 port: config.upstream_port,
             },
         };
-        let registry = BackendRegistry::default();
-        let backend = Backend {
-            state: registry.state(&address),
-            address,
-            zone: None,
-        };
-        let route = Route::new::<&str, &str>(ROUTE, &[], &[], Vec::new(), vec![backend])
+        let route = Route::new::<&str, &str>(ROUTE, &[], &[], Vec::new(), Vec::new())
             .unwrap_or_else(|_| unreachable!("a route without keys is never too long"));
         let hello = match &config.protocol {
             UpstreamProtocol::HttpConnect {
@@ -355,6 +352,7 @@ impl Node {
         Node {
             config,
             route,
+            upstream,
             dialer,
             drain: Drain::default(),
         }
@@ -396,6 +394,7 @@ impl Node {
             record,
             guard,
             route: &self.route,
+            to: Dest::Address(&self.upstream),
             limits: Limits {
                 idle: self.config.idle_timeout,
                 half_close: self.config.half_close_timeout,

@@ -1,5 +1,5 @@
 //! The path every routed connection takes once its protocol has chosen a route: dial a
-//! backend stream, tell the client (a CONNECT `200`, or an error status), replay the bytes
+//! backend stream (one of the route's backends or an explicit address), tell the client (a CONNECT `200`, or an error status), replay the bytes
 //! already read (after a PROXY header, when the route sends one: the caller puts it first),
 //! relay until the end, and finish the connection's record.
 //!
@@ -18,7 +18,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::record::{ConnRecord, Reason};
 use super::tracker::ConnGuard;
 use crate::admin::metrics::RouteMetrics;
-use crate::net::dial::{ConnectFailure, Dialer, Target};
+use crate::net::dial::{ConnectFailure, Dest, Dialer, Target};
 use crate::net::relay::{self, Leg, Stats, Stop};
 use crate::route::{BackendGuard, Route};
 use crate::wire::{Parsed, http};
@@ -81,8 +81,10 @@ pub(crate) struct Routed<'a, C> {
     pub record: ConnRecord,
     /// Keeps the connection counted until it ends.
     pub guard: ConnGuard,
-    /// Where it goes.
+    /// The route it belongs to (metrics, logs, connect budget).
     pub route: &'a Route,
+    /// Where it goes: the route's backends or an explicit address.
+    pub to: Dest<'a>,
     /// Idle, half-close, lifetime and progress bounds of its relay (the route's overrides
     /// applied by the caller).
     pub limits: relay::Limits,
@@ -113,7 +115,7 @@ pub(crate) struct Linked<C, S> {
     _guard: ConnGuard,
 }
 
-/// Dials `routed.route` with `dialer` and answers the client per `reply`; a forwarded CONNECT
+/// Dials `routed.to` with `dialer` and answers the client per `reply`; a forwarded CONNECT
 /// also has its head accepted by the backend. `None` when the connection ended here (no
 /// backend, a refusal, the client gone): the client was told and the record finished.
 pub(crate) async fn link<C: Leg, D: Dialer>(
@@ -127,6 +129,7 @@ pub(crate) async fn link<C: Leg, D: Dialer>(
         mut record,
         guard,
         route,
+        to,
         limits,
     } = routed;
     let rm = record.routed(route.name());
@@ -135,6 +138,7 @@ pub(crate) async fn link<C: Leg, D: Dialer>(
         |reason: ConnectFailure| metrics.connect_failure(route.name(), reason.as_str());
     let target = Target {
         route,
+        to,
         client: record.client,
         local: record.local,
         on_failure: &on_failure,

@@ -992,3 +992,88 @@ async fn bulk_flows_splice_only_within_the_pipe_budget() {
     drop(relay);
     assert!(ONE.take().is_some(), "the pipe's place was given back");
 }
+
+/// An [`Either`] leg holding kernel sockets on both sides is relayed on the socket path: a
+/// bulk upload is spliced. Holding an in-memory stream on one side, it goes through the
+/// generic copy: every byte both ways, the half-close forwarded, nothing spliced.
+#[tokio::test]
+async fn either_legs_splice_sockets_and_copy_other_streams() {
+    use crate::net::fds::PipeBudget;
+    static PIPES: PipeBudget = PipeBudget::new(2);
+    const BULK: usize = 4 << 20;
+    type Dialed = Either<TcpStream, DuplexStream>;
+
+    let (mut client, client_in) = pair().await;
+    let (mut backend, backend_in) = pair().await;
+    let (mut client_in, mut backend_in) = (Dialed::A(client_in), Dialed::A(backend_in));
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let mut relay = bare(
+        &mut client_in,
+        &mut backend_in,
+        limits(Duration::from_secs(30)),
+        &meters,
+        &stop,
+    );
+    relay.up.pipes = &PIPES;
+    relay.down.pipes = &PIPES;
+    let peers = async {
+        let up = pattern(BULK, 0x71);
+        let mut got = vec![0u8; BULK];
+        let (w, r) = tokio::join!(client.write_all(&up), backend.read_exact(&mut got));
+        w.unwrap();
+        r.unwrap();
+        assert!(got == up, "bulk bytes differ");
+        client.shutdown().await.unwrap();
+        backend.shutdown().await.unwrap();
+    };
+    let ((_, stats), ()) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(&mut relay, peers)
+    })
+    .await
+    .expect("relay finishes");
+    assert_eq!(stats.rx, BULK as u64);
+    assert!(
+        relay.up.spliced > 0,
+        "sockets in Either legs were not spliced"
+    );
+    drop(relay);
+
+    let (mut client, client_in) = pair().await;
+    let (mut backend, backend_in) = duplex(64 * 1024);
+    let (mut client_in, mut backend_in) = (Dialed::A(client_in), Dialed::B(backend_in));
+    let mut relay = bare(
+        &mut client_in,
+        &mut backend_in,
+        limits(Duration::from_secs(30)),
+        &meters,
+        &stop,
+    );
+    let (up, down) = (pattern(3 << 20, 0x72), pattern(2 << 20, 0x73));
+    let peers = async {
+        let send = async {
+            client.write_all(&up).await.unwrap();
+            client.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            client.read_to_end(&mut got).await.unwrap();
+            got
+        };
+        let serve = async {
+            let mut got = Vec::new();
+            backend.read_to_end(&mut got).await.unwrap();
+            backend.write_all(&down).await.unwrap();
+            backend.shutdown().await.unwrap();
+            got
+        };
+        tokio::join!(send, serve)
+    };
+    let ((end, stats), (got_down, got_up)) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(&mut relay, peers)
+    })
+    .await
+    .expect("relay finishes");
+    assert!(got_up == up && got_down == down, "bytes differ");
+    assert_eq!(end, End::ClientClosed);
+    assert_eq!((stats.rx, stats.tx), (up.len() as u64, down.len() as u64));
+    assert_eq!(relay.up.spliced + relay.down.spliced, 0);
+}
