@@ -175,3 +175,31 @@ fn hash(bytes: &TlsBytes) -> u64 {
     bytes.hash(&mut h);
     h.finish().max(1)
 }
+
+/// Keeps `certs` current: the file sets of every applied table, and every set re-read each
+/// `interval` (a rotation takes effect within it).
+pub(crate) async fn keep_current(
+    certs: Arc<Certs>,
+    mut tables: tokio::sync::watch::Receiver<Arc<crate::gateway::table::Snapshot>>,
+    interval: std::time::Duration,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            changed = tables.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let snapshot = tables.borrow_and_update().clone();
+                let certs = certs.clone();
+                // File reads and key parsing off the event loop.
+                let _ = tokio::task::spawn_blocking(move || certs.set_table(snapshot.table())).await;
+            }
+            _ = tick.tick() => {
+                let certs = certs.clone();
+                let _ = tokio::task::spawn_blocking(move || certs.refresh()).await;
+            }
+        }
+    }
+}

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 
 use super::Shared;
 use super::conn::{Conn, Ready, StageReject, header_result, proxy_stage_error};
+use super::egress::EgressReady;
 use crate::config::gateway::{ListenerConfig, ListenerKind, ProxyMode};
 use crate::net::socket::normalize;
 use crate::serve::accept::Accepted;
@@ -30,11 +31,22 @@ pub(super) fn serve(
 ) -> impl Future<Output = ()> + Send + 'static {
     let pipeline = Box::pin(pipeline(acc, config, shared.clone()));
     async move {
-        let Some(ready) = pipeline.await else {
-            return;
-        };
-        ready.relay(&shared.drain.hard_stop).await;
+        match pipeline.await {
+            None => {}
+            Some(Linked::Tcp(ready)) => ready.relay(&shared.drain.hard_stop).await,
+            // Boxed: the TLS relay's state is large, and the task of every other connection
+            // would keep room for it.
+            Some(Linked::Egress(ready)) => Box::pin(ready.relay(&shared.drain.hard_stop)).await,
+        }
     }
+}
+
+/// A connection ready to relay, by the kind of its client stream.
+enum Linked {
+    /// The accepted socket.
+    Tcp(Ready),
+    /// TLS over it (`egress-connect`).
+    Egress(Box<EgressReady>),
 }
 
 /// Everything before the relay: the load balancer's PROXY header, the per-source limit, the
@@ -43,7 +55,7 @@ async fn pipeline(
     acc: Accepted<TcpStream>,
     config: Arc<ListenerConfig>,
     shared: Arc<Shared>,
-) -> Option<Ready> {
+) -> Option<Linked> {
     let (config, shared) = (&*config, &*shared);
     let Accepted {
         stream,
@@ -93,16 +105,19 @@ async fn pipeline(
         return conn.reject(Outcome::Limited, "per-source connection limit");
     }
 
-    match &config.kind {
+    let ready = match &config.kind {
         ListenerKind::Sni => super::sni::handle(conn, config, shared).await,
         ListenerKind::HttpConnect { destination_header } => {
             super::connect::handle(conn, config, destination_header, shared).await
         }
         ListenerKind::ProxyDestination => super::proxydst::handle(conn, config, shared).await,
-        ListenerKind::EgressConnect { .. } => {
-            conn.reject(Outcome::BadRequest, "egress-connect is not served yet")
+        ListenerKind::EgressConnect { tls } => {
+            return super::egress::handle(conn, config, tls, shared)
+                .await
+                .map(Linked::Egress);
         }
-    }
+    };
+    ready.map(Linked::Tcp)
 }
 
 /// Reads the load balancer's PROXY header. `Ok(None)`: optional mode and none was sent.

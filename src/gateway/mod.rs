@@ -9,6 +9,7 @@ mod certs;
 mod conn;
 mod connect;
 mod dispatch;
+mod egress;
 mod proxydst;
 mod sni;
 pub(crate) mod table;
@@ -23,7 +24,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::admin::{self, AdminState, Metrics};
 use crate::config::ConfigError;
-use crate::config::gateway::{GatewayConfig, ListenerConfig};
+use crate::config::gateway::{GatewayConfig, ListenerConfig, ListenerKind};
 use crate::config::node::IpFamily;
 use crate::net::dial::Direct;
 use crate::net::socket;
@@ -61,6 +62,9 @@ pub enum GatewayError {
     /// Signal handlers could not be installed.
     #[error("signal handling: {0}")]
     Signals(std::io::Error),
+    /// A listener's TLS material could not be loaded.
+    #[error("listener TLS material: {0}")]
+    Tls(#[from] crate::net::tls::TlsError),
 }
 
 impl GatewayError {
@@ -97,6 +101,8 @@ pub(crate) struct Shared {
     /// Every CONNECT destination header the gateway knows (see
     /// [`connect::known_destination_headers`]).
     pub destination_headers: Vec<String>,
+    /// TLS configs of the `egress-connect` listeners and of routes' `egress.tls`.
+    pub certs: Arc<certs::Certs>,
 }
 
 /// Runs the gateway until SIGTERM/SIGINT and a completed drain.
@@ -112,6 +118,12 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             .collect(),
     );
     let tables = Arc::new(tables);
+    let listener_tls = config.listeners.iter().filter_map(|l| match &l.kind {
+        ListenerKind::EgressConnect { tls } => Some(tls.clone()),
+        _ => None,
+    });
+    let certs = Arc::new(certs::Certs::new(listener_tls, metrics.clone())?);
+    certs.set_table(tables.snapshot().table());
     crate::serve::memory::release_free_memory();
     let mut sigterm = signal(SignalKind::terminate()).map_err(GatewayError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(GatewayError::Signals)?;
@@ -167,6 +179,11 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
 
     let (hup_tx, hup_rx) = mpsc::channel(1);
     let watch_task = tokio::spawn(tables.clone().watch(config.routes_check_interval, hup_rx));
+    let certs_task = tokio::spawn(certs::keep_current(
+        certs.clone(),
+        tables.subscribe(),
+        config.routes_check_interval,
+    ));
 
     let drain_times = DrainTimes {
         delay: config.timeouts.drain_delay,
@@ -189,6 +206,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         tables: tables.clone(),
         drain: Drain::default(),
         dialer,
+        certs,
     });
     let stop_rx = shared.drain.listeners_stop();
     let (exit_tx, exit_rx) = watch::channel(false);
@@ -235,6 +253,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     })
     .await;
     watch_task.abort();
+    certs_task.abort();
     memory_task.abort();
     drop(admin_server);
     tracing::info!("gateway stopped");

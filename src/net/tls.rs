@@ -20,6 +20,11 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use thiserror::Error;
 
+use tokio::net::TcpStream;
+
+use super::prefixed::Prefixed;
+use super::relay::Leg;
+use super::stream::ClientStream;
 use crate::route::TlsFiles;
 
 /// Largest PEM file read (a CA bundle during a rotation holds a few certificates).
@@ -205,6 +210,18 @@ fn certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
         }
     }
     Ok(certs)
+}
+
+/// A client's TLS stream on a listener that terminates TLS: over the accepted socket, with
+/// the bytes read before the handshake (PROXY header, ClientHello) replayed in front.
+pub type ServerStream = tokio_rustls::server::TlsStream<Prefixed<TcpStream>>;
+
+impl Leg for ServerStream {}
+
+impl ClientStream for ServerStream {
+    fn local_addr(&self) -> io::Result<std::net::SocketAddr> {
+        self.get_ref().0.get_ref().local_addr()
+    }
 }
 
 /// Loads `files` into a server config ([`read`], then [`server_config`]).

@@ -167,8 +167,14 @@ pub(crate) async fn link<C: Leg, D: Dialer>(
     };
     rm.connect_duration.observe(up.elapsed.as_secs_f64());
     record.backend = Some(std::mem::take(&mut up.backend));
+    // Flushed on its own: over TLS the answer is one record, and nothing follows it until
+    // the backend sends (kube-apiserver fails on any byte read with the response head).
     if reply == Reply::Http
-        && let Err(e) = client.write_all(&http::response(200, "")).await
+        && let Err(e) = async {
+            client.write_all(&http::response(200, "")).await?;
+            client.flush().await
+        }
+        .await
     {
         let end = relay::End::Error(relay::IoKind::of(&e));
         record.finish(Reason::Relay(end), Stats::default());

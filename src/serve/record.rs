@@ -121,6 +121,9 @@ pub(crate) struct Record {
     pub local: Option<SocketAddr>,
     /// SNI, CONNECT destination or PROXY destination.
     pub target: Option<String>,
+    /// The client certificate's identity (its CN, else its first DNS SAN), on listeners that
+    /// verify one.
+    pub identity: Option<String>,
     /// Backend as written in the table (or the address reached).
     pub backend: Option<String>,
     /// PROXY header version and TLVs, when one was received.
@@ -155,6 +158,7 @@ impl ConnRecord {
             peer,
             local: None,
             target: None,
+            identity: None,
             backend: None,
             proxy: None,
             forwarded: false,
@@ -255,6 +259,7 @@ impl ConnRecord {
             client = %self.client,
             peer = %self.peer,
             target_name = self.target.as_deref().unwrap_or("-"),
+            identity = self.identity.as_deref().unwrap_or("-"),
             backend = self.backend.as_deref().unwrap_or("-"),
             proxy = self.proxy.as_deref().unwrap_or("-"),
             forwarded = self.forwarded,
