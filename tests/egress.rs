@@ -701,3 +701,363 @@ async fn curl_through_the_egress_proxy() {
     assert_eq!(log["identity"], "kube-apiserver-http-proxy", "{log}");
     assert_eq!(log["target_name"], web.to_string(), "{log}");
 }
+
+/// The leaf certificate a handshake was answered with.
+fn server_leaf(tls: &TlsStream<TcpStream>) -> Vec<u8> {
+    tls.get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .unwrap()
+}
+
+/// Rotating a route's server certificate and then its client CA while a connection stays
+/// open: new handshakes get the new material, the open connection goes on; a bad file keeps
+/// the last good material and is counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn rotation_of_certificate_and_ca_keeps_open_connections() {
+    let dir = TestDir::new("egress-rotation");
+    let shoot = Shoot::new(&dir, "shoot--dev--rot");
+    let listener = Shoot::new(&dir, "listener");
+    let target = target_at("127.0.0.1", b"").await;
+    let routes = table(&format!(
+        "- name: rot\n  egress:\n    serverNames: [vpn-seed-server]\n    tls: {}\n    directNetworks: [\"127.0.0.1/32\"]\n",
+        shoot.tls_yaml()
+    ));
+    let gw = Gateway::start_listeners_source(
+        &routes,
+        &[("egress", "egress-connect", &listener_tls(&listener))],
+        "",
+        "routes: {file: routes.yaml, checkInterval: 1s}",
+    );
+    let addr = gw.addr("egress");
+    let t = target.addr.to_string();
+    let mut open = handshake(addr, None, "vpn-seed-server", &shoot.client(), false)
+        .await
+        .unwrap();
+    assert_eq!(connect_to(&mut open, &t).await, OK);
+    let first = server_leaf(&open);
+    let echo = |mut tls: TlsStream<TcpStream>, what: &'static str| async move {
+        tls.write_all(what.as_bytes()).await.unwrap();
+        let mut back = vec![0u8; what.len()];
+        tokio::time::timeout(Duration::from_secs(10), tls.read_exact(&mut back))
+            .await
+            .expect("the open connection stopped relaying")
+            .unwrap();
+        assert_eq!(back, what.as_bytes());
+        tls
+    };
+
+    // A new server certificate (same CA), written as a rotation does: a new file renamed over.
+    let sans = vec!["vpn-seed-server".to_string()];
+    let (cert, key) = shoot.ca.issue("vpn-seed-server", &sans, true);
+    let swap = |path: &std::path::Path, content: &str| {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, content).unwrap();
+        std::fs::rename(&tmp, path).unwrap();
+    };
+    swap(&shoot.files[1], &key);
+    swap(&shoot.files[0], &cert);
+    let rotated = wait_for(Duration::from_secs(15), || {
+        let leaf = futures_block(handshake(addr, None, "vpn-seed-server", &shoot.client(), false))
+            .ok()
+            .map(|tls| server_leaf(&tls))?;
+        (leaf != first).then_some(leaf)
+    });
+    assert!(rotated.is_some(), "the new server certificate was never presented");
+    open = echo(open, "still here").await;
+
+    // A new client CA: the old CA's client certificates are refused, the new one's accepted.
+    let ca2 = Ca::new("vpn");
+    let (cert2, key2) = ca2.issue("kube-apiserver-http-proxy", &[], false);
+    swap(&shoot.files[2], &ca2.pem);
+    let new_client = Client {
+        trust: shoot.ca.pem.clone(),
+        cert: Some((cert2, key2)),
+    };
+    let accepted = wait_for(Duration::from_secs(15), || {
+        futures_block(async {
+            let mut tls = handshake(addr, None, "vpn-seed-server", &new_client, false)
+                .await
+                .ok()?;
+            (connect_to(&mut tls, &t).await == OK).then_some(())
+        })
+    });
+    assert!(accepted.is_some(), "the new client CA was never used");
+    let old = match handshake(addr, None, "vpn-seed-server", &shoot.client(), false).await {
+        Err(_) => true,
+        Ok(mut tls) => status(&connect_to(&mut tls, &t).await) == 0,
+    };
+    assert!(old, "a certificate of the replaced CA was still accepted");
+    open = echo(open, "and still").await;
+
+    // A broken key: the last good material stays in use, and the rejection is counted.
+    swap(&shoot.files[1], "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n");
+    gw.wait_metric(
+        "trellis_tls_material_loads_total{result=\"rejected\"}",
+        |v| v >= 1.0,
+    );
+    let mut tls = handshake(addr, None, "vpn-seed-server", &new_client, false)
+        .await
+        .unwrap();
+    assert_eq!(connect_to(&mut tls, &t).await, OK);
+    echo(open, "to the end").await;
+}
+
+/// Runs a future to completion from a synchronous poll loop (for [`wait_for`]).
+fn futures_block<F: std::future::Future>(f: F) -> F::Output {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
+}
+
+/// 1,000 routes, each with its own `CN=vpn` CA and `vpn-seed-server` certificate, chosen by
+/// server name: every shoot's handshake succeeds with its own certificate and CA.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thousand_shoots_with_their_own_vpn_ca() {
+    const N: usize = 1000;
+    let dir = TestDir::new("egress-1000");
+    let target = target_at("127.0.0.1", b"").await;
+    let mut routes = String::new();
+    let mut clients = Vec::new();
+    for i in 0..N {
+        let ca = Ca::new("vpn");
+        let name = format!("vpn-seed-server.shoot--p--s{i}");
+        let (cert, key) = ca.issue("vpn-seed-server", std::slice::from_ref(&name), true);
+        let (ccert, ckey) = ca.issue("kube-apiserver-http-proxy", &[], false);
+        let files = [
+            dir.path(&format!("s{i}.crt")),
+            dir.path(&format!("s{i}.key")),
+            dir.path(&format!("s{i}-ca.crt")),
+        ];
+        std::fs::write(&files[0], cert).unwrap();
+        std::fs::write(&files[1], key).unwrap();
+        std::fs::write(&files[2], &ca.pem).unwrap();
+        routes += &format!(
+            "- name: shoot--p--s{i}\n  egress:\n    serverNames: [{name}]\n    tls: {{certificateFile: {:?}, keyFile: {:?}, clientCAFile: {:?}}}\n    directNetworks: [\"127.0.0.1/32\"]\n",
+            files[0], files[1], files[2]
+        );
+        clients.push((
+            name,
+            Client {
+                trust: ca.pem,
+                cert: Some((ccert, ckey)),
+            },
+        ));
+    }
+    let listener = Shoot::new(&dir, "listener");
+    let gw = gateway(&table(&routes), &listener);
+    let addr = gw.addr("egress");
+    let t = target.addr.to_string();
+    let clients = Arc::new(clients);
+    let mut tasks = Vec::new();
+    for w in 0..8 {
+        let clients = clients.clone();
+        let t = t.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut ok = 0;
+            for (name, c) in clients.iter().skip(w).step_by(8) {
+                let mut tls = handshake(addr, None, name, c, false)
+                    .await
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert_eq!(connect_to(&mut tls, &t).await, OK, "{name}");
+                ok += 1;
+            }
+            ok
+        }));
+    }
+    let mut ok = 0;
+    for task in tasks {
+        ok += task.await.unwrap();
+    }
+    assert_eq!(ok, N);
+    assert_eq!(target.connections.load(Ordering::SeqCst), N);
+}
+
+/// Malformed input is refused as counted and nothing is dialed: two canaries — one the
+/// route allows, one it does not — see no connection.
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_requests_are_refused_and_nothing_is_dialed() {
+    let dir = TestDir::new("egress-malformed");
+    let shoot = Shoot::new(&dir, "shoot--dev--bad");
+    let allowed = target_at("127.0.0.1", b"").await;
+    let outside = target_at("127.0.0.7", b"").await;
+    let routes = table(&format!(
+        "- name: bad\n  egress:\n    serverNames: [vpn-seed-server]\n    tls: {}\n    directNetworks: [\"127.0.0.1/32\"]\n",
+        shoot.tls_yaml()
+    ));
+    let gw = Gateway::start_listeners(
+        &routes,
+        &[("egress", "egress-connect", &listener_tls(&shoot))],
+        "timeouts: {handshake: 2s}\nlimits: {maxHeaderBytes: 4096}",
+    );
+    let addr = gw.addr("egress");
+    let a = allowed.addr;
+    let o = outside.addr;
+    let send = |bytes: Vec<u8>| {
+        let c = shoot.client();
+        async move {
+            let mut tls = handshake(addr, None, "vpn-seed-server", &c, false)
+                .await
+                .unwrap();
+            tls.write_all(&bytes).await.unwrap();
+            let mut out = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut out)).await;
+            out
+        }
+    };
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        (
+            "head over the cap",
+            format!("CONNECT {a} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: {}\r\n\r\n", "p".repeat(5000)).into_bytes(),
+            431,
+        ),
+        (
+            "absolute form",
+            format!("CONNECT http://{a}/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").into_bytes(),
+            400,
+        ),
+        (
+            "not CONNECT",
+            format!("GET http://{a}/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").into_bytes(),
+            405,
+        ),
+        (
+            "pipelined",
+            format!("CONNECT {a} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nCONNECT {a} HTTP/1.1\r\n\r\n")
+                .into_bytes(),
+            400,
+        ),
+        (
+            "bytes right behind the head",
+            format!("CONNECT {a} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n\x16\x03\x01").into_bytes(),
+            400,
+        ),
+        ("garbage", b"\x00\x01\x02\r\n\r\n".to_vec(), 400),
+        ("outside the lists", format!("CONNECT {o} HTTP/1.1\r\n\r\n").into_bytes(), 403),
+        ("port 0", "CONNECT 127.0.0.1:0 HTTP/1.1\r\n\r\n".to_string().into_bytes(), 400),
+        ("slow head", format!("CONNECT {a} HTTP/1.1\r\n").into_bytes(), 408),
+    ];
+    for (what, bytes, want) in cases {
+        let out = send(bytes).await;
+        assert_eq!(status(&out), want, "{what}: {:?}", String::from_utf8_lossy(&out));
+        let text = String::from_utf8_lossy(&out);
+        assert!(!text.contains("127.0.0"), "{what}: the answer names an address: {text}");
+    }
+    // Not TLS at all, and a ClientHello that is garbage past its record header.
+    for bytes in [
+        format!("CONNECT {a} HTTP/1.1\r\n\r\n").into_bytes(),
+        b"\x16\x03\x01\x00\x05hello".to_vec(),
+    ] {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(&bytes).await.unwrap();
+        let out = read_all(&mut s, Duration::from_secs(10)).await.unwrap_or_default();
+        assert!(!out.starts_with(b"HTTP"), "{out:?}");
+    }
+    assert_eq!(allowed.connections.load(Ordering::SeqCst), 0);
+    assert_eq!(outside.connections.load(Ordering::SeqCst), 0);
+    let m = gw.metrics();
+    for (result, at_least) in [
+        ("bad_request", 5.0),
+        ("not_connect", 1.0),
+        ("timeout", 1.0),
+        ("target_denied", 1.0),
+    ] {
+        let v = metric_in(
+            &m,
+            &format!("trellis_egress_requests_total{{route=\"bad\",result=\"{result}\"}}"),
+        );
+        assert!(v >= at_least, "{result}: {v}\n{m}");
+    }
+    assert!(
+        metric_in(&m, "trellis_downstream_connections_total{listener=\"egress\",outcome=\"not_tls\"}") >= 1.0,
+        "{m}"
+    );
+}
+
+/// `trellis check` reports every problem of an egress configuration at once, with its path.
+#[test]
+fn check_reports_every_egress_problem() {
+    let dir = TestDir::new("egress-check");
+    let a = Shoot::new(&dir, "a");
+    let b = Shoot::new(&dir, "b");
+    // b's key with a's certificate; a missing CA file.
+    let mismatched = format!(
+        "{{certificateFile: {:?}, keyFile: {:?}, clientCAFile: {:?}}}",
+        a.files[0], b.files[1], a.files[2]
+    );
+    let missing = format!(
+        "{{certificateFile: {:?}, keyFile: {:?}, clientCAFile: {:?}}}",
+        a.files[0],
+        a.files[1],
+        dir.path("nope.crt")
+    );
+    let routes = table(&format!(
+        "- name: one
+  egress:
+    serverNames: [vpn-seed-server]
+    tls: {mismatched}
+    allowedNetworks: [\"10.250.0.0/33\"]
+    via: sideways
+- name: two
+  egress:
+    serverNames: [vpn-seed-server]
+    clientSources: [\"10.64.0.0/16\"]
+    tls: {missing}
+- name: three
+  egress:
+    serverNames: [vpn-seed-server]
+    clientSources: [\"10.64.1.0/24\"]
+- name: four
+  egress: {{}}
+"
+    ));
+    let file = dir.path("routes.yaml");
+    std::fs::write(&file, routes).unwrap();
+    let (ok, out) = run(
+        Command::new(BIN).arg("check").arg(&file),
+        b"",
+        Duration::from_secs(20),
+    );
+    assert!(!ok, "{out}");
+    for want in [
+        "routes[0].egress.tls: ",
+        "does not match the certificate",
+        "routes[1].egress.tls: ",
+        "nope.crt",
+        "routes[0].egress.allowedNetworks[0]",
+        "routes[0].egress.via",
+        "routes[3].egress",
+        "egress.serverName",
+        "egress.clientSource",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    }
+    // A listener without tls, and one whose files do not load.
+    let config = format!(
+        "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: GatewayConfiguration
+routes: {{file: routes.yaml}}
+listeners:
+- {{name: e1, address: \"127.0.0.1:1\", protocol: egress-connect}}
+- {{name: e2, address: \"127.0.0.1:2\", protocol: egress-connect, tls: {missing}}}
+- {{name: e3, address: \"127.0.0.1:3\", protocol: sni, tls: {missing}}}
+admin: {{address: \"127.0.0.1:4\"}}
+"
+    );
+    let file = dir.path("gateway.yaml");
+    std::fs::write(&file, config).unwrap();
+    let (ok, out) = run(
+        Command::new(BIN).arg("check").arg(&file),
+        b"",
+        Duration::from_secs(20),
+    );
+    assert!(!ok, "{out}");
+    for want in [
+        "listeners[0].tls: required",
+        "listeners[1].tls: ",
+        "nope.crt",
+        "listeners[2].tls: only valid for egress-connect",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    }
+}

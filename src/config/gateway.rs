@@ -399,6 +399,16 @@ pub fn check_routes(
         Err(e) => return Err(e),
     };
     let mut errors = Errors::default();
+    for (i, route) in table.table.routes().iter().enumerate() {
+        if let Some(files) = route.egress.as_ref().and_then(|e| e.tls.as_ref())
+            && let Err(e) = crate::net::tls::load(files)
+        {
+            errors.push(
+                "routes.file",
+                format!("routes[{i}].egress.tls in {}: {e}", routes.display()),
+            );
+        }
+    }
     for (i, l) in config.listeners.iter().enumerate() {
         if let Some(r) = &l.default_route
             && table.table.by_name(r).is_none()

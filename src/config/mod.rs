@@ -370,6 +370,13 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
     let (raw, errors) = decode::decode(file, &bytes)?;
     match raw {
         Raw::Gateway(raw) => {
+            let dir = file.parent().unwrap_or(Path::new("."));
+            let mut errors = errors;
+            for (i, l) in raw.listeners.iter().enumerate() {
+                if let Some(t) = &l.tls {
+                    tls::check_material(&mut errors, &format!("listeners[{i}].tls"), dir, t);
+                }
+            }
             let config = gateway::validate(file, raw, errors)?;
             gateway::check_routes(file, &config)?;
             Ok(AnyFile::Gateway(config))
@@ -377,6 +384,13 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
         Raw::Node(raw) => node::validate(file, raw, errors).map(AnyFile::Node),
         Raw::Controller(raw) => controller::validate(file, raw, errors).map(AnyFile::Controller),
         Raw::Routes(raw) => {
+            let dir = file.parent().unwrap_or(Path::new("."));
+            let mut errors = errors;
+            for (i, r) in raw.routes.iter().enumerate() {
+                if let Some(t) = r.egress.as_ref().and_then(|e| e.tls.as_ref()) {
+                    tls::check_material(&mut errors, &format!("routes[{i}].egress.tls"), dir, t);
+                }
+            }
             let registry = crate::route::BackendRegistry::default();
             let hash = routes::content_hash(&bytes);
             routes::validate(file, raw, errors, hash, &registry).map(AnyFile::Routes)

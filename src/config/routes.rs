@@ -446,17 +446,22 @@ fn egress(path: RoutePath, raw: &RawEgress, dir: &Path, errors: &mut Errors) -> 
         if list.is_empty() {
             return None;
         }
+        let mut ok = true;
         let parsed: Vec<_> = list
             .iter()
             .enumerate()
             .filter_map(|(i, s)| match Cidr::parse(s) {
                 Ok(c) => Some((c.addr(), c.prefix())),
                 Err(e) => {
+                    ok = false;
                     errors.push(format!("{}[{i}]", field(name)), e);
                     None
                 }
             })
             .collect();
+        if !ok {
+            return None;
+        }
         SourceRanges::new(parsed)
             .map_err(|e| errors.push(field(name), e.to_string()))
             .ok()

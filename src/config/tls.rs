@@ -48,3 +48,15 @@ pub(crate) fn files(errors: &mut Errors, path: &str, dir: &Path, raw: &RawTls) -
         client_ca_file: client_ca,
     })
 }
+
+/// For `trellis check`: loads the material `raw` names (relative to `dir`) and records, at
+/// `path`, why it cannot serve (unreadable, not PEM, the key not the certificate's, no CA).
+/// Problems with the section itself are left to validation, which reports them.
+pub(crate) fn check_material(errors: &mut Errors, path: &str, dir: &Path, raw: &RawTls) {
+    let mut ignored = Errors::default();
+    if let Some(files) = files(&mut ignored, path, dir, raw)
+        && let Err(e) = crate::net::tls::load(&files)
+    {
+        errors.push(path, e);
+    }
+}

@@ -230,6 +230,17 @@ impl Gateway {
         )
     }
 
+    /// Like [`Gateway::start_listeners`], with `routes_source` as the configuration's
+    /// `routes:` line (e.g. a shorter `checkInterval`).
+    pub(crate) fn start_listeners_source(
+        routes: &str,
+        listeners: &[(&str, &str, &str)],
+        extra: &str,
+        routes_source: &str,
+    ) -> Gateway {
+        Self::start_full(routes, listeners, extra, routes_source, None, &[])
+    }
+
     fn start_full(
         routes: &str,
         listeners: &[(&str, &str, &str)],
