@@ -9,6 +9,7 @@
 
 mod backend;
 mod index;
+mod net;
 mod ranges;
 
 use std::collections::HashMap;
@@ -22,6 +23,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
+pub use net::{Net, NetError, NetSet, NetTable};
 pub use ranges::{Network, RangesError, SourceRanges};
 
 pub use crate::wire::proxy::ProxyVersion;
