@@ -7,12 +7,11 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use super::cidr::Cidr;
 use super::decode::{Kind, Raw};
 use super::{ConfigError, Errors, at};
 use crate::route::{
-    Backend, BackendAddress, BackendRegistry, ProxyVersion, Route, RouteTimeouts, RoutingTable,
-    SourceRanges,
+    Backend, BackendAddress, BackendRegistry, Net, ProxyVersion, Route, RouteTimeouts,
+    RoutingTable, SourceRanges,
 };
 
 mapping_only!(RawRoutingTable, RawRoute, RawBackend, RawRouteTimeouts);
@@ -343,8 +342,8 @@ fn source_ranges(path: RoutePath, list: &[String], errors: &mut Errors) -> Optio
     let networks: Vec<_> = list
         .iter()
         .enumerate()
-        .filter_map(|(i, s)| match Cidr::parse(s) {
-            Ok(c) => Some((c.addr(), c.prefix())),
+        .filter_map(|(i, s)| match Net::parse(s) {
+            Ok(net) => Some(net),
             Err(e) => {
                 ok = false;
                 errors.push(format!("{path}.allowedSourceRanges[{i}]"), e);
@@ -355,7 +354,7 @@ fn source_ranges(path: RoutePath, list: &[String], errors: &mut Errors) -> Optio
     if !ok {
         return None;
     }
-    SourceRanges::new(networks)
+    SourceRanges::from_nets(networks)
         .map_err(|e| errors.push(at(path, "allowedSourceRanges"), e.to_string()))
         .ok()
 }

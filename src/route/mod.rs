@@ -24,7 +24,7 @@ use thiserror::Error;
 
 pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
 pub use net::{Net, NetError, NetSet, NetTable};
-pub use ranges::{Network, RangesError, SourceRanges};
+pub use ranges::{RangesError, SourceRanges};
 
 pub use crate::wire::proxy::ProxyVersion;
 
