@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use crate::admin::{self, AdminState, Metrics};
 use crate::config::ConfigError;
@@ -28,6 +28,7 @@ use crate::net::socket;
 use crate::route::Route;
 use crate::serve::accept::{Admission, accept_loop};
 use crate::serve::drain::{Drain, DrainTimes};
+use crate::serve::watch::DirWatches;
 use table::Tables;
 
 /// Why the gateway could not start or run.
@@ -163,8 +164,14 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             },
         )?;
 
-    let (hup_tx, hup_rx) = mpsc::channel(1);
-    let watch_task = tokio::spawn(tables.clone().watch(config.routes_check_interval, hup_rx));
+    // One file-system watcher for every watched file; SIGHUP reaches each watcher.
+    let watches = DirWatches::new();
+    let (hup_tx, hup_rx) = watch::channel(());
+    let watch_task = tokio::spawn(tables.clone().watch(
+        watches,
+        config.routes_check_interval,
+        hup_rx,
+    ));
 
     let drain_times = DrainTimes {
         delay: config.timeouts.drain_delay,
@@ -215,7 +222,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
 
     loop {
         tokio::select! {
-            _ = sighup.recv() => { let _ = hup_tx.try_send(()); }
+            _ = sighup.recv() => { hup_tx.send_replace(()); }
             _ = sigterm.recv() => { tracing::info!("SIGTERM: draining"); break; }
             _ = sigint.recv() => { tracing::info!("SIGINT: draining"); break; }
         }
