@@ -3,7 +3,7 @@
 //! Layers, dependencies pointing down: the roles `gateway` (listener protocols, routing
 //! table), `node` (the shoot's `kubernetes.default` endpoint) and `controller` (seed objects
 //! -> routing table) are wiring on `serve` (accept
-//! loop, connection tracking and record, forward, drain), which uses `net` (sockets, dialers,
+//! loop, connection tracking and record, forward, drain, watched files), which uses `net` (sockets, dialers,
 //! the relay), `route` (immutable routing table), `config` (validated files), `wire` (sans-IO
 //! codecs) and `admin` (metrics, health). `main.rs` only parses the command line.
 

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::cidr::Cidr;
 use crate::route::TlsFiles;
 use super::decode::{Kind, Raw};
 use super::routes::positive;
 use super::{ConfigError, Errors, at};
+use crate::route::{Net, NetSet};
 
 mapping_only!(
     RawGateway,
@@ -247,15 +247,14 @@ pub struct ProxyProtocol {
     /// The mode.
     pub mode: ProxyMode,
     /// Peers allowed to send a header; empty = every peer.
-    pub trusted_sources: Vec<Cidr>,
+    pub trusted_sources: NetSet,
 }
 
 impl ProxyProtocol {
     /// The effective mode for a connection from `peer`: untrusted peers are treated as off.
     pub fn mode_for(&self, peer: std::net::IpAddr) -> ProxyMode {
         if self.mode == ProxyMode::Off
-            || (!self.trusted_sources.is_empty()
-                && !self.trusted_sources.iter().any(|c| c.contains(peer)))
+            || (!self.trusted_sources.is_empty() && !self.trusted_sources.contains(peer))
         {
             ProxyMode::Off
         } else {
@@ -784,7 +783,7 @@ fn proxy_protocol(
     let Some(raw) = raw else {
         return ProxyProtocol {
             mode: ProxyMode::Off,
-            trusted_sources: Vec::new(),
+            trusted_sources: NetSet::new(),
         };
     };
     let mode = match raw.mode.as_deref() {
@@ -804,7 +803,7 @@ fn proxy_protocol(
         .iter()
         .enumerate()
         .filter_map(|(i, s)| {
-            Cidr::parse(s)
+            Net::parse(s)
                 .map_err(|e| errors.push(format!("{path}.proxyProtocol.trustedSources[{i}]"), e))
                 .ok()
         })

@@ -34,7 +34,6 @@ macro_rules! mapping_only {
     )*};
 }
 
-pub mod cidr;
 pub mod controller;
 mod decode;
 pub mod gateway;

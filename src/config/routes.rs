@@ -7,12 +7,11 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use super::cidr::Cidr;
 use super::decode::{Kind, Raw};
 use super::{ConfigError, Errors, at};
 use crate::route::{
-    Backend, BackendAddress, BackendRegistry, Egress, Network, ProxyVersion, Route, RouteTimeouts,
-    RoutingTable, SourceRanges, Via,
+    Backend, BackendAddress, BackendRegistry, Egress, Net, NetSet, ProxyVersion, Route,
+    RouteTimeouts, RoutingTable, SourceRanges, Via,
 };
 
 mapping_only!(RawRoutingTable, RawRoute, RawBackend, RawRouteTimeouts, RawEgress);
@@ -410,15 +409,12 @@ fn egress(path: RoutePath, raw: &RawEgress, dir: &Path, errors: &mut Errors) -> 
             n
         })
         .collect();
-    let client_sources: Vec<Network> = raw
+    let client_sources: Vec<Net> = raw
         .client_sources
         .iter()
         .enumerate()
-        .filter_map(|(i, s)| match Cidr::parse(s) {
-            Ok(c) => Some(Network {
-                addr: c.addr(),
-                prefix: c.prefix(),
-            }),
+        .filter_map(|(i, s)| match Net::parse(s) {
+            Ok(n) => Some(n),
             Err(e) => {
                 errors.push(format!("{}[{i}]", field("clientSources")), e);
                 None
@@ -442,29 +438,17 @@ fn egress(path: RoutePath, raw: &RawEgress, dir: &Path, errors: &mut Errors) -> 
             "a route's own tls needs serverNames or clientSources (it is chosen before the handshake)",
         );
     }
-    let mut networks = |name: &str, list: &[String]| -> Option<SourceRanges> {
-        if list.is_empty() {
-            return None;
-        }
-        let mut ok = true;
-        let parsed: Vec<_> = list
-            .iter()
+    let mut networks = |name: &str, list: &[String]| -> NetSet {
+        list.iter()
             .enumerate()
-            .filter_map(|(i, s)| match Cidr::parse(s) {
-                Ok(c) => Some((c.addr(), c.prefix())),
+            .filter_map(|(i, s)| match Net::parse(s) {
+                Ok(n) => Some(n),
                 Err(e) => {
-                    ok = false;
                     errors.push(format!("{}[{i}]", field(name)), e);
                     None
                 }
             })
-            .collect();
-        if !ok {
-            return None;
-        }
-        SourceRanges::new(parsed)
-            .map_err(|e| errors.push(field(name), e.to_string()))
-            .ok()
+            .collect()
     };
     let allowed_networks = networks("allowedNetworks", &raw.allowed_networks);
     let direct_networks = networks("directNetworks", &raw.direct_networks);
@@ -492,8 +476,8 @@ fn source_ranges(path: RoutePath, list: &[String], errors: &mut Errors) -> Optio
     let networks: Vec<_> = list
         .iter()
         .enumerate()
-        .filter_map(|(i, s)| match Cidr::parse(s) {
-            Ok(c) => Some((c.addr(), c.prefix())),
+        .filter_map(|(i, s)| match Net::parse(s) {
+            Ok(net) => Some(net),
             Err(e) => {
                 ok = false;
                 errors.push(format!("{path}.allowedSourceRanges[{i}]"), e);
@@ -504,7 +488,7 @@ fn source_ranges(path: RoutePath, list: &[String], errors: &mut Errors) -> Optio
     if !ok {
         return None;
     }
-    SourceRanges::new(networks)
+    SourceRanges::from_nets(networks)
         .map_err(|e| errors.push(at(path, "allowedSourceRanges"), e.to_string()))
         .ok()
 }

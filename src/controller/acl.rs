@@ -34,8 +34,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use super::model::{EnvoyFilter, Net, Permission, Principal, Rbac, RbacAt, Snapshot};
+use super::model::{EnvoyFilter, Permission, Principal, Rbac, RbacAt, Snapshot};
 use super::translate::{BackendDoc, Handoff, Reason, Report, RouteDoc, Target};
+use crate::route::Net;
 
 /// The route that claims CONNECT keys a filter restricts which would otherwise reach the
 /// fallback from trellis' own address: it admits nobody. Added after route names are settled,
@@ -86,20 +87,20 @@ pub enum Sources {
 
 /// A network as (family, bits, prefix): IPv4 in the top 32 bits, so one mask rule serves both.
 fn bits(n: &Net) -> (bool, u128, u8) {
-    match n.addr {
-        IpAddr::V4(a) => (true, u128::from(u32::from(a)) << 96, n.prefix),
-        IpAddr::V6(a) => (false, u128::from(a), n.prefix),
+    match n.addr() {
+        IpAddr::V4(a) => (true, u128::from(u32::from(a)) << 96, n.prefix()),
+        IpAddr::V6(a) => (false, u128::from(a), n.prefix()),
     }
 }
 
-fn from_bits(v4: bool, value: u128, prefix: u8) -> Net {
-    // Bits below the prefix are zero: the value came from a masked network.
+/// The network of [`bits`]' form, or `None` for a prefix longer than the family.
+fn from_bits(v4: bool, value: u128, prefix: u8) -> Option<Net> {
     let addr = if v4 {
         IpAddr::V4(Ipv4Addr::from(u32::try_from(value >> 96).unwrap_or(0)))
     } else {
         IpAddr::V6(Ipv6Addr::from(value))
     };
-    Net { addr, prefix }
+    Net::new(addr, prefix).ok()
 }
 
 fn mask(prefix: u8) -> u128 {
@@ -108,8 +109,7 @@ fn mask(prefix: u8) -> u128 {
 
 /// Whether network `a` contains network `b`.
 fn contains(a: &Net, b: &Net) -> bool {
-    let ((fa, va, pa), (fb, vb, pb)) = (bits(a), bits(b));
-    fa == fb && pa <= pb && vb & mask(pa) == va
+    a.contains_net(b)
 }
 
 impl Sources {
@@ -121,17 +121,7 @@ impl Sources {
             .filter(|n| !nets.iter().any(|m| m != *n && contains(m, n)))
             .copied()
             .collect();
-        let everyone = [
-            Net {
-                addr: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-                prefix: 0,
-            },
-            Net {
-                addr: IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-                prefix: 0,
-            },
-        ];
-        if everyone.iter().all(|e| kept.contains(e)) {
+        if [Net::ANY_V4, Net::ANY_V6].iter().all(|e| kept.contains(e)) {
             Sources::All
         } else {
             Sources::Only(kept)
@@ -172,7 +162,8 @@ impl Sources {
                     .iter()
                     .any(|&(v, p)| p > prefix && v & mask(prefix) == value)
             {
-                out.push(from_bits(v4, value, prefix));
+                // Within the family: the walk stops at the address length.
+                out.extend(from_bits(v4, value, prefix));
                 return;
             }
             let bit = 1u128 << (127 - u32::from(prefix));
@@ -962,7 +953,7 @@ mod tests {
         .unwrap_or_else(|e| panic!("{e}\n{json}"));
         // Nobody is inside: not a client address, not an IPv4-mapped one.
         let r = crate::route::SourceRanges::new(
-            ADMIT_NONE.iter().map(|s| (net(s).addr, net(s).prefix)),
+            ADMIT_NONE.iter().map(|s| (net(s).addr(), net(s).prefix())),
         )
         .unwrap();
         for ip in ["1.2.3.4", "::ffff:1.2.3.4", "2001:db8::1", "127.0.0.1"] {

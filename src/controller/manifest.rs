@@ -14,9 +14,10 @@ use thiserror::Error;
 
 use super::model::{
     BackendRef, Destination, DestinationRule, Endpoint, EndpointSlice, EnvoyFilter, Gateway, Meta,
-    Namespace, Net, Object, Permission, Principal, Rbac, RbacAt, RbacPolicy, Server, Service,
+    Namespace, Object, Permission, Principal, Rbac, RbacAt, RbacPolicy, Server, Service,
     ServicePort, Snapshot, TlsRoute, TlsRouteObject, VirtualService,
 };
+use crate::route::Net;
 
 /// Why a manifest directory could not be read.
 #[derive(Debug, Error)]
@@ -384,7 +385,7 @@ fn principal(p: &Value) -> Principal {
             None => 0,
             Some(n) => u8::try_from(n.as_u64()?).ok()?,
         };
-        Net::new(addr, prefix)
+        Net::new(addr, prefix).ok()
     };
     let Some(obj) = p.as_object().filter(|o| o.len() == 1) else {
         return Principal::Other;

@@ -5,6 +5,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::route::Net;
+
 /// What every projection keeps of `metadata`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Meta {
@@ -191,47 +193,6 @@ pub enum Principal {
     Peer(Net),
     /// Anything else (`any`, `and_ids`, `not_id`, headers, an invalid address, …).
     Other,
-}
-
-/// An IP network: address with host bits cleared, prefix length within the family.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Net {
-    /// The network address.
-    pub addr: std::net::IpAddr,
-    /// The prefix length.
-    pub prefix: u8,
-}
-
-impl Net {
-    /// The network of `addr/prefix` (host bits cleared; IPv4-mapped IPv6 as IPv4, as trellis
-    /// matches clients), or `None` for a prefix longer than the address.
-    pub fn new(addr: std::net::IpAddr, prefix: u8) -> Option<Net> {
-        use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-        let (addr, prefix) = match addr {
-            IpAddr::V6(a) if prefix >= 96 && a.to_ipv4_mapped().is_some() => {
-                (IpAddr::V4(a.to_ipv4_mapped()?), prefix - 96)
-            }
-            other => (other, prefix),
-        };
-        let addr = match addr {
-            IpAddr::V4(a) if prefix <= 32 => {
-                let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
-                IpAddr::V4(Ipv4Addr::from(u32::from(a) & mask))
-            }
-            IpAddr::V6(a) if prefix <= 128 => {
-                let mask = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
-                IpAddr::V6(Ipv6Addr::from(u128::from(a) & mask))
-            }
-            _ => return None,
-        };
-        Some(Net { addr, prefix })
-    }
-}
-
-impl std::fmt::Display for Net {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.addr, self.prefix)
-    }
 }
 
 /// A core `Service`.

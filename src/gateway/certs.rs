@@ -19,6 +19,7 @@ use rustls::ServerConfig;
 use crate::admin::metrics::Metrics;
 use crate::net::tls::{self, TlsBytes, TlsError};
 use crate::route::{RoutingTable, TlsFiles};
+use crate::serve::watch::{DirWatches, Watched};
 
 /// One loaded set of files.
 #[derive(Debug, Clone)]
@@ -71,6 +72,15 @@ impl Certs {
             refreshing: Mutex::new(()),
             metrics,
         })
+    }
+
+    /// Every file of every set.
+    pub(crate) fn paths(&self) -> Vec<std::path::PathBuf> {
+        let routes = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+        self.listeners
+            .union(&routes)
+            .flat_map(|f| f.paths().map(|p| p.to_owned()))
+            .collect()
     }
 
     /// The config for `files`, if they ever loaded.
@@ -176,15 +186,17 @@ fn hash(bytes: &TlsBytes) -> u64 {
     h.finish().max(1)
 }
 
-/// Keeps `certs` current: the file sets of every applied table, and every set re-read each
-/// `interval` (a rotation takes effect within it).
+/// Keeps `certs` current: the file sets of every applied table, and every set re-read when
+/// a file in their directories changes (ConfigMap and Secret volumes swap a symlink), on
+/// SIGHUP, and every `interval`.
 pub(crate) async fn keep_current(
     certs: Arc<Certs>,
     mut tables: tokio::sync::watch::Receiver<Arc<crate::gateway::table::Snapshot>>,
+    watches: DirWatches,
     interval: std::time::Duration,
+    hup: tokio::sync::watch::Receiver<()>,
 ) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut watched = Watched::new(&watches, "TLS material", certs.paths().iter().map(|p| p.as_path()), interval, hup);
     loop {
         tokio::select! {
             changed = tables.changed() => {
@@ -192,13 +204,14 @@ pub(crate) async fn keep_current(
                     return;
                 }
                 let snapshot = tables.borrow_and_update().clone();
-                let certs = certs.clone();
+                let c = certs.clone();
                 // File reads and key parsing off the event loop.
-                let _ = tokio::task::spawn_blocking(move || certs.set_table(snapshot.table())).await;
+                let _ = tokio::task::spawn_blocking(move || c.set_table(snapshot.table())).await;
+                watched.set_files(certs.paths().iter().map(|p| p.as_path()));
             }
-            _ = tick.tick() => {
-                let certs = certs.clone();
-                let _ = tokio::task::spawn_blocking(move || certs.refresh()).await;
+            _ = watched.next() => {
+                let c = certs.clone();
+                let _ = tokio::task::spawn_blocking(move || c.refresh()).await;
             }
         }
     }

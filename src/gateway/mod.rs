@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use crate::admin::{self, AdminState, Metrics};
 use crate::config::ConfigError;
@@ -31,6 +31,7 @@ use crate::net::socket;
 use crate::route::Route;
 use crate::serve::accept::{Admission, accept_loop};
 use crate::serve::drain::{Drain, DrainTimes};
+use crate::serve::watch::DirWatches;
 use table::Tables;
 
 /// Why the gateway could not start or run.
@@ -177,12 +178,20 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             },
         )?;
 
-    let (hup_tx, hup_rx) = mpsc::channel(1);
-    let watch_task = tokio::spawn(tables.clone().watch(config.routes_check_interval, hup_rx));
+    // One file-system watcher for every watched file; SIGHUP reaches each watcher.
+    let watches = DirWatches::new();
+    let (hup_tx, hup_rx) = watch::channel(());
+    let watch_task = tokio::spawn(tables.clone().watch(
+        watches.clone(),
+        config.routes_check_interval,
+        hup_rx.clone(),
+    ));
     let certs_task = tokio::spawn(certs::keep_current(
         certs.clone(),
         tables.subscribe(),
+        watches,
         config.routes_check_interval,
+        hup_rx,
     ));
 
     let drain_times = DrainTimes {
@@ -235,7 +244,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
 
     loop {
         tokio::select! {
-            _ = sighup.recv() => { let _ = hup_tx.try_send(()); }
+            _ = sighup.recv() => { hup_tx.send_replace(()); }
             _ = sigterm.recv() => { tracing::info!("SIGTERM: draining"); break; }
             _ = sigint.recv() => { tracing::info!("SIGINT: draining"); break; }
         }

@@ -1,6 +1,7 @@
-//! The live routing table: loaded at start, re-read on file change, SIGHUP and a timer, and
-//! published in one atomic swap. A table that fails to parse or validate is never applied;
-//! the last good one stays. Connections take one snapshot when they are accepted.
+//! The live routing table: loaded at start, re-read on file change, SIGHUP and a timer (as
+//! [`crate::serve::watch`] decides), and published in one atomic swap. A table that fails to
+//! parse or validate is never applied; the last good one stays. Connections take one
+//! snapshot when they are accepted.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -8,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use serde::Serialize;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 use crate::admin::Metrics;
 use crate::config::ConfigError;
@@ -16,6 +17,9 @@ use crate::config::duration_text;
 use crate::config::routes::{self, LoadedTable};
 use crate::route::{BackendRegistry, RoutingTable};
 use crate::route::{RouteKeyList, RouteTimeouts};
+use crate::serve::watch::{Clock, DirWatches, Tracked, Trigger, Watched};
+#[cfg(test)]
+use crate::serve::watch::{RACY_STAMP, Stamp};
 
 /// One published table.
 #[derive(Debug)]
@@ -57,32 +61,6 @@ impl Reload {
     }
 }
 
-/// What made a reload happen: it decides whether an unchanged file is worth an info line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Trigger {
-    /// SIGHUP: an operator asked, so every outcome is logged at info level or above.
-    Hup,
-    /// A change in the file's directory: the file is read only if its stamp moved.
-    Watch,
-    /// The periodic re-read: an unchanged table is logged at debug level only (every
-    /// `routes.checkInterval` would otherwise add a line).
-    Timer,
-}
-
-impl Trigger {
-    /// The log field.
-    fn as_str(self) -> &'static str {
-        match self {
-            Trigger::Hup => "sighup",
-            Trigger::Watch => "watch",
-            Trigger::Timer => "timer",
-        }
-    }
-}
-
-/// The wall clock, injected so the stamp's racy-window rule is tested without sleeping.
-pub(crate) type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
-
 /// Holds the active table and reloads it.
 pub(crate) struct Tables {
     /// What connections read (one atomic load per connection).
@@ -95,7 +73,7 @@ pub(crate) struct Tables {
     metrics: Arc<Metrics>,
     /// Serialises reloads so generations are applied in order, and remembers what was read.
     reload_lock: Mutex<ReadState>,
-    /// Times the file was read (for tests: a skipped read is the point of [`Stamp`]).
+    /// Times the file was read (for tests: a skipped read is the point of a file's stamp).
     reads: std::sync::atomic::AtomicU64,
     /// `(listener, route)` for every listener with a `defaultRoute`: checked against every
     /// table loaded.
@@ -103,53 +81,13 @@ pub(crate) struct Tables {
 }
 
 /// What the last reload attempt learned about the file.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct ReadState {
     /// Hash of the last rejected file, so an unchanged bad file is not re-parsed and
     /// re-counted on every tick.
     last_rejected: Option<String>,
-    /// Stamp of the file as last read, when it can be trusted.
-    read: Option<Stamp>,
-}
-
-/// Identifies one version of the file without reading it, as git's index does: the file
-/// behind every symlink (device, inode), its size, and its modification and change times.
-/// Any write moves the change time (short of the clock stepping back), and a ConfigMap
-/// update swaps the symlink to a new inode. Only directory events use it: the periodic check
-/// and SIGHUP always read, so a change a stamp cannot show (a network file system's cached
-/// attributes, a clock stepped back on a file system with coarse times) is still found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    dev: u64,
-    ino: u64,
-    len: u64,
-    mtime: (i64, i64),
-    ctime: (i64, i64),
-}
-
-/// A file changed this recently may change again within the file system's timestamp
-/// granularity (a clock tick) without its stamp changing; its stamp is not trusted.
-const RACY_STAMP: Duration = Duration::from_secs(1);
-
-impl Stamp {
-    /// The file's stamp at `now`, or `None` if it cannot be had or trusted (then it is
-    /// read).
-    fn of(file: &Path, now: SystemTime) -> Option<Stamp> {
-        use std::os::unix::fs::MetadataExt;
-        let m = std::fs::metadata(file).ok()?;
-        let changed = SystemTime::UNIX_EPOCH
-            + Duration::new(u64::try_from(m.ctime()).ok()?, m.ctime_nsec() as u32);
-        if now.duration_since(changed).unwrap_or_default() < RACY_STAMP {
-            return None;
-        }
-        Some(Stamp {
-            dev: m.dev(),
-            ino: m.ino(),
-            len: m.len(),
-            mtime: (m.mtime(), m.mtime_nsec()),
-            ctime: (m.ctime(), m.ctime_nsec()),
-        })
-    }
+    /// The file and its stamp as last read.
+    file: Tracked,
 }
 
 impl Tables {
@@ -165,8 +103,8 @@ impl Tables {
         clock: Clock,
     ) -> Result<Self, ConfigError> {
         let registry = BackendRegistry::default();
-        let stamp = Stamp::of(file, clock());
-        let loaded = routes::load(file, &registry)?;
+        let mut tracked = Tracked::new(file);
+        let loaded = tracked.read_now(clock(), |file| routes::load(file, &registry))?;
         let snapshot = Snapshot {
             generation: 1,
             loaded,
@@ -195,7 +133,7 @@ impl Tables {
             metrics,
             reload_lock: Mutex::new(ReadState {
                 last_rejected: None,
-                read: stamp,
+                file: tracked,
             }),
             reads: 1.into(),
             default_routes: Vec::new(),
@@ -254,7 +192,7 @@ impl Tables {
         self.reload_with(Trigger::Hup)
     }
 
-    /// Like [`Tables::reload`], but the file is not even read when its [`Stamp`] shows it
+    /// Like [`Tables::reload`], but the file is not even read when its stamp shows it
     /// unchanged since the last read: for directory events, which a file written next to the
     /// table raises too.
     #[cfg(test)]
@@ -285,15 +223,16 @@ impl Tables {
 
     fn try_reload(&self, state: &mut ReadState, trigger: Trigger) -> Reload {
         let started = std::time::Instant::now();
-        // Taken before the read: a write after it changes the stamp, so it is read next time.
-        let stamp = Stamp::of(&self.file, (self.clock)());
-        if trigger == Trigger::Watch && stamp.is_some() && stamp == state.read {
+        let read = state.file.read(trigger, (self.clock)(), |file| {
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            crate::config::read_file(file)
+        });
+        let Some(read) = read else {
             // A file written next to the table; not worth a line.
             return Reload::Unchanged;
-        }
-        self.reads
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let bytes = match crate::config::read_file(&self.file) {
+        };
+        let bytes = match read {
             Ok(b) => b,
             Err(e) => {
                 let current = self.snapshot();
@@ -305,13 +244,11 @@ impl Tables {
                     error = %e,
                     "routing table not reloaded; keeping the last good table"
                 );
-                // Kept: an unreadable or oversized file is not re-read (and re-logged) on
-                // every event until its stamp changes.
-                state.read = stamp;
+                // The stamp is kept: an unreadable or oversized file is not re-read (and
+                // re-logged) on every event until its stamp changes.
                 return Reload::Rejected;
             }
         };
-        state.read = stamp;
         let last_rejected = &mut state.last_rejected;
         let current = self.current.load();
         let hash = routes::content_hash(&bytes);
@@ -326,6 +263,8 @@ impl Tables {
             let (generation, routes) = (current.generation, current.table().routes().len());
             let trigger = trigger.as_str();
             let result = Reload::Unchanged.label();
+            // An operator asked (SIGHUP): every outcome gets an info line. The periodic
+            // re-read would add one every `routes.checkInterval`: debug level only.
             if trigger == Trigger::Hup.as_str() {
                 tracing::info!(
                     result,
@@ -489,33 +428,26 @@ impl Tables {
     }
 
     /// Reloads whenever the file's directory changes (ConfigMap volumes swap a symlink in
-    /// it), every `interval`, and whenever `hup` fires. Runs until the task is dropped.
-    pub(crate) async fn watch(self: Arc<Self>, interval: Duration, mut hup: mpsc::Receiver<()>) {
-        let (tx, mut events) = mpsc::channel::<()>(1);
-        let _watcher = match self.start_watcher(tx) {
-            Ok(w) => Some(w),
-            Err(e) => {
-                tracing::warn!(error = %e, dir = %self.dir().display(), "cannot watch the routing table directory; relying on SIGHUP and the periodic check");
-                None
-            }
-        };
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
+    /// it), every `interval`, and whenever `hup` changes (SIGHUP). Runs until the task is
+    /// dropped.
+    pub(crate) async fn watch(
+        self: Arc<Self>,
+        watches: DirWatches,
+        interval: Duration,
+        hup: watch::Receiver<()>,
+    ) {
+        let mut watched = Watched::new(
+            &watches,
+            "routing table",
+            [self.file.as_path()],
+            interval,
+            hup,
+        );
         loop {
-            let trigger = tokio::select! {
-                Some(()) = events.recv() => {
-                    // Let a burst of events (write, rename, symlink swap) settle.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    while events.try_recv().is_ok() {}
-                    Trigger::Watch
-                }
-                Some(()) = hup.recv() => {
-                    tracing::info!("SIGHUP: re-reading the routing table");
-                    Trigger::Hup
-                }
-                _ = tick.tick() => Trigger::Timer,
-            };
+            let trigger = watched.next().await;
+            if trigger == Trigger::Hup {
+                tracing::info!("SIGHUP: re-reading the routing table");
+            }
             // This runs on the control-plane thread, not on a connection worker, so parsing a
             // large table here delays no traffic; staying on one thread also keeps glibc from
             // growing a new heap arena per reload thread.
@@ -523,28 +455,6 @@ impl Tables {
                 crate::serve::memory::release_free_memory();
             }
         }
-    }
-
-    fn dir(&self) -> PathBuf {
-        match self.file.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
-            _ => PathBuf::from("."),
-        }
-    }
-
-    fn start_watcher(&self, tx: mpsc::Sender<()>) -> notify::Result<notify::RecommendedWatcher> {
-        use notify::{RecursiveMode, Watcher};
-        let mut watcher =
-            notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-                if let Ok(ev) = res
-                    && !ev.kind.is_access()
-                {
-                    // A full channel already holds a pending reload.
-                    let _ = tx.try_send(());
-                }
-            })?;
-        watcher.watch(&self.dir(), RecursiveMode::NonRecursive)?;
-        Ok(watcher)
     }
 }
 

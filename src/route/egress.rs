@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use super::ranges::{Network, SourceRanges};
+use super::net::{Net, NetSet, NetTable};
 
 /// A `tls` section: the server certificate chain, its key and the client CA bundle, as
 /// three PEM files (relative paths already resolved).
@@ -79,13 +79,13 @@ pub struct Egress {
     /// Server names (lower case, no trailing dot) that select the route before the handshake.
     pub server_names: Box<[String]>,
     /// Client networks that select the route before the handshake.
-    pub client_sources: Box<[Network]>,
+    pub client_sources: Box<[Net]>,
     /// The route's own server certificate and client CA; `None`: the listener's.
     pub tls: Option<TlsFiles>,
-    /// Networks reached through the tunnel (or directly with [`Via::Direct`]).
-    pub allowed_networks: Option<SourceRanges>,
-    /// Networks reached from the gateway's own network.
-    pub direct_networks: Option<SourceRanges>,
+    /// Networks reached through the tunnel (or directly with [`Via::Direct`]); empty: none.
+    pub allowed_networks: NetSet,
+    /// Networks reached from the gateway's own network; empty: none.
+    pub direct_networks: NetSet,
     /// How `allowed_networks` are dialed.
     pub via: Via,
 }
@@ -95,13 +95,13 @@ impl Egress {
     /// `allowedNetworks` first (through the tunnel, or directly with `via: direct`), then
     /// `directNetworks`.
     pub fn path_for(&self, ip: IpAddr) -> Option<EgressPath> {
-        if self.allowed_networks.as_ref().is_some_and(|n| n.contains(ip)) {
+        if self.allowed_networks.contains(ip) {
             return Some(match self.via {
                 Via::Tunnel => EgressPath::Tunnel,
                 Via::Direct => EgressPath::Direct,
             });
         }
-        if self.direct_networks.as_ref().is_some_and(|n| n.contains(ip)) {
+        if self.direct_networks.contains(ip) {
             return Some(EgressPath::Direct);
         }
         None
@@ -137,11 +137,12 @@ impl Serialize for Egress {
         if let Some(tls) = &self.tls {
             m.serialize_entry("tls", tls)?;
         }
-        if let Some(n) = &self.allowed_networks {
-            m.serialize_entry("allowedNetworks", n)?;
+        let list = |n: &NetSet| n.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        if !self.allowed_networks.is_empty() {
+            m.serialize_entry("allowedNetworks", &list(&self.allowed_networks))?;
         }
-        if let Some(n) = &self.direct_networks {
-            m.serialize_entry("directNetworks", n)?;
+        if !self.direct_networks.is_empty() {
+            m.serialize_entry("directNetworks", &list(&self.direct_networks))?;
         }
         m.serialize_entry("via", self.via.as_str())?;
         m.end()
@@ -166,9 +167,8 @@ pub struct EgressConflict {
 #[derive(Debug, Default)]
 pub struct EgressIndex {
     by_server_name: HashMap<Box<str>, u32>,
-    /// Client networks with their route, longest prefix first (sources never overlap
-    /// across routes, so the first that contains an address is the only one).
-    by_source: Vec<(Network, SourceRanges, u32)>,
+    /// Client networks with their route (sources never overlap across routes).
+    by_source: NetTable<u32>,
     by_identity: HashMap<Box<str>, u32>,
 }
 
@@ -197,24 +197,18 @@ impl EgressIndex {
                 }
             }
             for net in egress.client_sources.iter() {
-                if let Some((other, _, first)) = index
-                    .by_source
-                    .iter()
-                    .find(|(o, _, first)| *first != n && overlap(o, net))
+                if let Some((other, &first)) = index.by_source.overlapping(net)
+                    && first != n
                 {
                     conflicts.push(EgressConflict {
                         kind: "egress.clientSource",
                         key: format!("{other} and {net}"),
-                        first: *first as usize,
+                        first: first as usize,
                         second: i,
                     });
                     continue;
                 }
-                let Ok(one) = SourceRanges::new([(net.addr, net.prefix)]) else {
-                    // Networks come validated; a bad one selects nothing.
-                    continue;
-                };
-                index.by_source.push((*net, one, n));
+                index.by_source.insert(*net, n);
             }
             if !egress.selected_before_handshake() {
                 for id in egress.client_identities.iter() {
@@ -236,7 +230,6 @@ impl EgressIndex {
         if !conflicts.is_empty() {
             return Err(conflicts);
         }
-        index.by_source.sort_by(|a, b| b.0.prefix.cmp(&a.0.prefix));
         Ok(index)
     }
 
@@ -247,10 +240,7 @@ impl EgressIndex {
 
     /// The route index whose `clientSources` hold `ip`.
     pub fn by_source(&self, ip: IpAddr) -> Option<u32> {
-        self.by_source
-            .iter()
-            .find(|(_, r, _)| r.contains(ip))
-            .map(|&(_, _, n)| n)
+        self.by_source.lookup(ip).map(|(_, &n)| n)
     }
 
     /// The route index chosen by one of a leaf's names (CN, DNS SANs) among the routes
@@ -265,37 +255,16 @@ impl EgressIndex {
     }
 }
 
-/// Whether two networks share an address (one contains the other's network address, at the
-/// shorter prefix).
-fn overlap(a: &Network, b: &Network) -> bool {
-    let shorter = a.prefix.min(b.prefix);
-    match (a.addr, b.addr) {
-        (IpAddr::V4(x), IpAddr::V4(y)) => {
-            let mask = u32::MAX.checked_shl(32 - u32::from(shorter)).unwrap_or(0);
-            u32::from(x) & mask == u32::from(y) & mask
-        }
-        (IpAddr::V6(x), IpAddr::V6(y)) => {
-            let mask = u128::MAX.checked_shl(128 - u32::from(shorter)).unwrap_or(0);
-            u128::from(x) & mask == u128::from(y) & mask
-        }
-        _ => false,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn net(s: &str) -> Network {
-        let (a, p) = s.split_once('/').unwrap();
-        Network {
-            addr: a.parse().unwrap(),
-            prefix: p.parse().unwrap(),
-        }
+    fn net(s: &str) -> Net {
+        s.parse().unwrap()
     }
 
-    fn ranges(list: &[&str]) -> Option<SourceRanges> {
-        Some(SourceRanges::new(list.iter().map(|s| (net(s).addr, net(s).prefix))).unwrap())
+    fn ranges(list: &[&str]) -> NetSet {
+        list.iter().map(|s| net(s)).collect()
     }
 
     #[test]
@@ -363,9 +332,15 @@ mod tests {
                 ("egress.clientIdentity", 1, 3)
             ]
         );
-        // Disjoint neighbours do not overlap; a /0 overlaps everything of its family only.
-        assert!(!overlap(&net("10.64.0.0/25"), &net("10.64.0.128/25")));
-        assert!(overlap(&net("0.0.0.0/0"), &net("10.1.1.1/32")));
-        assert!(!overlap(&net("0.0.0.0/0"), &net("::1/128")));
+        // Disjoint neighbours do not conflict.
+        let f = Egress {
+            client_sources: vec![net("10.64.0.0/25")].into(),
+            ..Egress::default()
+        };
+        let g = Egress {
+            client_sources: vec![net("10.64.0.128/25")].into(),
+            ..Egress::default()
+        };
+        EgressIndex::new([(0, &f), (1, &g)].into_iter()).unwrap();
     }
 }

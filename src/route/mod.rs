@@ -9,6 +9,7 @@
 
 mod backend;
 mod index;
+mod net;
 mod ranges;
 mod egress;
 
@@ -24,7 +25,8 @@ use thiserror::Error;
 
 pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
 pub use egress::{Egress, EgressConflict, EgressIndex, EgressPath, TlsFiles, Via};
-pub use ranges::{Network, RangesError, SourceRanges};
+pub use net::{Net, NetError, NetSet, NetTable};
+pub use ranges::{RangesError, SourceRanges};
 
 pub use crate::wire::proxy::ProxyVersion;
 

@@ -1,19 +1,20 @@
-//! A route's `allowedSourceRanges`: the client networks it admits, matched per connection
-//! without allocating (masks precomputed, IPv4 and IPv6 kept apart). No I/O.
+//! A route's `allowedSourceRanges`: the client networks it admits, looked up per connection
+//! without allocating in a [`NetSet`]. No I/O.
 
-use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
 use serde::Serialize;
+
+use super::net::{Net, NetSet};
 
 /// The networks a route admits clients from. Never empty: a route that admits everyone
 /// has none ([`Route::allowed_sources`](super::Route) is `None`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceRanges {
-    /// IPv4 networks as (network, mask), the network already masked.
-    v4: Box<[(u32, u32)]>,
-    /// IPv6 networks as (network, mask), the network already masked.
-    v6: Box<[(u128, u128)]>,
+    /// What clients are looked up in.
+    set: NetSet,
+    /// The networks as listed (masked, IPv4 first, a repeated one repeated): what is shown.
+    listed: Box<[Net]>,
 }
 
 /// Why ranges cannot be built.
@@ -35,34 +36,29 @@ pub enum RangesError {
 }
 
 impl SourceRanges {
-    /// Ranges from (address, prefix length) pairs; an IPv4-mapped IPv6 network (`::ffff:a.b.c.d/n`,
-    /// n ≥ 96) is kept as the IPv4 network it names, as clients are matched normalised.
+    /// Ranges from (address, prefix length) pairs, read as [`Net::new`] does: an
+    /// IPv4-mapped IPv6 network (`::ffff:a.b.c.d/n`, n ≥ 96) is kept as the IPv4 network it
+    /// names, as clients are matched normalised.
     pub fn new(networks: impl IntoIterator<Item = (IpAddr, u8)>) -> Result<Self, RangesError> {
-        let (mut v4, mut v6) = (Vec::new(), Vec::new());
-        for (addr, prefix) in networks {
-            let mapped = match addr {
-                IpAddr::V6(a) if prefix >= 96 => a.to_ipv4_mapped().map(|v4| (v4, prefix - 96)),
-                IpAddr::V4(a) => Some((a, prefix)),
-                IpAddr::V6(_) => None,
-            };
-            match (mapped, addr) {
-                (Some((a, prefix)), _) if prefix <= 32 => {
-                    let mask = mask32(prefix);
-                    v4.push((u32::from(a) & mask, mask));
-                }
-                (None, IpAddr::V6(a)) if prefix <= 128 => {
-                    let mask = mask128(prefix);
-                    v6.push((u128::from(a) & mask, mask));
-                }
-                _ => return Err(RangesError::Prefix { addr, prefix }),
-            }
-        }
-        if v4.is_empty() && v6.is_empty() {
+        let nets = networks
+            .into_iter()
+            .map(|(addr, prefix)| {
+                Net::new(addr, prefix).map_err(|_| RangesError::Prefix { addr, prefix })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::from_nets(nets)
+    }
+
+    /// Ranges from networks.
+    pub fn from_nets(networks: impl IntoIterator<Item = Net>) -> Result<Self, RangesError> {
+        let (mut listed, v6): (Vec<Net>, Vec<Net>) = networks.into_iter().partition(Net::is_ipv4);
+        listed.extend(v6);
+        if listed.is_empty() {
             return Err(RangesError::Empty);
         }
         Ok(SourceRanges {
-            v4: v4.into_boxed_slice(),
-            v6: v6.into_boxed_slice(),
+            set: listed.iter().copied().collect(),
+            listed: listed.into_boxed_slice(),
         })
     }
 
@@ -71,36 +67,12 @@ impl SourceRanges {
     /// address — only a PROXY header can claim it — and is never admitted, so `0.0.0.0/32`
     /// and `::/128` admit nobody.
     pub fn contains(&self, ip: IpAddr) -> bool {
-        let ip = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-            v4 => v4,
-        };
-        if ip.is_unspecified() {
-            return false;
-        }
-        match ip {
-            IpAddr::V4(a) => {
-                let a = u32::from(a);
-                self.v4.iter().any(|&(net, mask)| a & mask == net)
-            }
-            IpAddr::V6(a) => {
-                let a = u128::from(a);
-                self.v6.iter().any(|&(net, mask)| a & mask == net)
-            }
-        }
+        !ip.to_canonical().is_unspecified() && self.set.contains(ip)
     }
 
-    /// The networks as `IP/prefix`, IPv4 first.
-    pub fn networks(&self) -> impl Iterator<Item = Network> + '_ {
-        let v4 = self.v4.iter().map(|&(net, mask)| Network {
-            addr: IpAddr::V4(Ipv4Addr::from(net)),
-            prefix: mask.leading_ones() as u8,
-        });
-        let v6 = self.v6.iter().map(|&(net, mask)| Network {
-            addr: IpAddr::V6(Ipv6Addr::from(net)),
-            prefix: mask.leading_ones() as u8,
-        });
-        v4.chain(v6)
+    /// The networks as listed, IPv4 first.
+    pub fn networks(&self) -> impl Iterator<Item = Net> + '_ {
+        self.listed.iter().copied()
     }
 }
 
@@ -108,31 +80,6 @@ impl Serialize for SourceRanges {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_seq(self.networks().map(|n| n.to_string()))
     }
-}
-
-/// One network of [`SourceRanges`], for display.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Network {
-    /// The network address (host bits zero).
-    pub addr: IpAddr,
-    /// The prefix length.
-    pub prefix: u8,
-}
-
-impl fmt::Display for Network {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.addr, self.prefix)
-    }
-}
-
-/// The IPv4 mask of a prefix length (at most 32).
-fn mask32(prefix: u8) -> u32 {
-    u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0)
-}
-
-/// The IPv6 mask of a prefix length (at most 128).
-fn mask128(prefix: u8) -> u128 {
-    u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -1,8 +1,9 @@
 //! What every role shares to serve connections: the accept loop with its admission and
 //! back-off ([`accept`]), connection tracking and limits ([`tracker`]), the per-connection
 //! record that feeds the access log and the metrics exactly once ([`record`]), the path of
-//! a routed connection — dial, relay, record ([`forward`]) — the drain ([`drain`]), and
-//! handing freed memory back to the system ([`memory`]).
+//! a routed connection — dial, relay, record ([`forward`]) — the drain ([`drain`]),
+//! handing freed memory back to the system ([`memory`]), and re-reading files when they
+//! change ([`watch`]).
 //!
 //! Roles (gateway, node) are wiring on top of this; nothing here knows a listener protocol
 //! or a configuration file format.
@@ -13,3 +14,4 @@ pub(crate) mod forward;
 pub(crate) mod memory;
 pub(crate) mod record;
 pub(crate) mod tracker;
+pub(crate) mod watch;
