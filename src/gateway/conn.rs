@@ -60,7 +60,7 @@ pub(super) enum ReadError<E> {
     Reject(E),
 }
 
-impl<S: Leg + Send> Conn<S> {
+impl<S: Leg> Conn<S> {
     /// Reads until `parse` completes on the buffered bytes, reading at most `max` bytes in
     /// all. Returns the value and how many buffered bytes it consumed.
     pub(super) async fn read_until<T, E>(
