@@ -60,7 +60,7 @@ pub(super) enum ReadError<E> {
     Reject(E),
 }
 
-impl<S: Leg + Send> Conn<S> {
+impl<S: Leg> Conn<S> {
     /// Reads until `parse` completes on the buffered bytes, reading at most `max` bytes in
     /// all. Returns the value and how many buffered bytes it consumed.
     pub(super) async fn read_until<T, E>(
@@ -259,5 +259,205 @@ pub(super) fn proxy_stage_error(e: ReadError<proxy::Reject>) -> StageReject {
             "no PROXY header in time".into(),
         ),
         ReadError::Reject(r) => (Outcome::BadRequest, Some(r.kind()), r.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    use tokio_rustls::server::TlsStream;
+
+    use super::*;
+    use crate::admin::Metrics;
+    use crate::config::node::IpFamily;
+    use crate::gateway::table::Tables;
+    use crate::net::dial::Direct;
+    use crate::route::BackendAddress;
+    use crate::serve::drain::Drain;
+    use crate::wire::http;
+
+    impl Leg for TlsStream<TcpStream> {}
+
+    impl ClientStream for TlsStream<TcpStream> {
+        fn local_addr(&self) -> std::io::Result<SocketAddr> {
+            self.get_ref().0.local_addr()
+        }
+    }
+
+    /// What a gateway's connections share, with an empty routing table.
+    fn shared(name: &str) -> Shared {
+        let dir = std::env::temp_dir().join(format!("trellis-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let routes = dir.join("routes.yaml");
+        std::fs::write(
+            &routes,
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes: []\n",
+        )
+        .unwrap();
+        let config = crate::config::gateway::parse(
+            &dir.join("gateway.yaml"),
+            b"apiVersion: trellis.gardener.cloud/v1alpha1
+kind: GatewayConfiguration
+routes: {file: routes.yaml}
+listeners:
+- {name: plain, address: \"127.0.0.1:1\", protocol: http-connect}
+admin: {address: \"127.0.0.1:2\"}
+",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let metrics = Arc::new(Metrics::gateway());
+        let tables = Arc::new(Tables::load(&routes, metrics.clone()).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+        Shared {
+            dialer: Direct {
+                zone: None,
+                connect_timeout: config.timeouts.connect,
+                keepalive: (Duration::from_secs(60), Duration::from_secs(10)),
+                family: IpFamily::Any,
+            },
+            destination_headers: Vec::new(),
+            config,
+            metrics,
+            tables,
+            drain: Drain::default(),
+        }
+    }
+
+    /// A TLS server and client configuration for `egress.test`.
+    fn tls_configs() -> (tokio_rustls::TlsAcceptor, tokio_rustls::TlsConnector) {
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let ck = rcgen::generate_simple_self_signed(vec!["egress.test".to_string()]).unwrap();
+        let key =
+            rustls::pki_types::PrivateKeyDer::try_from(ck.signing_key.serialize_der()).unwrap();
+        let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![ck.cert.der().clone()], key)
+            .unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ck.cert.der().clone()).unwrap();
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        (
+            tokio_rustls::TlsAcceptor::from(Arc::new(server)),
+            tokio_rustls::TlsConnector::from(Arc::new(client)),
+        )
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+    }
+
+    /// A connection over a stream that is not a socket (the server side of a TLS session)
+    /// goes through the pipeline's stages: the CONNECT head is read from inside TLS, the
+    /// connection is linked to the head's own address on a route without backends, the
+    /// client gets exactly the `200` head, and the relay carries every byte both ways (the
+    /// bytes the client sent right behind the head first), half-closes included.
+    #[tokio::test]
+    async fn a_connect_inside_tls_is_linked_to_its_own_address() {
+        let shared = shared("conn-tls");
+        let (acceptor, connector) = tls_configs();
+        let backend = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = backend.local_addr().unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let gateway_addr = listener.local_addr().unwrap();
+        let (up, down) = (pattern(1 << 20, 0x21), pattern(3 << 19, 0x42));
+        let early = b"sent right behind the head".to_vec();
+
+        let gateway = async {
+            let (tcp, peer) = listener.accept().await.unwrap();
+            let stream = acceptor.accept(tcp).await.unwrap();
+            let record = ConnRecord::new(
+                shared.metrics.clone(),
+                Arc::new(shared.metrics.listener("egress")),
+                peer,
+                std::time::Instant::now(),
+            );
+            let mut conn = Box::new(Conn {
+                stream,
+                buf: Vec::new(),
+                deadline: Instant::now() + Duration::from_secs(10),
+                record,
+                guard: shared.drain.tracker.admit(10).unwrap(),
+                source: peer,
+                destination: None,
+            });
+            let max = shared.config.limits.max_header_bytes;
+            let Ok((head, consumed)) = conn
+                .read_until(max, |b| http::parse_request_head(b, max))
+                .await
+            else {
+                panic!("no request head");
+            };
+            assert_eq!(head.method, "CONNECT");
+            conn.consume(consumed);
+            let address = BackendAddress::Ip(head.target.parse().unwrap());
+            let route =
+                Arc::new(Route::new::<&str, &str>("egress", &[], &[], vec![], vec![]).unwrap());
+            let ready = conn
+                .link(&route, Dest::Address(&address), Reply::Http, &shared)
+                .await
+                .expect("linked");
+            ready.relay(&shared.drain.hard_stop).await;
+        };
+        let client = async {
+            let tcp = TcpStream::connect(gateway_addr).await.unwrap();
+            let name = rustls::pki_types::ServerName::try_from("egress.test").unwrap();
+            let mut tls = connector.connect(name, tcp).await.unwrap();
+            let mut first =
+                format!("CONNECT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").into_bytes();
+            first.extend_from_slice(&early);
+            tls.write_all(&first).await.unwrap();
+            let answer = b"HTTP/1.1 200 Connection established\r\n\r\n";
+            let mut got = vec![0u8; answer.len()];
+            tls.read_exact(&mut got).await.unwrap();
+            assert_eq!(got, answer);
+            let (mut r, mut w) = tokio::io::split(tls);
+            let send = async {
+                w.write_all(&up).await.unwrap();
+                w.shutdown().await.unwrap();
+            };
+            let receive = async {
+                let mut got = Vec::new();
+                r.read_to_end(&mut got).await.unwrap();
+                got
+            };
+            tokio::join!(send, receive).1
+        };
+        let serve = async {
+            let (mut s, _) = backend.accept().await.unwrap();
+            let (mut r, mut w) = s.split();
+            let receive = async {
+                let mut got = Vec::new();
+                r.read_to_end(&mut got).await.unwrap();
+                got
+            };
+            let send = async {
+                w.write_all(&down).await.unwrap();
+                w.shutdown().await.unwrap();
+            };
+            tokio::join!(receive, send).0
+        };
+        let ((), got_down, got_up) = tokio::time::timeout(Duration::from_secs(30), async {
+            tokio::join!(gateway, client, serve)
+        })
+        .await
+        .expect("the connection ends");
+        assert!(
+            got_up[..early.len()] == early[..],
+            "the early bytes go first"
+        );
+        assert!(
+            got_up[early.len()..] == up[..],
+            "bytes to the backend differ"
+        );
+        assert!(got_down == down, "bytes to the client differ");
     }
 }
