@@ -32,7 +32,9 @@ struct Ca {
 impl Ca {
     fn new(cn: &str) -> Ca {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         params.key_usages = vec![
             rcgen::KeyUsagePurpose::KeyCertSign,
@@ -47,7 +49,9 @@ impl Ca {
     /// A leaf (certificate PEM, key PEM) for `cn` with DNS SANs `sans`.
     fn issue(&self, cn: &str, sans: &[String], server: bool) -> (String, String) {
         let mut params = rcgen::CertificateParams::new(sans.to_vec()).unwrap();
-        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
         params.extended_key_usages = vec![if server {
             rcgen::ExtendedKeyUsagePurpose::ServerAuth
         } else {
@@ -324,7 +328,10 @@ async fn gardener_shoots_told_apart_by_client_address_each_reach_their_own_targe
     }
     let m = gw.metrics();
     assert!(
-        metric_in(&m, "trellis_egress_requests_total{route=\"shoot--dev--s1\",result=\"connected\"}") >= 1.0,
+        metric_in(
+            &m,
+            "trellis_egress_requests_total{route=\"shoot--dev--s1\",result=\"connected\"}"
+        ) >= 1.0,
         "{m}"
     );
 }
@@ -365,9 +372,15 @@ async fn each_selection_mode() {
 
     // By server name: that route's own certificate and CA, from any address, TLS 1.2 too.
     for tls12 in [false, true] {
-        let mut tls = handshake(addr, None, "vpn-seed-server.by-name", &by_name.client(), tls12)
-            .await
-            .unwrap();
+        let mut tls = handshake(
+            addr,
+            None,
+            "vpn-seed-server.by-name",
+            &by_name.client(),
+            tls12,
+        )
+        .await
+        .unwrap();
         assert_eq!(connect_to(&mut tls, &t).await, OK, "tls12 {tls12}");
     }
     // By source, with the identity the route requires.
@@ -387,7 +400,10 @@ async fn each_selection_mode() {
         .unwrap();
     assert_eq!(status(&connect_to(&mut tls, &t).await), 403);
     // By identity (listener CA): CN, and a DNS SAN.
-    for (cn, sans) in [("shoot--dev--id", vec![]), ("x", vec!["shoot--dev--id".to_string()])] {
+    for (cn, sans) in [
+        ("shoot--dev--id", vec![]),
+        ("x", vec!["shoot--dev--id".to_string()]),
+    ] {
         let (cert, key) = listener.ca.issue(cn, &sans, false);
         let c = Client {
             trust: listener.ca.pem.clone(),
@@ -456,7 +472,8 @@ async fn targets_answers_and_bulk() {
         l.local_addr().unwrap()
     };
     let hole = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    hole.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+    hole.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
     hole.listen(0).unwrap();
     let hole_addr = hole.local_addr().unwrap().as_socket().unwrap();
     let mut fillers = Vec::new();
@@ -495,7 +512,10 @@ async fn targets_answers_and_bulk() {
         }
     };
     let port = target.addr.port();
-    assert_eq!(ask("vpn-seed-server", format!("localhost:{port}")).await.1, OK);
+    assert_eq!(
+        ask("vpn-seed-server", format!("localhost:{port}")).await.1,
+        OK
+    );
     let (_, a) = ask("vpn-seed-server", format!("127.0.0.2:{port}")).await;
     assert_eq!(status(&a), 403);
     assert!(!String::from_utf8_lossy(&a).contains("127.0.0"), "{a:?}");
@@ -519,7 +539,9 @@ async fn targets_answers_and_bulk() {
     // whose echo ends, and the target's FIN reaches the client.
     let (tls, a) = ask("vpn-seed-server", target.addr.to_string()).await;
     assert_eq!(a, OK);
-    let data: Vec<u8> = (0..10 * 1024 * 1024u32).map(|i| (i * 7 % 251) as u8).collect();
+    let data: Vec<u8> = (0..10 * 1024 * 1024u32)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
     let (mut r, mut w) = tokio::io::split(tls);
     let sent = data.clone();
     let writer = tokio::spawn(async move {
@@ -533,7 +555,12 @@ async fn targets_answers_and_bulk() {
         .expect("echo did not end after the half-close")
         .unwrap();
     writer.await.unwrap();
-    assert!(back == data, "echo differs ({} of {} bytes)", back.len(), data.len());
+    assert!(
+        back == data,
+        "echo differs ({} of {} bytes)",
+        back.len(),
+        data.len()
+    );
     let m = gw.metrics();
     for (route, result) in [
         ("t", "target_denied"),
@@ -552,7 +579,9 @@ async fn targets_answers_and_bulk() {
         assert!(
             metric_in(
                 &m,
-                &format!("trellis_upstream_connect_failures_total{{route=\"t\",reason=\"{reason}\"}}")
+                &format!(
+                    "trellis_upstream_connect_failures_total{{route=\"t\",reason=\"{reason}\"}}"
+                )
             ) >= 1.0,
             "{reason}: {m}"
         );
@@ -657,14 +686,16 @@ async fn curl_through_the_egress_proxy() {
                     }
                 }
                 let _ = s
-                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nshoot")
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nshoot",
+                    )
                     .await;
             });
         }
     });
-    let routes = table(&format!(
+    let routes = table(
         "- name: curl\n  egress:\n    clientIdentities: [kube-apiserver-http-proxy]\n    directNetworks: [\"127.0.0.1/32\"]\n",
-    ));
+    );
     let gw = gateway(&routes, &shoot);
     let ca = dir.path("client-ca.pem");
     let cert = dir.path("client.crt");
@@ -695,9 +726,7 @@ async fn curl_through_the_egress_proxy() {
         Duration::from_secs(30),
     );
     assert!(ok && out.starts_with("shoot"), "{out}\n{}", gw.logs());
-    let log = gw.wait_access_log(|l| {
-        l["listener"] == "egress" && l["route"] == "curl"
-    });
+    let log = gw.wait_access_log(|l| l["listener"] == "egress" && l["route"] == "curl");
     assert_eq!(log["identity"], "kube-apiserver-http-proxy", "{log}");
     assert_eq!(log["target_name"], web.to_string(), "{log}");
 }
@@ -760,12 +789,21 @@ async fn rotation_of_certificate_and_ca_keeps_open_connections() {
     swap(&shoot.files[1], &key);
     swap(&shoot.files[0], &cert);
     let rotated = wait_for(Duration::from_secs(15), || {
-        let leaf = futures_block(handshake(addr, None, "vpn-seed-server", &shoot.client(), false))
-            .ok()
-            .map(|tls| server_leaf(&tls))?;
+        let leaf = futures_block(handshake(
+            addr,
+            None,
+            "vpn-seed-server",
+            &shoot.client(),
+            false,
+        ))
+        .ok()
+        .map(|tls| server_leaf(&tls))?;
         (leaf != first).then_some(leaf)
     });
-    assert!(rotated.is_some(), "the new server certificate was never presented");
+    assert!(
+        rotated.is_some(),
+        "the new server certificate was never presented"
+    );
     open = echo(open, "still here").await;
 
     // A new client CA: the old CA's client certificates are refused, the new one's accepted.
@@ -793,7 +831,10 @@ async fn rotation_of_certificate_and_ca_keeps_open_connections() {
     open = echo(open, "and still").await;
 
     // A broken key: the last good material stays in use, and the rejection is counted.
-    swap(&shoot.files[1], "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n");
+    swap(
+        &shoot.files[1],
+        "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+    );
     gw.wait_metric(
         "trellis_tls_material_loads_total{result=\"rejected\"}",
         |v| v >= 1.0,
@@ -908,7 +949,11 @@ async fn malformed_requests_are_refused_and_nothing_is_dialed() {
     let cases: Vec<(&str, Vec<u8>, u16)> = vec![
         (
             "head over the cap",
-            format!("CONNECT {a} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: {}\r\n\r\n", "p".repeat(5000)).into_bytes(),
+            format!(
+                "CONNECT {a} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: {}\r\n\r\n",
+                "p".repeat(5000)
+            )
+            .into_bytes(),
             431,
         ),
         (
@@ -933,15 +978,37 @@ async fn malformed_requests_are_refused_and_nothing_is_dialed() {
             400,
         ),
         ("garbage", b"\x00\x01\x02\r\n\r\n".to_vec(), 400),
-        ("outside the lists", format!("CONNECT {o} HTTP/1.1\r\n\r\n").into_bytes(), 403),
-        ("port 0", "CONNECT 127.0.0.1:0 HTTP/1.1\r\n\r\n".to_string().into_bytes(), 400),
-        ("slow head", format!("CONNECT {a} HTTP/1.1\r\n").into_bytes(), 408),
+        (
+            "outside the lists",
+            format!("CONNECT {o} HTTP/1.1\r\n\r\n").into_bytes(),
+            403,
+        ),
+        (
+            "port 0",
+            "CONNECT 127.0.0.1:0 HTTP/1.1\r\n\r\n"
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        (
+            "slow head",
+            format!("CONNECT {a} HTTP/1.1\r\n").into_bytes(),
+            408,
+        ),
     ];
     for (what, bytes, want) in cases {
         let out = send(bytes).await;
-        assert_eq!(status(&out), want, "{what}: {:?}", String::from_utf8_lossy(&out));
+        assert_eq!(
+            status(&out),
+            want,
+            "{what}: {:?}",
+            String::from_utf8_lossy(&out)
+        );
         let text = String::from_utf8_lossy(&out);
-        assert!(!text.contains("127.0.0"), "{what}: the answer names an address: {text}");
+        assert!(
+            !text.contains("127.0.0"),
+            "{what}: the answer names an address: {text}"
+        );
     }
     // Not TLS at all, and a ClientHello that is garbage past its record header.
     for bytes in [
@@ -950,7 +1017,9 @@ async fn malformed_requests_are_refused_and_nothing_is_dialed() {
     ] {
         let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(&bytes).await.unwrap();
-        let out = read_all(&mut s, Duration::from_secs(10)).await.unwrap_or_default();
+        let out = read_all(&mut s, Duration::from_secs(10))
+            .await
+            .unwrap_or_default();
         assert!(!out.starts_with(b"HTTP"), "{out:?}");
     }
     assert_eq!(allowed.connections.load(Ordering::SeqCst), 0);
@@ -969,7 +1038,10 @@ async fn malformed_requests_are_refused_and_nothing_is_dialed() {
         assert!(v >= at_least, "{result}: {v}\n{m}");
     }
     assert!(
-        metric_in(&m, "trellis_downstream_connections_total{listener=\"egress\",outcome=\"not_tls\"}") >= 1.0,
+        metric_in(
+            &m,
+            "trellis_downstream_connections_total{listener=\"egress\",outcome=\"not_tls\"}"
+        ) >= 1.0,
         "{m}"
     );
 }

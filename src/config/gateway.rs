@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::route::TlsFiles;
 use super::decode::{Kind, Raw};
 use super::routes::positive;
 use super::{ConfigError, Errors, at};
+use crate::route::TlsFiles;
 use crate::route::{Net, NetSet};
 
 mapping_only!(

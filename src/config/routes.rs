@@ -14,7 +14,13 @@ use crate::route::{
     RouteTimeouts, RoutingTable, SourceRanges, Via,
 };
 
-mapping_only!(RawRoutingTable, RawRoute, RawBackend, RawRouteTimeouts, RawEgress);
+mapping_only!(
+    RawRoutingTable,
+    RawRoute,
+    RawBackend,
+    RawRouteTimeouts,
+    RawEgress
+);
 
 /// The `kind` of routing table files.
 pub const KIND: &str = "RoutingTable";
@@ -421,8 +427,7 @@ fn egress(path: RoutePath, raw: &RawEgress, dir: &Path, errors: &mut Errors) -> 
             }
         })
         .collect();
-    if raw.client_identities.is_empty() && server_names.is_empty() && client_sources.is_empty()
-    {
+    if raw.client_identities.is_empty() && server_names.is_empty() && client_sources.is_empty() {
         errors.push(
             format!("{path}.egress"),
             "selects no connection: list clientIdentities, serverNames or clientSources",
@@ -455,7 +460,10 @@ fn egress(path: RoutePath, raw: &RawEgress, dir: &Path, errors: &mut Errors) -> 
     let via = match raw.via.as_deref() {
         None => Via::default(),
         Some(v) => Via::parse(v).unwrap_or_else(|| {
-            errors.push(field("via"), format!("expected tunnel or direct, got {v:?}"));
+            errors.push(
+                field("via"),
+                format!("expected tunnel or direct, got {v:?}"),
+            );
             Via::default()
         }),
     };

@@ -196,7 +196,13 @@ pub(crate) async fn keep_current(
     interval: std::time::Duration,
     hup: tokio::sync::watch::Receiver<()>,
 ) {
-    let mut watched = Watched::new(&watches, "TLS material", certs.paths().iter().map(|p| p.as_path()), interval, hup);
+    let mut watched = Watched::new(
+        &watches,
+        "TLS material",
+        certs.paths().iter().map(|p| p.as_path()),
+        interval,
+        hup,
+    );
     loop {
         tokio::select! {
             changed = tables.changed() => {

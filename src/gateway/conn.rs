@@ -309,6 +309,7 @@ admin: {address: \"127.0.0.1:2\"}
         )
         .unwrap_or_else(|e| panic!("{e}"));
         let metrics = Arc::new(Metrics::gateway());
+        let metrics_for_certs = metrics.clone();
         let tables = Arc::new(Tables::load(&routes, metrics.clone()).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
         Shared {
@@ -323,6 +324,7 @@ admin: {address: \"127.0.0.1:2\"}
             metrics,
             tables,
             drain: Drain::default(),
+            certs: Arc::new(crate::gateway::certs::Certs::new([], metrics_for_certs).unwrap()),
         }
     }
 

@@ -42,6 +42,10 @@ pub(super) fn serve(
 }
 
 /// A connection ready to relay, by the kind of its client stream.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "the plain relay is every connection's, kept unboxed; the TLS one is boxed"
+)]
 enum Linked {
     /// The accepted socket.
     Tcp(Ready),

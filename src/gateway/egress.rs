@@ -178,10 +178,7 @@ pub(super) async fn handle(
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => {
             count(route_name, EgressResult::HandshakeFailed);
-            let outcome = match e
-                .get_ref()
-                .and_then(|e| e.downcast_ref::<rustls::Error>())
-            {
+            let outcome = match e.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>()) {
                 Some(rustls::Error::NoCertificatesPresented)
                 | Some(rustls::Error::InvalidCertificate(_)) => Outcome::Denied,
                 _ => Outcome::BadRequest,
@@ -219,9 +216,17 @@ pub(super) async fn handle(
         Some(route) => {
             let egress = route.egress.as_deref();
             let required = egress.is_some_and(|e| !e.client_identities.is_empty());
-            if required && !egress.is_some_and(|e| e.identified_by(names.iter().map(String::as_str))) {
+            if required
+                && !egress.is_some_and(|e| e.identified_by(names.iter().map(String::as_str)))
+            {
                 count(route.name(), EgressResult::IdentityMismatch);
-                return refuse(conn, 403, "client certificate not accepted", Outcome::Denied).await;
+                return refuse(
+                    conn,
+                    403,
+                    "client certificate not accepted",
+                    Outcome::Denied,
+                )
+                .await;
             }
             route
         }
@@ -312,8 +317,13 @@ pub(super) async fn handle(
                 Ok(Ok(addrs)) => addrs.take(MAX_RESOLVED).collect(),
                 _ => {
                     count(name, EgressResult::ResolveFailed);
-                    return refuse(conn, 502, "target name did not resolve", Outcome::BadRequest)
-                        .await;
+                    return refuse(
+                        conn,
+                        502,
+                        "target name did not resolve",
+                        Outcome::BadRequest,
+                    )
+                    .await;
                 }
             }
         }
@@ -323,7 +333,9 @@ pub(super) async fn handle(
             IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(a.ip(), IpAddr::V4),
             v4 => v4,
         };
-        egress.path_for(ip).map(|p| (SocketAddr::new(ip, a.port()), p))
+        egress
+            .path_for(ip)
+            .map(|p| (SocketAddr::new(ip, a.port()), p))
     });
     let (addr, path) = match allowed {
         Some(x) => x,
@@ -334,7 +346,13 @@ pub(super) async fn handle(
     };
     if path == EgressPath::Tunnel {
         count(name, EgressResult::NoTunnel);
-        return refuse(conn, 504, "no tunnel to the target's network", Outcome::NoRoute).await;
+        return refuse(
+            conn,
+            504,
+            "no tunnel to the target's network",
+            Outcome::NoRoute,
+        )
+        .await;
     }
     let dest = BackendAddress::Ip(addr);
     match conn

@@ -9,8 +9,8 @@
 
 pub(crate) mod dial;
 pub mod fds;
-pub mod prefixed;
 pub(crate) mod lograte;
+pub mod prefixed;
 pub(crate) mod relay;
 pub mod socket;
 pub(crate) mod stream;

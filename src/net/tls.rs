@@ -143,8 +143,7 @@ pub fn server_config(files: &TlsFiles, bytes: &TlsBytes) -> Result<Arc<ServerCon
         path: path.to_owned(),
         detail,
     };
-    let chain = certificates(&bytes.certificate)
-        .map_err(|d| pem(&files.certificate_file, d))?;
+    let chain = certificates(&bytes.certificate).map_err(|d| pem(&files.certificate_file, d))?;
     let key = PrivateKeyDer::from_pem_slice(&bytes.key).map_err(|e| {
         pem(
             &files.key_file,
@@ -206,7 +205,10 @@ fn certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
     }
     for (i, cert) in certs.iter().enumerate() {
         if let Err(e) = x509_parser::parse_x509_certificate(cert) {
-            return Err(format!("certificate {} is not an X.509 certificate: {e}", i + 1));
+            return Err(format!(
+                "certificate {} is not an X.509 certificate: {e}",
+                i + 1
+            ));
         }
     }
     Ok(certs)
@@ -262,7 +264,9 @@ mod tests {
 
     fn ca(cn: &str) -> Pki {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         let ca_key = rcgen::KeyPair::generate().unwrap();
         let ca = params.self_signed(&ca_key).unwrap();
@@ -273,7 +277,9 @@ mod tests {
         let mut params =
             rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
                 .unwrap();
-        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
         let key = rcgen::KeyPair::generate().unwrap();
         let issuer = rcgen::Issuer::from_params(&pki.params, &pki.ca_key);
         let cert = params.signed_by(&key, &issuer).unwrap();
@@ -333,7 +339,11 @@ mod tests {
     #[test]
     fn identities_are_the_common_name_then_dns_names() {
         let pki = ca("vpn");
-        let (cert, _) = leaf(&pki, "kube-apiserver-http-proxy", &["a.example", "b.example"]);
+        let (cert, _) = leaf(
+            &pki,
+            "kube-apiserver-http-proxy",
+            &["a.example", "b.example"],
+        );
         let der = CertificateDer::from_pem_slice(cert.as_bytes()).unwrap();
         assert_eq!(
             identities(&der),

@@ -8,10 +8,10 @@
 //! does no I/O and knows nothing about tokio.
 
 mod backend;
+mod egress;
 mod index;
 mod net;
 mod ranges;
-mod egress;
 
 use std::collections::HashMap;
 
