@@ -19,48 +19,80 @@ use crate::serve::accept::Accepted;
 use crate::serve::record::Outcome;
 use crate::wire::Parsed;
 use crate::wire::proxy::{self, Detect, ProxyInfo};
+use futures_util::future::Either;
 
 /// Runs one accepted connection: the pipeline up to a linked backend, in a box that is
 /// freed before the relay, then the relay (see [`Linked`](crate::serve::forward::Linked)
 /// for why). The box is made here, so the task's own future holds the box, the relay and
-/// nothing else.
+/// nothing else. An `egress-connect` connection's relay (TLS to the client) is boxed too:
+/// the task of every other connection would otherwise keep room for its larger state.
 pub(super) fn serve(
     acc: Accepted<TcpStream>,
     config: Arc<ListenerConfig>,
     shared: Arc<Shared>,
 ) -> impl Future<Output = ()> + Send + 'static {
+    if let ListenerKind::EgressConnect { .. } = config.kind {
+        let pipeline = Box::pin(egress_pipeline(acc, config, shared.clone()));
+        return Either::Right(async move {
+            if let Some(ready) = pipeline.await {
+                Box::pin((*ready).relay(&shared.drain.hard_stop)).await;
+            }
+        });
+    }
     let pipeline = Box::pin(pipeline(acc, config, shared.clone()));
-    async move {
-        match pipeline.await {
-            None => {}
-            Some(Linked::Tcp(ready)) => ready.relay(&shared.drain.hard_stop).await,
-            // Boxed: the TLS relay's state is large, and the task of every other connection
-            // would keep room for it.
-            Some(Linked::Egress(ready)) => Box::pin(ready.relay(&shared.drain.hard_stop)).await,
-        }
+    Either::Left(async move {
+        let Some(ready) = pipeline.await else {
+            return;
+        };
+        ready.relay(&shared.drain.hard_stop).await;
+    })
+}
+
+/// An `egress-connect` connection before its relay: the shared stages, then the listener's.
+async fn egress_pipeline(
+    acc: Accepted<TcpStream>,
+    config: Arc<ListenerConfig>,
+    shared: Arc<Shared>,
+) -> Option<Box<EgressReady>> {
+    let (config, shared) = (&*config, &*shared);
+    let conn = admit(acc, config, shared).await?;
+    match &config.kind {
+        ListenerKind::EgressConnect { tls } => super::egress::handle(conn, tls, shared).await,
+        // `serve` sends only egress-connect listeners here.
+        _ => conn.reject(Outcome::BadRequest, "not an egress-connect listener"),
     }
 }
 
-/// A connection ready to relay, by the kind of its client stream.
-#[allow(
-    clippy::large_enum_variant,
-    reason = "the plain relay is every connection's, kept unboxed; the TLS one is boxed"
-)]
-enum Linked {
-    /// The accepted socket.
-    Tcp(Ready),
-    /// TLS over it (`egress-connect`).
-    Egress(Box<EgressReady>),
-}
-
-/// Everything before the relay: the load balancer's PROXY header, the per-source limit, the
+/// Everything before the relay: the stages every listener shares ([`admit`]), the
 /// listener's protocol, routing and [`Conn::link`].
 async fn pipeline(
     acc: Accepted<TcpStream>,
     config: Arc<ListenerConfig>,
     shared: Arc<Shared>,
-) -> Option<Linked> {
+) -> Option<Ready> {
     let (config, shared) = (&*config, &*shared);
+    let conn = admit(acc, config, shared).await?;
+    match &config.kind {
+        ListenerKind::Sni => super::sni::handle(conn, config, shared).await,
+        ListenerKind::HttpConnect { destination_header } => {
+            super::connect::handle(conn, config, destination_header, shared).await
+        }
+        ListenerKind::ProxyDestination => super::proxydst::handle(conn, config, shared).await,
+        // `serve` sends egress-connect listeners to `egress_pipeline`.
+        ListenerKind::EgressConnect { .. } => {
+            conn.reject(Outcome::BadRequest, "egress-connect served elsewhere")
+        }
+    }
+}
+
+/// The stages every listener shares: the load balancer's PROXY header (per the listener's
+/// mode and trusted sources) and the per-source limit (the PROXY source counts as the
+/// client). `None`: the connection ended there.
+async fn admit(
+    acc: Accepted<TcpStream>,
+    config: &ListenerConfig,
+    shared: &Shared,
+) -> Option<Box<Conn<TcpStream>>> {
     let Accepted {
         stream,
         guard,
@@ -109,19 +141,7 @@ async fn pipeline(
         return conn.reject(Outcome::Limited, "per-source connection limit");
     }
 
-    let ready = match &config.kind {
-        ListenerKind::Sni => super::sni::handle(conn, config, shared).await,
-        ListenerKind::HttpConnect { destination_header } => {
-            super::connect::handle(conn, config, destination_header, shared).await
-        }
-        ListenerKind::ProxyDestination => super::proxydst::handle(conn, config, shared).await,
-        ListenerKind::EgressConnect { tls } => {
-            return super::egress::handle(conn, config, tls, shared)
-                .await
-                .map(Linked::Egress);
-        }
-    };
-    ready.map(Linked::Tcp)
+    Some(conn)
 }
 
 /// Reads the load balancer's PROXY header. `Ok(None)`: optional mode and none was sent.

@@ -24,7 +24,6 @@ use tokio::net::TcpStream;
 
 use super::Shared;
 use super::conn::{Conn, ReadError, Ready};
-use crate::config::gateway::ListenerConfig;
 use crate::net::dial::Dest;
 use crate::net::prefixed::Prefixed;
 use crate::net::tls::{ServerStream, identities};
@@ -98,11 +97,9 @@ impl EgressResult {
 /// it ended before).
 pub(super) async fn handle(
     mut conn: Box<Conn<TcpStream>>,
-    config: &ListenerConfig,
     listener_tls: &TlsFiles,
     shared: &Shared,
 ) -> Option<Box<EgressReady>> {
-    let _ = config;
     let count = |route: &str, result: EgressResult| shared.metrics.egress(route, result.as_str());
 
     // The ClientHello, read and left in the buffer for the handshake: its SNI may choose the
