@@ -14,6 +14,7 @@ use std::time::Duration;
 use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::oneshot;
 
 const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
 
@@ -207,6 +208,77 @@ async fn early_bytes_and_urgent_data_from_the_gateway_reach_the_client() {
     let line = node.wait_access_log();
     assert_eq!(line["tx_bytes"], 5 + (4 << 20) + 1, "{line}");
     assert_eq!(line["reason"], "backend_closed", "{line}");
+}
+
+/// The gateway's answer to the node's CONNECT.
+const ANSWER: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
+
+/// The gateway's end of a tunnel a [`fake_gateway`] hands over once it has answered.
+async fn tunnel_end(rx: oneshot::Receiver<TcpStream>) -> TcpStream {
+    tokio::time::timeout(Duration::from_secs(10), rx)
+        .await
+        .expect("the node opened no tunnel")
+        .unwrap()
+}
+
+/// Urgent data queued at the node before its tunnel is up, from both sides: the client's
+/// 1,000 bytes and urgent byte wait while the gateway holds its answer back; the gateway's
+/// answer comes in one segment with its first tunnel bytes and its own urgent byte, which
+/// the node reads before its relay starts. Every byte crosses in place, and the streams go
+/// on.
+#[tokio::test(flavor = "multi_thread")]
+async fn urgent_data_queued_before_the_tunnel_is_up_crosses_the_node() {
+    let (queued_tx, queued_rx) = oneshot::channel::<()>();
+    let (end_tx, end_rx) = oneshot::channel();
+    let gateway = fake_gateway(|s, _| async move {
+        // The tunnel is up only once the client's urgent byte waits at the node.
+        queued_rx.await.unwrap();
+        urgent::send_burst(&s, ANSWER, b'y', 100);
+        let _ = end_tx.send(s);
+    })
+    .await;
+    let node = Node::start(gateway);
+    let mut client = TcpStream::connect(node.listen).await.unwrap();
+    // A loopback send has reached the node's socket when it returns.
+    urgent::send_burst(&client, b"", b'x', 1000);
+    queued_tx.send(()).unwrap();
+    let mut gateway = tunnel_end(end_rx).await;
+    let (up, down) = tokio::join!(
+        urgent::read_burst(&mut gateway, b'x', 1000),
+        urgent::read_burst(&mut client, b'y', 100),
+    );
+    assert_eq!((&up, &down), (&Ok(()), &Ok(())), "{}", node.logs());
+    urgent::bulk_both_ways(&mut client, &mut gateway).await;
+}
+
+/// Urgent data arriving while the relay runs, each way in one segment with 1,000 bytes
+/// before it: every byte crosses in place, and the streams go on.
+#[tokio::test(flavor = "multi_thread")]
+async fn urgent_data_in_mid_stream_crosses_the_node() {
+    let (end_tx, end_rx) = oneshot::channel();
+    let gateway = fake_gateway(|mut s, _| async move {
+        s.write_all(ANSWER).await.unwrap();
+        let _ = end_tx.send(s);
+    })
+    .await;
+    let node = Node::start(gateway);
+    let mut client = TcpStream::connect(node.listen).await.unwrap();
+    let mut gateway = tunnel_end(end_rx).await;
+    // The relay is running: a first exchange crosses each way.
+    let mut four = [0u8; 4];
+    client.write_all(b"ping").await.unwrap();
+    gateway.read_exact(&mut four).await.unwrap();
+    gateway.write_all(b"pong").await.unwrap();
+    client.read_exact(&mut four).await.unwrap();
+    assert_eq!(&four, b"pong");
+    urgent::send_burst(&client, b"", b'x', 1000);
+    urgent::send_burst(&gateway, b"", b'y', 1000);
+    let (up, down) = tokio::join!(
+        urgent::read_burst(&mut gateway, b'x', 1000),
+        urgent::read_burst(&mut client, b'y', 1000),
+    );
+    assert_eq!((&up, &down), (&Ok(()), &Ok(())), "{}", node.logs());
+    urgent::bulk_both_ways(&mut client, &mut gateway).await;
 }
 
 /// A gateway that refuses the tunnel: the client is closed, and the failure is counted and

@@ -3,7 +3,9 @@
 //! buffer, `splice(2)` for bulk flows, urgent data in place).
 //!
 //! A TLS client stream (egress over mTLS) or a socket of a user-space TCP stack implements
-//! [`Leg`] with the default [`Leg::as_tcp`] and is copied through a pooled buffer.
+//! [`Leg`] with the default [`Leg::as_tcp`] and is copied through a pooled buffer. A kernel
+//! TCP leg is read only through [`super::read`], before the relay as in it: tokio's own
+//! reads lose the socket's readiness at TCP urgent data.
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
