@@ -104,11 +104,11 @@ routes:
     Gateway::start_listeners(&routes, &[("connect", "http-connect", "")], "")
 }
 
-/// 2 MiB, an urgent `!`, 2 MiB: past the relay's splice threshold before the urgent byte.
-async fn send_with_urgent_byte(s: &mut TcpStream, fill: u8) {
+/// 2 MiB, an urgent `!` once `spliced` (the relay splices the flow), 2 MiB.
+async fn send_with_urgent_byte(s: &mut TcpStream, fill: u8, spliced: impl Future<Output = ()>) {
     let bulk = vec![fill; 2 << 20];
     s.write_all(&bulk).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    spliced.await;
     assert_eq!(
         socket2::SockRef::from(&*s).send_out_of_band(b"!").unwrap(),
         1
@@ -116,7 +116,7 @@ async fn send_with_urgent_byte(s: &mut TcpStream, fill: u8) {
     s.write_all(&bulk).await.unwrap();
 }
 
-/// A client's urgent byte crosses the node and the gateway in place.
+/// A client's urgent byte on a spliced upload crosses the node and the gateway in place.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_clients_urgent_data_crosses_the_node_inline() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -133,7 +133,13 @@ async fn a_clients_urgent_data_crosses_the_node_inline() {
     let gw = gateway_to(backend);
     let node = Node::start(gw.addr("connect"));
     let mut s = TcpStream::connect(node.listen).await.unwrap();
-    send_with_urgent_byte(&mut s, b'x').await;
+    let spliced = async {
+        tokio::join!(
+            urgent::spliced(|| node.logs(), "client"),
+            urgent::spliced(|| gw.logs(), "client")
+        );
+    };
+    send_with_urgent_byte(&mut s, b'x', spliced).await;
     s.shutdown().await.unwrap();
     let got = read_all(&mut s, Duration::from_secs(20)).await.unwrap();
     assert_eq!(
@@ -166,10 +172,11 @@ where
 }
 
 /// The gateway's first tunnel bytes, sent with the `200` in one segment, reach the client
-/// and are counted; then urgent data from the gateway's side crosses the node's upstream
-/// socket in place.
+/// and are counted; then urgent data from the gateway's side on a spliced download crosses
+/// the node's upstream socket in place.
 #[tokio::test(flavor = "multi_thread")]
 async fn early_bytes_and_urgent_data_from_the_gateway_reach_the_client() {
+    let (spliced_tx, spliced_rx) = oneshot::channel::<()>();
     let gateway = fake_gateway(|mut s, head| async move {
         assert!(head.starts_with("CONNECT "), "{head}");
         assert!(
@@ -179,7 +186,7 @@ async fn early_bytes_and_urgent_data_from_the_gateway_reach_the_client() {
         s.write_all(b"HTTP/1.1 200 Connection established\r\n\r\nearly")
             .await
             .unwrap();
-        send_with_urgent_byte(&mut s, b'y').await;
+        send_with_urgent_byte(&mut s, b'y', async { spliced_rx.await.unwrap() }).await;
         s.shutdown().await.unwrap();
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest).await;
@@ -188,10 +195,15 @@ async fn early_bytes_and_urgent_data_from_the_gateway_reach_the_client() {
     let node = Node::start(gateway);
     let mut s = TcpStream::connect(node.listen).await.unwrap();
     let mut got = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut got))
-        .await
-        .expect("the download ends")
-        .unwrap();
+    let spliced = async {
+        urgent::spliced(|| node.logs(), "backend").await;
+        spliced_tx.send(()).unwrap();
+    };
+    let (read, ()) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut got)),
+        spliced
+    );
+    read.expect("the download ends").unwrap();
     assert!(
         got.starts_with(b"early"),
         "the bytes after the response head come first"

@@ -1,5 +1,6 @@
 //! TCP urgent data for the tests: a burst that ends in an urgent byte and arrives in one
-//! segment, and the check that all of it arrived with the urgent byte in place.
+//! segment, and the check that all of it arrived with the urgent byte in place; and the
+//! wait for a flow to be spliced, before an urgent byte comes.
 //!
 //! A read stops at the urgent mark (the kernel ends it before the urgent byte). A relay that
 //! then takes the socket for drained is never woken again for the urgent byte: it came in
@@ -7,7 +8,7 @@
 //! has the whole burst. So a burst that does not arrive whole within the time limit is a
 //! relay stalled at the mark.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -85,4 +86,21 @@ pub(crate) async fn bulk_both_ways(client: &mut TcpStream, server: &mut TcpStrea
     let (down, up) = tokio::join!(send_and_read(client, b'u'), send_and_read(server, b'd'));
     assert!(up == vec![b'u'; BULK], "upload: {} bytes", up.len());
     assert!(down == vec![b'd'; BULK], "download: {} bytes", down.len());
+}
+
+/// Waits until `logs` (a process's JSON log) show its relay splicing the flow it reads from
+/// `from` (`client` or `backend`): the flow is a spliced bulk flow before its urgent byte.
+pub(crate) async fn spliced(logs: impl Fn() -> String, from: &str) {
+    let limit = Instant::now() + Duration::from_secs(20);
+    let field = format!("\"from\":\"{from}\"");
+    while !logs()
+        .lines()
+        .any(|l| l.contains("\"message\":\"splicing a bulk flow\"") && l.contains(&field))
+    {
+        assert!(
+            Instant::now() < limit,
+            "the flow from the {from} was never spliced"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -98,12 +98,14 @@ enum State {
     Done,
 }
 
-/// Where a direction counts what it moves.
+/// Where a direction counts what it moves, and which direction it is.
 pub(crate) struct Meter<'a> {
     /// The per-route byte counter of this direction.
     pub(crate) counter: &'a Counter,
     /// When bytes last moved in either direction.
     pub(crate) activity: &'a mut Instant,
+    /// The leg the direction reads (`client` or `backend`), for its debug lines.
+    pub(crate) from: &'static str,
 }
 
 impl Meter<'_> {
@@ -201,6 +203,11 @@ impl Dir {
                             Ok(pipe) => {
                                 // Bulk flow: from here on, bytes go socket -> pipe -> socket
                                 // inside the kernel.
+                                tracing::debug!(
+                                    from = meter.from,
+                                    carried = self.carried,
+                                    "splicing a bulk flow"
+                                );
                                 self.state = State::Splice {
                                     pipe,
                                     filled: 0,
@@ -279,6 +286,10 @@ impl Dir {
                         }
                         Err(e) if splice::is_urgent_mark(&e) => {
                             // The pipe is empty: copying carries on where splicing stopped.
+                            tracing::debug!(
+                                from = meter.from,
+                                "splice stopped at TCP urgent data; copying from here on"
+                            );
                             self.no_splice = true;
                             self.state = State::Read;
                         }

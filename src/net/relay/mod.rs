@@ -229,6 +229,7 @@ impl<C: Leg, B: Leg> Relay<'_, C, B> {
                 self.counters.tx
             },
             activity: &mut self.deadlines.activity,
+            from: if up { "client" } else { "backend" },
         };
         let polled = match (self.client.as_tcp(), self.backend.as_tcp()) {
             (Some(c), Some(b)) => {
