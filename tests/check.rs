@@ -292,7 +292,7 @@ routes:
     }
     // Unknown fields of a gateway and a node configuration come with their other errors.
     let gateway = dir.path("gateway.yaml");
-    std::fs::write(&gateway, format!("{HEAD}kind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: nope, protocol: sni, tls: {{}}}}\nadmin: {{address: \"127.0.0.1:1\"}}\nlimit: {{}}\n")).unwrap();
+    std::fs::write(&gateway, format!("{HEAD}kind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: nope, protocol: sni, bogus: {{}}}}\nadmin: {{address: \"127.0.0.1:1\"}}\nlimit: {{}}\n")).unwrap();
     let g = gateway.display();
     let mut got = check_errors(&gateway);
     got.sort();
@@ -301,7 +301,7 @@ routes:
         [
             format!("{g}: limit: unknown field `limit`"),
             format!("{g}: listeners[0].address: expected IP:port, got \"nope\""),
-            format!("{g}: listeners[0].tls: unknown field `tls`"),
+            format!("{g}: listeners[0].bogus: unknown field `bogus`"),
         ]
     );
     let node = dir.path("node.yaml");

@@ -1,5 +1,6 @@
 //! `http-connect` and `proxy-destination` listeners and PROXY protocol input, with real
-//! peers: curl (CONNECT tunnels, `--haproxy-protocol`), HAProxy (`send-proxy-v2`), rustls.
+//! peers: curl (CONNECT tunnels, `--haproxy-protocol`), HAProxy (`send-proxy-v2`), rustls;
+//! TCP urgent data across a forwarded CONNECT.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
@@ -541,4 +542,115 @@ async fn proxy_destination_routes_by_header_destination() {
         "trellis_proxy_protocol_headers_total{listener=\"pd\",result=\"missing\"}",
         |v| v == 1.0,
     );
+}
+
+/// A CONNECT proxy's answer.
+const ANSWER: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
+
+/// A gateway whose `http-connect` listener forwards CONNECTs for `DEST` to `proxy`, a CONNECT
+/// proxy.
+fn forwarding_gateway(proxy: SocketAddr) -> Gateway {
+    Gateway::start_listeners(
+        &format!(
+            "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: RoutingTable
+routes:
+- name: proxied
+  destinations: [\"{DEST}\"]
+  backends: [{{address: \"{proxy}\"}}]
+  forwardConnect: true
+"
+        ),
+        &[("connect", "http-connect", "")],
+        "",
+    )
+}
+
+/// A CONNECT proxy that takes one connection, reads its request head and hands the stream
+/// over without answering.
+async fn connect_proxy() -> (SocketAddr, tokio::sync::oneshot::Receiver<TcpStream>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            s.read_exact(&mut byte).await.unwrap();
+            head.push(byte[0]);
+        }
+        let _ = tx.send(s);
+    });
+    (addr, rx)
+}
+
+/// Opens a forwarded CONNECT through `gw`: the proxy's end once it has the request head.
+async fn forwarded_connect(
+    gw: &Gateway,
+    proxy: tokio::sync::oneshot::Receiver<TcpStream>,
+) -> (TcpStream, TcpStream) {
+    let mut client = TcpStream::connect(gw.addr("connect")).await.unwrap();
+    let head = format!("CONNECT api:443 HTTP/1.1\r\nX-Gardener-Destination: {DEST}\r\n\r\n");
+    client.write_all(head.as_bytes()).await.unwrap();
+    let proxy = tokio::time::timeout(Duration::from_secs(10), proxy)
+        .await
+        .expect("no forwarded CONNECT")
+        .unwrap();
+    (client, proxy)
+}
+
+/// Urgent data queued at the gateway before its backend, a CONNECT proxy, has accepted a
+/// forwarded CONNECT: the client's 1,000 bytes and urgent byte wait at the gateway, and the
+/// proxy's answer comes in one segment with its first tunnel bytes and its own urgent byte,
+/// which the gateway reads before its relay starts. Every byte crosses in place, and the
+/// streams go on.
+#[tokio::test(flavor = "multi_thread")]
+async fn urgent_data_queued_before_the_backend_accepted_crosses_the_gateway() {
+    let (addr, proxy) = connect_proxy().await;
+    let gw = forwarding_gateway(addr);
+    let (mut client, mut proxy) = forwarded_connect(&gw, proxy).await;
+    // A loopback send has reached the gateway's socket when it returns; the gateway reads
+    // the client again only once the proxy has accepted.
+    urgent::send_burst(&client, b"", b'x', 1000);
+    urgent::send_burst(&proxy, ANSWER, b'y', 100);
+    let mut answer = vec![0u8; ANSWER.len()];
+    tokio::time::timeout(Duration::from_secs(10), client.read_exact(&mut answer))
+        .await
+        .expect("the answer in time")
+        .unwrap();
+    assert_eq!(answer, ANSWER);
+    let (up, down) = tokio::join!(
+        urgent::read_burst(&mut proxy, b'x', 1000),
+        urgent::read_burst(&mut client, b'y', 100),
+    );
+    assert_eq!((&up, &down), (&Ok(()), &Ok(())), "{}", gw.logs());
+    urgent::bulk_both_ways(&mut client, &mut proxy).await;
+}
+
+/// Urgent data arriving while the gateway relays, each way in one segment with 1,000 bytes
+/// before it: every byte crosses in place, and the streams go on.
+#[tokio::test(flavor = "multi_thread")]
+async fn urgent_data_in_mid_stream_crosses_the_gateway() {
+    let (addr, proxy) = connect_proxy().await;
+    let gw = forwarding_gateway(addr);
+    let (mut client, mut proxy) = forwarded_connect(&gw, proxy).await;
+    proxy.write_all(ANSWER).await.unwrap();
+    let mut answer = vec![0u8; ANSWER.len()];
+    client.read_exact(&mut answer).await.unwrap();
+    // The relay is running: a first exchange crosses each way.
+    let mut four = [0u8; 4];
+    client.write_all(b"ping").await.unwrap();
+    proxy.read_exact(&mut four).await.unwrap();
+    proxy.write_all(b"pong").await.unwrap();
+    client.read_exact(&mut four).await.unwrap();
+    assert_eq!(&four, b"pong");
+    urgent::send_burst(&client, b"", b'x', 1000);
+    urgent::send_burst(&proxy, b"", b'y', 1000);
+    let (up, down) = tokio::join!(
+        urgent::read_burst(&mut proxy, b'x', 1000),
+        urgent::read_burst(&mut client, b'y', 1000),
+    );
+    assert_eq!((&up, &down), (&Ok(()), &Ok(())), "{}", gw.logs());
+    urgent::bulk_both_ways(&mut client, &mut proxy).await;
 }

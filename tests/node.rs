@@ -14,6 +14,7 @@ use std::time::Duration;
 use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::oneshot;
 
 const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
 
@@ -103,11 +104,11 @@ routes:
     Gateway::start_listeners(&routes, &[("connect", "http-connect", "")], "")
 }
 
-/// 2 MiB, an urgent `!`, 2 MiB: past the relay's splice threshold before the urgent byte.
-async fn send_with_urgent_byte(s: &mut TcpStream, fill: u8) {
+/// 2 MiB, an urgent `!` once `spliced` (the relay splices the flow), 2 MiB.
+async fn send_with_urgent_byte(s: &mut TcpStream, fill: u8, spliced: impl Future<Output = ()>) {
     let bulk = vec![fill; 2 << 20];
     s.write_all(&bulk).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    spliced.await;
     assert_eq!(
         socket2::SockRef::from(&*s).send_out_of_band(b"!").unwrap(),
         1
@@ -115,7 +116,7 @@ async fn send_with_urgent_byte(s: &mut TcpStream, fill: u8) {
     s.write_all(&bulk).await.unwrap();
 }
 
-/// A client's urgent byte crosses the node and the gateway in place.
+/// A client's urgent byte on a spliced upload crosses the node and the gateway in place.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_clients_urgent_data_crosses_the_node_inline() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -132,7 +133,13 @@ async fn a_clients_urgent_data_crosses_the_node_inline() {
     let gw = gateway_to(backend);
     let node = Node::start(gw.addr("connect"));
     let mut s = TcpStream::connect(node.listen).await.unwrap();
-    send_with_urgent_byte(&mut s, b'x').await;
+    let spliced = async {
+        tokio::join!(
+            urgent::spliced(|| node.logs(), "client"),
+            urgent::spliced(|| gw.logs(), "client")
+        );
+    };
+    send_with_urgent_byte(&mut s, b'x', spliced).await;
     s.shutdown().await.unwrap();
     let got = read_all(&mut s, Duration::from_secs(20)).await.unwrap();
     assert_eq!(
@@ -165,10 +172,11 @@ where
 }
 
 /// The gateway's first tunnel bytes, sent with the `200` in one segment, reach the client
-/// and are counted; then urgent data from the gateway's side crosses the node's upstream
-/// socket in place.
+/// and are counted; then urgent data from the gateway's side on a spliced download crosses
+/// the node's upstream socket in place.
 #[tokio::test(flavor = "multi_thread")]
 async fn early_bytes_and_urgent_data_from_the_gateway_reach_the_client() {
+    let (spliced_tx, spliced_rx) = oneshot::channel::<()>();
     let gateway = fake_gateway(|mut s, head| async move {
         assert!(head.starts_with("CONNECT "), "{head}");
         assert!(
@@ -178,7 +186,7 @@ async fn early_bytes_and_urgent_data_from_the_gateway_reach_the_client() {
         s.write_all(b"HTTP/1.1 200 Connection established\r\n\r\nearly")
             .await
             .unwrap();
-        send_with_urgent_byte(&mut s, b'y').await;
+        send_with_urgent_byte(&mut s, b'y', async { spliced_rx.await.unwrap() }).await;
         s.shutdown().await.unwrap();
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest).await;
@@ -187,10 +195,15 @@ async fn early_bytes_and_urgent_data_from_the_gateway_reach_the_client() {
     let node = Node::start(gateway);
     let mut s = TcpStream::connect(node.listen).await.unwrap();
     let mut got = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut got))
-        .await
-        .expect("the download ends")
-        .unwrap();
+    let spliced = async {
+        urgent::spliced(|| node.logs(), "backend").await;
+        spliced_tx.send(()).unwrap();
+    };
+    let (read, ()) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut got)),
+        spliced
+    );
+    read.expect("the download ends").unwrap();
     assert!(
         got.starts_with(b"early"),
         "the bytes after the response head come first"
@@ -207,6 +220,77 @@ async fn early_bytes_and_urgent_data_from_the_gateway_reach_the_client() {
     let line = node.wait_access_log();
     assert_eq!(line["tx_bytes"], 5 + (4 << 20) + 1, "{line}");
     assert_eq!(line["reason"], "backend_closed", "{line}");
+}
+
+/// The gateway's answer to the node's CONNECT.
+const ANSWER: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
+
+/// The gateway's end of a tunnel a [`fake_gateway`] hands over once it has answered.
+async fn tunnel_end(rx: oneshot::Receiver<TcpStream>) -> TcpStream {
+    tokio::time::timeout(Duration::from_secs(10), rx)
+        .await
+        .expect("the node opened no tunnel")
+        .unwrap()
+}
+
+/// Urgent data queued at the node before its tunnel is up, from both sides: the client's
+/// 1,000 bytes and urgent byte wait while the gateway holds its answer back; the gateway's
+/// answer comes in one segment with its first tunnel bytes and its own urgent byte, which
+/// the node reads before its relay starts. Every byte crosses in place, and the streams go
+/// on.
+#[tokio::test(flavor = "multi_thread")]
+async fn urgent_data_queued_before_the_tunnel_is_up_crosses_the_node() {
+    let (queued_tx, queued_rx) = oneshot::channel::<()>();
+    let (end_tx, end_rx) = oneshot::channel();
+    let gateway = fake_gateway(|s, _| async move {
+        // The tunnel is up only once the client's urgent byte waits at the node.
+        queued_rx.await.unwrap();
+        urgent::send_burst(&s, ANSWER, b'y', 100);
+        let _ = end_tx.send(s);
+    })
+    .await;
+    let node = Node::start(gateway);
+    let mut client = TcpStream::connect(node.listen).await.unwrap();
+    // A loopback send has reached the node's socket when it returns.
+    urgent::send_burst(&client, b"", b'x', 1000);
+    queued_tx.send(()).unwrap();
+    let mut gateway = tunnel_end(end_rx).await;
+    let (up, down) = tokio::join!(
+        urgent::read_burst(&mut gateway, b'x', 1000),
+        urgent::read_burst(&mut client, b'y', 100),
+    );
+    assert_eq!((&up, &down), (&Ok(()), &Ok(())), "{}", node.logs());
+    urgent::bulk_both_ways(&mut client, &mut gateway).await;
+}
+
+/// Urgent data arriving while the relay runs, each way in one segment with 1,000 bytes
+/// before it: every byte crosses in place, and the streams go on.
+#[tokio::test(flavor = "multi_thread")]
+async fn urgent_data_in_mid_stream_crosses_the_node() {
+    let (end_tx, end_rx) = oneshot::channel();
+    let gateway = fake_gateway(|mut s, _| async move {
+        s.write_all(ANSWER).await.unwrap();
+        let _ = end_tx.send(s);
+    })
+    .await;
+    let node = Node::start(gateway);
+    let mut client = TcpStream::connect(node.listen).await.unwrap();
+    let mut gateway = tunnel_end(end_rx).await;
+    // The relay is running: a first exchange crosses each way.
+    let mut four = [0u8; 4];
+    client.write_all(b"ping").await.unwrap();
+    gateway.read_exact(&mut four).await.unwrap();
+    gateway.write_all(b"pong").await.unwrap();
+    client.read_exact(&mut four).await.unwrap();
+    assert_eq!(&four, b"pong");
+    urgent::send_burst(&client, b"", b'x', 1000);
+    urgent::send_burst(&gateway, b"", b'y', 1000);
+    let (up, down) = tokio::join!(
+        urgent::read_burst(&mut gateway, b'x', 1000),
+        urgent::read_burst(&mut client, b'y', 1000),
+    );
+    assert_eq!((&up, &down), (&Ok(()), &Ok(())), "{}", node.logs());
+    urgent::bulk_both_ways(&mut client, &mut gateway).await;
 }
 
 /// A gateway that refuses the tunnel: the client is closed, and the failure is counted and

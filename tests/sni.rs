@@ -617,14 +617,15 @@ async fn a_backends_urgent_data_is_forwarded_inline() {
     let addr = listener.local_addr().unwrap();
     let hello = rustls_client_hello("urg.example.com");
     let hello_len = hello.len();
+    let (spliced_tx, spliced_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
         let mut got = vec![0u8; hello_len];
         s.read_exact(&mut got).await.unwrap();
-        // 2 MiB: the download has become a spliced bulk flow by the time the urgent byte comes.
+        // 2 MiB: the download becomes a spliced bulk flow before the urgent byte comes.
         let bulk = vec![b'y'; 2 << 20];
         s.write_all(&bulk).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        spliced_rx.await.unwrap();
         assert_eq!(
             socket2::SockRef::from(&s).send_out_of_band(b"!").unwrap(),
             1
@@ -635,7 +636,12 @@ async fn a_backends_urgent_data_is_forwarded_inline() {
     let gw = Gateway::start(&one_route("urg", "urg.example.com", addr), "");
     let mut s = TcpStream::connect(gw.tls).await.unwrap();
     s.write_all(&hello).await.unwrap();
-    let got = read_all(&mut s, Duration::from_secs(10)).await.unwrap();
+    let spliced = async {
+        urgent::spliced(|| gw.logs(), "backend").await;
+        spliced_tx.send(()).unwrap();
+    };
+    let (got, ()) = tokio::join!(read_all(&mut s, Duration::from_secs(20)), spliced);
+    let got = got.unwrap();
     let urgent_at = got.iter().position(|&b| b == b'!');
     assert_eq!(
         (got.len(), urgent_at),
@@ -644,6 +650,8 @@ async fn a_backends_urgent_data_is_forwarded_inline() {
     );
 }
 
+/// A client's urgent byte on a spliced upload reaches the backend in place, and the upload
+/// goes on.
 #[tokio::test(flavor = "multi_thread")]
 async fn urgent_data_on_a_spliced_flow_is_forwarded_inline() {
     // Backend: counts what it receives until the client's half-close, answers the count.
@@ -658,10 +666,10 @@ async fn urgent_data_on_a_spliced_flow_is_forwarded_inline() {
     let hello = rustls_client_hello("urg.example.com");
     let mut s = TcpStream::connect(gw.tls).await.unwrap();
     s.write_all(&hello).await.unwrap();
-    // 2 MiB: the upload has become a spliced bulk flow by the time the urgent byte comes.
+    // 2 MiB: the upload becomes a spliced bulk flow before the urgent byte comes.
     let bulk = vec![b'x'; 2 << 20];
     s.write_all(&bulk).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    urgent::spliced(|| gw.logs(), "client").await;
     let sent = socket2::SockRef::from(&s).send_out_of_band(b"!").unwrap();
     assert_eq!(sent, 1);
     s.write_all(&bulk).await.unwrap();

@@ -18,12 +18,12 @@ use std::time::Duration;
 
 use socket2::{Domain, Socket, Type};
 use thiserror::Error;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::lograte::LogRate;
-use super::relay::Leg;
+use super::relay::{Leg, read_leg};
 use super::socket;
 use crate::config::node::IpFamily;
 use crate::route::{BackendAddress, BackendGuard, BackendState, Route};
@@ -507,7 +507,7 @@ where
 
 /// Sends a CONNECT request and waits for `200`; returns the bytes read past the response
 /// head (the tunnel's first bytes).
-async fn connect_tunnel<S: AsyncRead + AsyncWrite + Unpin>(
+async fn connect_tunnel<S: Leg>(
     up: &mut S,
     authority: &str,
     header: &str,
@@ -519,17 +519,15 @@ async fn connect_tunnel<S: AsyncRead + AsyncWrite + Unpin>(
     up.write_all(request.as_bytes())
         .await
         .map_err(|e| (ConnectFailure::Error, e.to_string()))?;
-    let mut buf = Vec::with_capacity(256);
-    let mut chunk = [0u8; 1024];
+    let mut buf = Vec::with_capacity(1024);
     loop {
-        let n = up
-            .read(&mut chunk)
+        // Read as the relay reads: it then finds urgent data that came with the answer.
+        let n = read_leg(up, &mut buf, 1024)
             .await
             .map_err(|e| (ConnectFailure::Reset, e.to_string()))?;
         if n == 0 {
             return Err((ConnectFailure::Rejected, "closed before answering".into()));
         }
-        buf.extend_from_slice(&chunk[..n]);
         match http::parse_response_status(&buf, MAX_RESPONSE_HEAD) {
             Ok(Parsed::Incomplete) => continue,
             Ok(Parsed::Complete {
@@ -576,6 +574,9 @@ async fn connect_addr(
     // forwarded in place (listeners set the same for clients); without it the kernel keeps
     // the byte out of band and the client's stream would silently lose it.
     socket.set_out_of_band_inline(true)?;
+    // And every read reports what it left unread, which the relay needs to tell a drained
+    // socket from a read that stopped at urgent data (kernels before 4.18 lack it).
+    let _ = super::relay::report_unread(std::os::fd::AsFd::as_fd(&socket));
     match socket.connect(&addr.into()) {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
@@ -624,6 +625,8 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let mut stream = connect_addr(addr, soon(2000)).await.unwrap();
         assert_eq!(stream.peer_addr().unwrap(), addr);
+        let sock = std::os::fd::AsFd::as_fd(&stream);
+        assert!(super::super::relay::reports_unread(sock), "TCP_INQ set");
         let (mut accepted, _) = listener.accept().await.unwrap();
         stream.write_all(b"hello").await.unwrap();
         let mut got = [0u8; 5];

@@ -3,6 +3,7 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::time::Duration;
 
 use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
@@ -81,6 +82,10 @@ pub fn bind_listener(
     // TCP urgent data is read inline, as the next byte of the stream (inherited by accepted
     // sockets): a proxy forwards it in place instead of dropping it.
     socket.set_out_of_band_inline(true)?;
+    // Every read reports what it left unread (inherited): the relay tells a drained socket
+    // from a read that stopped at urgent data. Kernels before 4.18 lack it; reads then
+    // work the slower way.
+    let _ = crate::net::relay::report_unread(socket.as_fd());
     if let Some((idle, interval)) = options.keepalive {
         socket.set_tcp_nodelay(true)?;
         let ka = TcpKeepalive::new().with_time(idle).with_interval(interval);
@@ -186,6 +191,10 @@ mod tests {
         assert_eq!(s.tcp_keepalive_time().unwrap(), idle);
         assert_eq!(s.tcp_keepalive_interval().unwrap(), Duration::from_secs(17));
         assert!(s.out_of_band_inline().unwrap(), "SO_OOBINLINE inherited");
+        assert!(
+            crate::net::relay::reports_unread(s.as_fd()),
+            "TCP_INQ inherited"
+        );
     }
     /// A listener with `SO_REUSEPORT` (another instance) makes the claim fail, for the same
     /// address, a specific address under its wildcard, and the dual-stack wildcard; a claim

@@ -273,7 +273,7 @@ impl<C: Leg, S: Leg> Linked<C, S> {
 /// Sends a forwarded CONNECT's `head` to `backend` and reads its response head (after
 /// `early`, bytes the dialer already read), under the answer timeout and size cap. `Ok`: a
 /// `2xx` head, with the bytes read (the head and any tunnel bytes after it).
-async fn exchange<B: AsyncRead + AsyncWrite + Unpin>(
+async fn exchange<B: Leg>(
     backend: &mut B,
     head: &[u8],
     early: Vec<u8>,
@@ -286,7 +286,6 @@ async fn exchange<B: AsyncRead + AsyncWrite + Unpin>(
         Err(_) => return Err(Refusal::TimedOut),
     }
     let mut buf = early;
-    let mut chunk = [0u8; 1024];
     loop {
         if !buf.is_empty() {
             match http::parse_response_status(&buf, fwd.max_answer) {
@@ -304,17 +303,14 @@ async fn exchange<B: AsyncRead + AsyncWrite + Unpin>(
             }
         }
         // Never past the cap: the parser rejects a head that reaches it.
-        let room = fwd
-            .max_answer
-            .saturating_sub(buf.len())
-            .clamp(1, chunk.len());
-        let n = match tokio::time::timeout_at(deadline, backend.read(&mut chunk[..room])).await {
+        let room = fwd.max_answer.saturating_sub(buf.len()).clamp(1, 1024);
+        // Read as the relay reads: it then finds urgent data that came with the answer.
+        match tokio::time::timeout_at(deadline, relay::read_leg(backend, &mut buf, room)).await {
             Err(_) => return Err(Refusal::TimedOut),
             Ok(Ok(0)) => return Err(Refusal::Invalid("closed before answering".into())),
-            Ok(Ok(n)) => n,
+            Ok(Ok(_)) => {}
             Ok(Err(e)) => return Err(Refusal::Invalid(e.to_string())),
-        };
-        buf.extend_from_slice(&chunk[..n]);
+        }
     }
 }
 

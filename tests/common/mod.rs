@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub(crate) mod netns;
+pub(crate) mod urgent;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream as StdTcpStream};

@@ -9,6 +9,9 @@
 //!   a pooled buffer that is given back whenever the read is pending, `poll_write`,
 //!   `poll_flush` once the buffer is written, `poll_shutdown` at end of stream.
 //!
+//! A kernel TCP source is read through [`super::read`] on either path, so that a read that
+//! stops at TCP urgent data keeps the socket readable for the urgent byte.
+//!
 //! It never parses the bytes and owns no timer.
 
 use std::io;
@@ -16,11 +19,11 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use prometheus_client::metrics::counter::Counter;
-use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::io::{AsyncWrite, Interest, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::{pool, splice};
+use super::{Leg, pool, read, splice};
 use crate::net::fds::{self, PipeBudget};
 
 /// Buffer for a direction that has carried little (interactive traffic).
@@ -95,12 +98,14 @@ enum State {
     Done,
 }
 
-/// Where a direction counts what it moves.
+/// Where a direction counts what it moves, and which direction it is.
 pub(crate) struct Meter<'a> {
     /// The per-route byte counter of this direction.
     pub(crate) counter: &'a Counter,
     /// When bytes last moved in either direction.
     pub(crate) activity: &'a mut Instant,
+    /// The leg the direction reads (`client` or `backend`), for its debug lines.
+    pub(crate) from: &'static str,
 }
 
 impl Meter<'_> {
@@ -198,6 +203,11 @@ impl Dir {
                             Ok(pipe) => {
                                 // Bulk flow: from here on, bytes go socket -> pipe -> socket
                                 // inside the kernel.
+                                tracing::debug!(
+                                    from = meter.from,
+                                    carried = self.carried,
+                                    "splicing a bulk flow"
+                                );
                                 self.state = State::Splice {
                                     pipe,
                                     filled: 0,
@@ -211,7 +221,8 @@ impl Dir {
                         }
                     }
                     let mut buf = pool::take(self.buf_size());
-                    match read_draining(src, &mut buf) {
+                    let room = buf.capacity();
+                    match read::read_tcp(src, &mut buf, room) {
                         Ok(0) => {
                             pool::give(buf);
                             self.state = State::Done;
@@ -275,6 +286,10 @@ impl Dir {
                         }
                         Err(e) if splice::is_urgent_mark(&e) => {
                             // The pipe is empty: copying carries on where splicing stopped.
+                            tracing::debug!(
+                                from = meter.from,
+                                "splice stopped at TCP urgent data; copying from here on"
+                            );
                             self.no_splice = true;
                             self.state = State::Read;
                         }
@@ -328,7 +343,7 @@ impl Dir {
         meter: &mut Meter<'_>,
     ) -> Poll<Result<(), DirError>>
     where
-        R: AsyncRead + Unpin + ?Sized,
+        R: Leg + ?Sized,
         W: AsyncWrite + Unpin + ?Sized,
     {
         let mut moved = 0u64;
@@ -340,6 +355,28 @@ impl Dir {
             match &mut self.state {
                 State::Done => return Poll::Ready(Ok(())),
                 State::Read => {
+                    if let Some(tcp) = src.as_tcp() {
+                        // A kernel TCP source is read as on the TCP path: tokio's
+                        // `poll_read` takes a read that stops at the urgent mark for a
+                        // drained socket and is never woken for the urgent byte.
+                        ready!(tcp.poll_read_ready(cx)).map_err(|e| (Op::Read, e))?;
+                        let mut buf = pool::take(self.buf_size());
+                        let room = buf.capacity();
+                        match read::read_tcp(tcp, &mut buf, room) {
+                            Ok(0) => {
+                                pool::give(buf);
+                                self.state = State::Shutdown;
+                            }
+                            Ok(_) => self.state = State::Write { buf, off: 0 },
+                            Err(e) => {
+                                pool::give(buf);
+                                if !retry(&e) {
+                                    return Poll::Ready(Err((Op::Read, e)));
+                                }
+                            }
+                        }
+                        continue;
+                    }
                     let mut buf = pool::take(self.buf_size());
                     // Initialised once per read: the generic path is not the hot one, and
                     // this keeps it free of unsafe code.
@@ -426,28 +463,4 @@ fn retry(e: &io::Error) -> bool {
         e.kind(),
         io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
     )
-}
-
-/// Reads what `src` has into `buf`'s spare capacity; `Ok(0)` at end of stream.
-///
-/// A short read means the socket is drained, so its readiness is cleared right away instead
-/// of by a later read failing with EAGAIN (one wasted recvfrom per message). The clear uses
-/// the readiness tick taken *before* the read: an event the I/O driver records after it
-/// (possibly on another thread) is newer and survives, so data arriving meanwhile is not
-/// lost to edge-triggered epoll.
-fn read_draining(src: &TcpStream, buf: &mut Vec<u8>) -> io::Result<usize> {
-    let room = buf.capacity() - buf.len();
-    let mut short = None;
-    let result = src.try_io(Interest::READABLE, || {
-        let n = src.try_read_buf(buf)?;
-        if n > 0 && n < room {
-            short = Some(n);
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
-        Ok(n)
-    });
-    match (result, short) {
-        (_, Some(n)) => Ok(n),
-        (result, None) => result,
-    }
 }

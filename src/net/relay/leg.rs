@@ -5,7 +5,9 @@
 //! A TLS client stream (egress over mTLS) or a socket of a user-space TCP stack implements
 //! [`Leg`] with the default [`Leg::as_tcp`] and is copied through a pooled buffer. A stream
 //! that is one kind or the other per connection is an [`Either`], which is still a kernel
-//! socket to the relay when it holds one.
+//! socket to the relay when it holds one. A kernel TCP leg is read only through
+//! [`super::read`], before the relay as in it: tokio's own reads lose the socket's readiness
+//! at TCP urgent data.
 
 use std::io;
 use std::pin::Pin;

@@ -9,12 +9,17 @@
 //! space, and copies again when it turns interactive. End of stream in one direction is
 //! forwarded as a half-close and the other direction may continue for at most
 //! `half_close`. The relay also ends on idle timeout, maximum lifetime ([`deadline`]), or a
-//! [`Stop`] (the end of a drain). It never parses the bytes.
+//! [`Stop`] (the end of a drain). TCP urgent data is carried in place, as the byte of the
+//! stream it is: every read of a kernel TCP leg, the relay's and those before it
+//! ([`read_leg`]), tells a read that stopped at the urgent mark from a drained socket
+//! ([`read`]), and a splice that reaches the mark hands over to copying. It never parses the
+//! bytes.
 
 mod copy;
 mod deadline;
 mod leg;
 mod pool;
+mod read;
 mod splice;
 mod stop;
 
@@ -40,6 +45,9 @@ use deadline::{Deadlines, Due};
 )]
 pub(crate) use leg::Either;
 pub(crate) use leg::Leg;
+#[cfg(test)]
+pub(crate) use read::reports_unread;
+pub(crate) use read::{read_leg, report_unread};
 pub(crate) use stop::Stop;
 
 /// Most bytes moved by one splice call (also the pipe size asked for).
@@ -229,6 +237,7 @@ impl<C: Leg, B: Leg> Relay<'_, C, B> {
                 self.counters.tx
             },
             activity: &mut self.deadlines.activity,
+            from: if up { "client" } else { "backend" },
         };
         let polled = match (self.client.as_tcp(), self.backend.as_tcp()) {
             (Some(c), Some(b)) => {

@@ -1077,3 +1077,323 @@ async fn either_legs_splice_sockets_and_copy_other_streams() {
     assert_eq!((stats.rx, stats.tx), (up.len() as u64, down.len() as u64));
     assert_eq!(relay.up.spliced + relay.down.spliced, 0);
 }
+
+// TCP urgent data. A read stops at the urgent mark: the kernel ends it before the urgent
+// byte. A burst that ends in an urgent byte and arrives in one segment is then read whole
+// only by a relay that does not take the short read before the mark for a drained socket:
+// nothing else wakes it for the urgent byte.
+
+/// How the relay's sockets are set up in a test.
+#[derive(Debug, Clone, Copy)]
+enum Sockets {
+    /// As the roles set them up: accepted from a listener [`crate::net::socket`] binds.
+    Served,
+    /// Urgent data inline and nothing more (a socket set up anywhere else).
+    Inline,
+}
+
+/// A connected pair whose relay end reads urgent data inline: (outside end, relay end).
+async fn urgent_pair(sockets: Sockets) -> (TcpStream, TcpStream) {
+    let l = match sockets {
+        Sockets::Served => {
+            let options = crate::net::socket::ListenOptions {
+                backlog: 16,
+                reuse_port: false,
+                freebind: false,
+                keepalive: None,
+            };
+            let addr = "127.0.0.1:0".parse().unwrap();
+            TcpListener::from_std(crate::net::socket::bind_listener(addr, &options).unwrap())
+                .unwrap()
+        }
+        Sockets::Inline => TcpListener::bind("127.0.0.1:0").await.unwrap(),
+    };
+    let outside = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let (inside, _) = l.accept().await.unwrap();
+    socket2::SockRef::from(&inside)
+        .set_out_of_band_inline(true)
+        .unwrap();
+    (outside, inside)
+}
+
+const URGENT: u8 = b'!';
+
+/// Sends `before` bytes of `fill` and an urgent byte corked: one segment.
+fn send_burst(s: &TcpStream, fill: u8, before: usize) {
+    let sock = socket2::SockRef::from(s);
+    sock.set_tcp_cork(true).unwrap();
+    assert_eq!(sock.send(&vec![fill; before]).unwrap(), before);
+    assert_eq!(sock.send_out_of_band(&[URGENT]).unwrap(), 1);
+    sock.set_tcp_cork(false).unwrap();
+}
+
+/// Waits until `n` bytes are queued at `s` and the event loop has taken in what their
+/// arrival raised, as when data waits for a busy relay (or one not started yet). The loop
+/// may report one arrival more than once within a few hundred microseconds; a later report
+/// would wake a relay stalled at the urgent mark, so the wait lasts 20 ms past the first.
+async fn queued(s: &TcpStream, n: u64) {
+    let limit = tokio::time::Instant::now() + Duration::from_secs(5);
+    while rustix::io::ioctl_fionread(s).unwrap() < n {
+        assert!(
+            tokio::time::Instant::now() < limit,
+            "{n} bytes never queued"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    s.readable().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+/// Reads `before` bytes of `fill` and the urgent byte within 5 s: `Err` says where it
+/// stalled or what came instead.
+async fn read_burst(s: &mut TcpStream, fill: u8, before: usize) -> Result<(), String> {
+    let mut got = vec![0u8; before + 1];
+    let mut n = 0;
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        while n < got.len() {
+            match s.read(&mut got[n..]).await.unwrap() {
+                0 => return Err(format!("end of stream after {n} bytes")),
+                k => n += k,
+            }
+        }
+        Ok(())
+    })
+    .await;
+    read.map_err(|_| format!("stalled after {n} of {} bytes", got.len()))??;
+    let mut want = vec![fill; before];
+    want.push(URGENT);
+    if got != want {
+        let at = got.iter().position(|&b| b == URGENT);
+        return Err(format!("urgent byte at {at:?}, not {before}"));
+    }
+    Ok(())
+}
+
+/// Reads `want.len()` bytes within 5 s and compares them with `want`.
+async fn expect(s: &mut TcpStream, want: &[u8]) {
+    let mut got = vec![0u8; want.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+        .await
+        .expect("bytes in time")
+        .unwrap();
+    assert_eq!(got, want);
+}
+
+/// `len` bytes each way, then half-closes; every byte arrives.
+async fn bulk_both_ways(client: &mut TcpStream, backend: &mut TcpStream, len: usize) {
+    async fn send_and_read(s: &mut TcpStream, out: Vec<u8>) -> Vec<u8> {
+        let (mut r, mut w) = s.split();
+        let send = async {
+            w.write_all(&out).await.unwrap();
+            w.shutdown().await.unwrap();
+        };
+        // Exactly `len`: the relay forwards the last end of stream by closing the sockets,
+        // which the tests keep.
+        let mut got = vec![0u8; out.len()];
+        let read = r.read_exact(&mut got);
+        let ((), read) = tokio::join!(send, read);
+        read.unwrap();
+        got
+    }
+    let (up, down) = (pattern(len, 0x71), pattern(len, 0x72));
+    let (got_down, got_up) = tokio::join!(
+        send_and_read(client, up.clone()),
+        send_and_read(backend, down.clone())
+    );
+    assert!(got_up == up && got_down == down, "bulk bytes differ");
+}
+
+/// Urgent data already queued at both relay ends when the relay starts (after bytes the
+/// relay replays, as a role hands it bytes read before): each direction carries the bytes
+/// before the urgent byte, the urgent byte in place, and the stream goes on. With the
+/// sockets the roles set up and with others; with a burst shorter than one read's buffer and
+/// with one that fills several.
+#[tokio::test]
+async fn urgent_data_queued_before_the_relay_starts_crosses_in_place() {
+    for sockets in [Sockets::Served, Sockets::Inline] {
+        for before in [1000, 30_000] {
+            let (mut client, mut client_in) = urgent_pair(sockets).await;
+            let (mut backend, mut backend_in) = urgent_pair(sockets).await;
+            send_burst(&client, b'x', before);
+            send_burst(&backend, b'y', before);
+            queued(&client_in, before as u64 + 1).await;
+            queued(&backend_in, before as u64 + 1).await;
+            let meters = Meters::default();
+            let stop = Stop::default();
+            let relay = relay(
+                &mut client_in,
+                &mut backend_in,
+                b"replayed".to_vec(),
+                b"early".to_vec(),
+                limits(Duration::from_secs(30)),
+                meters.counters(),
+                &no_progress,
+                &stop,
+            );
+            let peers = async {
+                expect(&mut backend, b"replayed").await;
+                expect(&mut client, b"early").await;
+                let (up, down) = tokio::join!(
+                    read_burst(&mut backend, b'x', before),
+                    read_burst(&mut client, b'y', before)
+                );
+                assert_eq!((&up, &down), (&Ok(()), &Ok(())), "{sockets:?}, {before}");
+                bulk_both_ways(&mut client, &mut backend, 1 << 20).await;
+            };
+            let ((_, stats), ()) = tokio::time::timeout(Duration::from_secs(30), async {
+                tokio::join!(relay, peers)
+            })
+            .await
+            .expect("relay finishes");
+            let each = (before + 1 + (1 << 20)) as u64;
+            assert_eq!((stats.rx, stats.tx), (8 + each, 5 + each));
+        }
+    }
+}
+
+/// Runs `relay` until `peers` are done (the relay must not end meanwhile).
+async fn alongside<R: Future + Unpin, T>(relay: &mut R, peers: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::select! {
+            _ = relay => panic!("the relay ended"),
+            t = peers => t,
+        }
+    })
+    .await
+    .expect("the peers finish")
+}
+
+/// Urgent data arriving while the relay runs, each way, and waiting until the relay reads
+/// it (as on a busy worker): after a first exchange (the directions copy) and after a bulk
+/// transfer each way (the directions splice). Every byte crosses in place, and the streams
+/// go on.
+#[tokio::test]
+async fn urgent_data_in_mid_stream_crosses_in_place() {
+    const BULK: usize = 2 << 20;
+    for sockets in [Sockets::Served, Sockets::Inline] {
+        let (mut client, mut client_in) = urgent_pair(sockets).await;
+        let (mut backend, mut backend_in) = urgent_pair(sockets).await;
+        let meters = Meters::default();
+        let stop = Stop::default();
+        let mut relay = plain(
+            &mut client_in,
+            &mut backend_in,
+            Duration::from_secs(30),
+            &meters,
+            &stop,
+        );
+        alongside(&mut relay, async {
+            client.write_all(b"ping").await.unwrap();
+            expect(&mut backend, b"ping").await;
+            backend.write_all(b"pong").await.unwrap();
+            expect(&mut client, b"pong").await;
+        })
+        .await;
+        // The relay is not polled while the bursts arrive.
+        send_burst(&client, b'x', 1000);
+        send_burst(&backend, b'y', 1000);
+        queued(relay.client, 1001).await;
+        queued(relay.backend, 1001).await;
+        let (up, down) = alongside(&mut relay, async {
+            tokio::join!(
+                read_burst(&mut backend, b'x', 1000),
+                read_burst(&mut client, b'y', 1000)
+            )
+        })
+        .await;
+        assert_eq!((&up, &down), (&Ok(()), &Ok(())), "{sockets:?}, copying");
+        // Bulk each way: both directions splice.
+        let (up, down) = (pattern(BULK, 0x61), pattern(BULK, 0x62));
+        alongside(&mut relay, async {
+            let (mut up_got, mut down_got) = (vec![0u8; BULK], vec![0u8; BULK]);
+            let ((mut cr, mut cw), (mut br, mut bw)) = (client.split(), backend.split());
+            let (a, b, c, d) = tokio::join!(
+                cw.write_all(&up),
+                br.read_exact(&mut up_got),
+                bw.write_all(&down),
+                cr.read_exact(&mut down_got),
+            );
+            a.unwrap();
+            b.unwrap();
+            c.unwrap();
+            d.unwrap();
+            assert!(up_got == up && down_got == down, "bulk bytes differ");
+        })
+        .await;
+        assert!(
+            relay.up.spliced > 0 && relay.down.spliced > 0,
+            "the bulk transfers were spliced"
+        );
+        send_burst(&client, b'x', 1000);
+        send_burst(&backend, b'y', 1000);
+        queued(relay.client, 1001).await;
+        queued(relay.backend, 1001).await;
+        let (up, down) = alongside(&mut relay, async {
+            tokio::join!(
+                read_burst(&mut backend, b'x', 1000),
+                read_burst(&mut client, b'y', 1000)
+            )
+        })
+        .await;
+        assert_eq!(
+            (&up, &down),
+            (&Ok(()), &Ok(())),
+            "{sockets:?}, after splicing"
+        );
+        let ((_, stats), ()) = tokio::time::timeout(Duration::from_secs(30), async {
+            tokio::join!(
+                &mut relay,
+                bulk_both_ways(&mut client, &mut backend, 64 * 1024)
+            )
+        })
+        .await
+        .expect("relay finishes");
+        let each = (4 + 2 * 1001 + BULK + 64 * 1024) as u64;
+        assert_eq!((stats.rx, stats.tx), (each, each));
+    }
+}
+
+/// A kernel TCP client and an in-memory backend (the generic path): the client's urgent
+/// data, queued when the relay starts, crosses in place, and the stream goes on.
+#[tokio::test]
+async fn generic_path_carries_urgent_data_queued_before_the_relay() {
+    let (mut client, mut client_in) = urgent_pair(Sockets::Served).await;
+    let (mut backend, mut backend_in) = duplex(64 * 1024);
+    send_burst(&client, b'x', 1000);
+    queued(&client_in, 1001).await;
+    let meters = Meters::default();
+    let stop = Stop::default();
+    let relay = relay(
+        &mut client_in,
+        &mut backend_in,
+        b"replayed".to_vec(),
+        Vec::new(),
+        limits(Duration::from_secs(30)),
+        meters.counters(),
+        &no_progress,
+        &stop,
+    );
+    let peers = async {
+        let mut want = b"replayed".to_vec();
+        want.extend(vec![b'x'; 1000]);
+        want.push(URGENT);
+        let mut got = vec![0u8; want.len()];
+        tokio::time::timeout(Duration::from_secs(5), backend.read_exact(&mut got))
+            .await
+            .expect("the urgent byte in time: the relay stalled at the mark")
+            .unwrap();
+        assert!(got == want, "bytes differ");
+        client.write_all(b"more").await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        backend.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, b"more");
+        backend.shutdown().await.unwrap();
+    };
+    let ((_, stats), ()) = tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::join!(relay, peers)
+    })
+    .await
+    .expect("relay finishes");
+    assert_eq!(stats.rx, 8 + 1001 + 4);
+}
