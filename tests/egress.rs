@@ -1133,3 +1133,61 @@ admin: {{address: \"127.0.0.1:4\"}}
         assert!(out.contains(want), "missing {want:?} in:\n{out}");
     }
 }
+
+/// A PROXY header from a trusted load balancer comes before TLS; its source is the client
+/// address `clientSources` select by. `/routes` shows the egress selectors.
+#[tokio::test(flavor = "multi_thread")]
+async fn proxy_header_source_selects_the_route_and_routes_shows_egress() {
+    let dir = TestDir::new("egress-proxy");
+    let shoot = Shoot::new(&dir, "shoot--dev--lb");
+    let listener = Shoot::new(&dir, "listener");
+    let target = target_at("127.0.0.1", b"").await;
+    let routes = table(&format!(
+        "- name: lb\n  egress:\n    clientSources: [\"10.64.1.10/32\"]\n    tls: {}\n    directNetworks: [\"127.0.0.1/32\"]\n",
+        shoot.tls_yaml()
+    ));
+    let gw = Gateway::start_listeners(
+        &routes,
+        &[(
+            "egress",
+            "egress-connect",
+            &format!(
+                "{}\n  proxyProtocol: {{mode: optional, trustedSources: [\"127.0.0.0/8\"]}}",
+                listener_tls(&listener)
+            ),
+        )],
+        "",
+    );
+    let addr = gw.addr("egress");
+    let name = rustls::pki_types::ServerName::try_from("vpn-seed-server").unwrap();
+    for (source, want_ok) in [("10.64.1.10", true), ("10.64.1.11", false)] {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(
+            format!("PROXY TCP4 {source} 127.0.0.1 40000 {}\r\n", addr.port()).as_bytes(),
+        )
+        .await
+        .unwrap();
+        let result = tokio::time::timeout(
+            Duration::from_secs(10),
+            shoot.client().connector(false).connect(name.clone(), tcp),
+        )
+        .await
+        .unwrap();
+        let ok = match result {
+            Ok(mut tls) => connect_to(&mut tls, &target.addr.to_string()).await == OK,
+            Err(_) => false,
+        };
+        assert_eq!(ok, want_ok, "PROXY source {source}");
+    }
+    let (code, body) = http_get(gw.debug, "/routes").unwrap();
+    assert_eq!(code, 200);
+    for want in [
+        "\"egress\"",
+        "\"clientSources\"",
+        "10.64.1.10/32",
+        "\"directNetworks\"",
+        "\"via\": \"tunnel\"",
+    ] {
+        assert!(body.contains(want), "{want} not in {body}");
+    }
+}
