@@ -21,7 +21,9 @@ use crate::serve::forward::{self, Linked, Reply, Routed};
 use crate::serve::record::{ConnRecord, Outcome};
 use crate::serve::tracker::ConnGuard;
 use crate::wire::Parsed;
+use crate::wire::http::{self, RequestHead};
 use crate::wire::proxy::{self, ProxyInfo};
+use crate::wire::tls::{self, ClientHello};
 
 /// A connection between accept and routing, over its client stream `S`: the accepted
 /// socket, or a stream over it (TLS) for a listener that terminates one.
@@ -112,6 +114,94 @@ impl<S: Leg> Conn<S> {
     /// them before the stream closes.
     pub(super) async fn reject_with(&mut self, bytes: &[u8]) {
         forward::reject_with(&mut self.stream, bytes).await;
+    }
+
+    /// Reads a ClientHello of at most `max` bytes and leaves it in the buffer (every byte
+    /// read goes on, to a backend or into a TLS handshake); its size is observed.
+    pub(super) async fn client_hello(&mut self, max: usize) -> Result<ClientHello, Refusal> {
+        match self
+            .read_until(max, |b| tls::parse_client_hello(b, max))
+            .await
+        {
+            Ok((hello, consumed)) => {
+                self.record
+                    .listener_metrics()
+                    .client_hello_bytes
+                    .observe(consumed as f64);
+                Ok(hello)
+            }
+            Err(ReadError::Closed { bytes }) => Err(Refusal::closed(bytes)),
+            Err(ReadError::Reject(r)) => Err(Refusal {
+                outcome: if r == tls::Reject::NotTls {
+                    Outcome::NotTls
+                } else {
+                    Outcome::BadRequest
+                },
+                detail: r.to_string(),
+                status: None,
+            }),
+            Err(ReadError::Timeout) => Err(Refusal {
+                outcome: Outcome::Timeout,
+                detail: "no complete ClientHello in time".into(),
+                status: None,
+            }),
+        }
+    }
+
+    /// Reads an HTTP request head of at most `max` bytes: the head and how many buffered
+    /// bytes it took (not consumed).
+    pub(super) async fn request_head(
+        &mut self,
+        max: usize,
+    ) -> Result<(RequestHead, usize), Refusal> {
+        match self
+            .read_until(max, |b| http::parse_request_head(b, max))
+            .await
+        {
+            Ok(x) => Ok(x),
+            Err(ReadError::Closed { bytes }) => Err(Refusal::closed(bytes)),
+            Err(ReadError::Timeout) => Err(Refusal {
+                outcome: Outcome::Timeout,
+                detail: "no request head in time".into(),
+                status: Some(408),
+            }),
+            Err(ReadError::Reject(r)) => Err(Refusal {
+                outcome: Outcome::BadRequest,
+                detail: r.to_string(),
+                status: Some(r.status()),
+            }),
+        }
+    }
+
+    /// Ends the connection with `refusal`: its status answered (if any), counted, logged.
+    /// `None`, like [`Conn::reject`].
+    pub(super) async fn refuse<R>(mut self: Box<Self>, refusal: Refusal) -> Option<R> {
+        if let Some(status) = refusal.status {
+            self.reject_with(&http::response(status, &refusal.detail))
+                .await;
+        }
+        self.reject(refusal.outcome, &refusal.detail)
+    }
+}
+
+/// Why a stage ended a connection before routing.
+pub(super) struct Refusal {
+    /// What it is counted as.
+    pub outcome: Outcome,
+    /// For the debug log (and the body of `status`: it names no address).
+    pub detail: String,
+    /// The HTTP status to answer, on listeners that speak HTTP.
+    pub status: Option<u16>,
+}
+
+impl Refusal {
+    /// The client closed after sending `bytes`.
+    fn closed(bytes: usize) -> Refusal {
+        Refusal {
+            outcome: Outcome::ClosedEarly,
+            detail: format!("client closed after {bytes} bytes"),
+            status: None,
+        }
     }
 }
 

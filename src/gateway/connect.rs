@@ -20,7 +20,7 @@
 
 use tokio::net::TcpStream;
 
-use super::conn::{Conn, ReadError, Ready};
+use super::conn::{Conn, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::{DEFAULT_DESTINATION_HEADER, ListenerConfig, ListenerKind};
 use crate::net::dial::Dest;
@@ -79,27 +79,9 @@ pub(super) async fn handle(
     shared: &Shared,
 ) -> Option<Ready> {
     let max = shared.config.limits.max_header_bytes;
-    let (head, consumed) = match conn
-        .read_until(max, |b| http::parse_request_head(b, max))
-        .await
-    {
+    let (head, consumed) = match conn.request_head(max).await {
         Ok(x) => x,
-        Err(ReadError::Closed { bytes }) => {
-            return conn.reject(
-                Outcome::ClosedEarly,
-                &format!("client closed after {bytes} bytes"),
-            );
-        }
-        Err(ReadError::Timeout) => {
-            conn.reject_with(&http::response(408, "no request head in time"))
-                .await;
-            return conn.reject(Outcome::Timeout, "no request head in time");
-        }
-        Err(ReadError::Reject(r)) => {
-            conn.reject_with(&http::response(r.status(), &r.to_string()))
-                .await;
-            return conn.reject(Outcome::BadRequest, &r.to_string());
-        }
+        Err(refusal) => return conn.refuse(refusal).await,
     };
     if head.method != "CONNECT" {
         conn.reject_with(&http::response(405, "only CONNECT is supported"))

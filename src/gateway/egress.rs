@@ -23,7 +23,7 @@ use std::sync::Arc;
 use tokio::net::TcpStream;
 
 use super::Shared;
-use super::conn::{Conn, ReadError, Ready};
+use super::conn::{Conn, Ready};
 use crate::net::dial::Dest;
 use crate::net::prefixed::Prefixed;
 use crate::net::tls::{ServerStream, identities};
@@ -31,7 +31,6 @@ use crate::route::{BackendAddress, EgressPath, Route, TlsFiles};
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
 use crate::wire::http;
-use crate::wire::tls::{self as hello, Reject};
 
 /// A linked egress connection: TLS to the client, TCP to the target.
 pub(super) type EgressReady = Ready<ServerStream, TcpStream>;
@@ -73,6 +72,15 @@ enum EgressResult {
 }
 
 impl EgressResult {
+    /// The result of a ClientHello or request head that could not be read.
+    fn before_request(outcome: Outcome) -> Self {
+        match outcome {
+            Outcome::ClosedEarly => EgressResult::ClosedEarly,
+            Outcome::Timeout => EgressResult::Timeout,
+            _ => EgressResult::BadRequest,
+        }
+    }
+
     fn as_str(self) -> &'static str {
         match self {
             EgressResult::Connected => "connected",
@@ -105,36 +113,11 @@ pub(super) async fn handle(
     // The ClientHello, read and left in the buffer for the handshake: its SNI may choose the
     // route, and with it the certificate to present.
     let max = shared.config.limits.max_client_hello_bytes;
-    let server_name = match conn
-        .read_until(max, |b| hello::parse_client_hello(b, max))
-        .await
-    {
-        Ok((h, consumed)) => {
-            conn.record
-                .listener_metrics()
-                .client_hello_bytes
-                .observe(consumed as f64);
-            h.server_name
-        }
-        Err(ReadError::Closed { bytes }) => {
-            count("", EgressResult::ClosedEarly);
-            return conn.reject(
-                Outcome::ClosedEarly,
-                &format!("client closed after {bytes} bytes"),
-            );
-        }
-        Err(ReadError::Reject(r)) => {
-            count("", EgressResult::HandshakeFailed);
-            let outcome = if r == Reject::NotTls {
-                Outcome::NotTls
-            } else {
-                Outcome::BadRequest
-            };
-            return conn.reject(outcome, &r.to_string());
-        }
-        Err(ReadError::Timeout) => {
-            count("", EgressResult::Timeout);
-            return conn.reject(Outcome::Timeout, "no complete ClientHello in time");
+    let server_name = match conn.client_hello(max).await {
+        Ok(hello) => hello.server_name,
+        Err(refusal) => {
+            count("", EgressResult::before_request(refusal.outcome));
+            return conn.refuse(refusal).await;
         }
     };
 
@@ -246,26 +229,11 @@ pub(super) async fn handle(
 
     // The request: one CONNECT head, and nothing after it until it is answered.
     let max = shared.config.limits.max_header_bytes;
-    let (head, consumed) = match conn
-        .read_until(max, |b| http::parse_request_head(b, max))
-        .await
-    {
+    let (head, consumed) = match conn.request_head(max).await {
         Ok(x) => x,
-        Err(ReadError::Closed { bytes }) => {
-            count(name, EgressResult::ClosedEarly);
-            return conn.reject(
-                Outcome::ClosedEarly,
-                &format!("client closed after {bytes} bytes"),
-            );
-        }
-        Err(ReadError::Timeout) => {
-            count(name, EgressResult::Timeout);
-            return refuse(conn, 408, "no request head in time", Outcome::Timeout).await;
-        }
-        Err(ReadError::Reject(r)) => {
-            count(name, EgressResult::BadRequest);
-            let status = r.status();
-            return refuse(conn, status, &r.to_string(), Outcome::BadRequest).await;
+        Err(refusal) => {
+            count(name, EgressResult::before_request(refusal.outcome));
+            return conn.refuse(refusal).await;
         }
     };
     conn.record.target = Some(head.target.clone());

@@ -7,13 +7,13 @@
 
 use tokio::net::TcpStream;
 
-use super::conn::{Conn, ReadError, Ready};
+use super::conn::{Conn, Ready};
 use super::{Pick, Shared};
 use crate::config::gateway::ListenerConfig;
 use crate::net::dial::Dest;
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
-use crate::wire::tls::{self, Reject};
+use crate::wire::tls;
 
 /// Takes one `sni` connection from its ClientHello to a linked backend (`None`: it ended
 /// before).
@@ -23,34 +23,9 @@ pub(super) async fn handle(
     shared: &Shared,
 ) -> Option<Ready> {
     let max = shared.config.limits.max_client_hello_bytes;
-    let hello = match conn
-        .read_until(max, |b| tls::parse_client_hello(b, max))
-        .await
-    {
-        Ok((hello, consumed)) => {
-            conn.record
-                .listener_metrics()
-                .client_hello_bytes
-                .observe(consumed as f64);
-            hello
-        }
-        Err(ReadError::Closed { bytes }) => {
-            return conn.reject(
-                Outcome::ClosedEarly,
-                &format!("client closed after {bytes} bytes"),
-            );
-        }
-        Err(ReadError::Reject(r)) => {
-            let outcome = if r == Reject::NotTls {
-                Outcome::NotTls
-            } else {
-                Outcome::BadRequest
-            };
-            return conn.reject(outcome, &r.to_string());
-        }
-        Err(ReadError::Timeout) => {
-            return conn.reject(Outcome::Timeout, "no complete ClientHello in time");
-        }
+    let hello = match conn.client_hello(max).await {
+        Ok(hello) => hello,
+        Err(refusal) => return conn.refuse(refusal).await,
     };
     let record_version = hello.record_version;
     conn.record.target = hello.server_name;
