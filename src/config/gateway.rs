@@ -539,6 +539,17 @@ fn listener(
     }
     let kind = listener_kind(errors, path, dir, l);
     let proxy_protocol = proxy_protocol(errors, path, l.proxy_protocol.as_ref());
+    if matches!(kind, Some(ListenerKind::EgressConnect { .. }))
+        && proxy_protocol.mode != ProxyMode::Off
+        && proxy_protocol.trusted_sources.is_empty()
+    {
+        // The PROXY source selects egress routes (`clientSources`): a client trusted to
+        // write its own header could pick any shoot's route.
+        errors.push(
+            at(path, "proxyProtocol.trustedSources"),
+            "required on egress-connect listeners with a PROXY header mode: list the load balancers' networks (the PROXY source selects routes by clientSources)",
+        );
+    }
     if let Some(r) = &l.default_route
         && r.is_empty()
     {

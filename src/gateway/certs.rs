@@ -130,7 +130,7 @@ impl Certs {
                     if prev.is_none_or(|p| p.hash != 0) {
                         self.reject(&files, &e);
                     }
-                    changed |= prev.is_none();
+                    changed |= prev.is_none_or(|p| p.hash != 0);
                     Loaded {
                         config: prev.and_then(|p| p.config.clone()),
                         hash: 0,

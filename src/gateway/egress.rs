@@ -63,7 +63,7 @@ enum EgressResult {
     ClosedEarly,
     /// The target is in none of the route's networks.
     TargetDenied,
-    /// The target's name did not resolve.
+    /// The target's name did not resolve (answered as `403`, like a target not allowed).
     ResolveFailed,
     /// The target is reached through a tunnel, which is not up.
     NoTunnel,
@@ -281,14 +281,10 @@ pub(super) async fn handle(
             match tokio::time::timeout_at(conn.deadline, lookup).await {
                 Ok(Ok(addrs)) => addrs.take(MAX_RESOLVED).collect(),
                 _ => {
+                    // Answered like a name that resolves to nothing allowed: a client must
+                    // not learn which names exist in the seed's resolver.
                     count(name, EgressResult::ResolveFailed);
-                    return refuse(
-                        conn,
-                        502,
-                        "target name did not resolve",
-                        Outcome::BadRequest,
-                    )
-                    .await;
+                    return refuse(conn, 403, "target not allowed", Outcome::Denied).await;
                 }
             }
         }
@@ -298,6 +294,10 @@ pub(super) async fn handle(
             IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(a.ip(), IpAddr::V4),
             v4 => v4,
         };
+        // `0.0.0.0` and `::` reach the gateway's own host, whatever the lists say.
+        if ip.is_unspecified() {
+            return None;
+        }
         egress
             .path_for(ip)
             .map(|p| (SocketAddr::new(ip, a.port()), p))

@@ -196,20 +196,27 @@ impl EgressIndex {
                     }
                 }
             }
+            // Every network of the route is checked before any is inserted: an overlap with
+            // one of the route's own networks must not hide one with another route's.
+            let mut clashes = Vec::new();
             for net in egress.client_sources.iter() {
-                if let Some((other, &first)) = index.by_source.overlapping(net)
-                    && first != n
-                {
-                    conflicts.push(EgressConflict {
-                        kind: "egress.clientSource",
-                        key: format!("{other} and {net}"),
-                        first: first as usize,
-                        second: i,
-                    });
-                    continue;
+                for (other, &first) in index.by_source.iter() {
+                    if first != n && other.overlaps(net) {
+                        clashes.push(EgressConflict {
+                            kind: "egress.clientSource",
+                            key: format!("{other} and {net}"),
+                            first: first as usize,
+                            second: i,
+                        });
+                    }
                 }
-                index.by_source.insert(*net, n);
             }
+            if clashes.is_empty() {
+                for net in egress.client_sources.iter() {
+                    index.by_source.insert(*net, n);
+                }
+            }
+            conflicts.extend(clashes);
             if !egress.selected_before_handshake() {
                 for id in egress.client_identities.iter() {
                     match index.by_identity.get(id.as_str()) {
@@ -342,5 +349,17 @@ mod tests {
             ..Egress::default()
         };
         EgressIndex::new([(0, &f), (1, &g)].into_iter()).unwrap();
+        // A route's own longer network does not hide its overlap with another route's.
+        let h = Egress {
+            client_sources: vec![net("10.1.0.0/16")].into(),
+            ..Egress::default()
+        };
+        let k = Egress {
+            client_sources: vec![net("10.2.3.0/24"), net("10.0.0.0/8")].into(),
+            ..Egress::default()
+        };
+        let err = EgressIndex::new([(0, &h), (1, &k)].into_iter()).unwrap_err();
+        assert_eq!(err.len(), 1, "{err:?}");
+        assert_eq!((err[0].first, err[0].second), (0, 1));
     }
 }
