@@ -29,8 +29,10 @@
 //! Jobs: `sni` (TLS passthrough by SNI), `proxy-destination` (routed by a PROXY v2 header's
 //! destination), `http-connect` (CONNECT relay; no peer config does this, so trellis only).
 //! Backend protocol (port 7001, as the peer configs expect): after the ClientHello record the
-//! client sends one command byte: `U` = upload (the backend reads to EOF and answers the byte
-//! count as 8 bytes), `E` = echo everything.
+//! client sends one command byte: `U` = upload (frames of a 4-byte big-endian length and that
+//! many bytes; after an empty frame the backend answers the byte count as 8 bytes: a count
+//! asked for in-band, since a proxy that relays CONNECT over HTTP, as Envoy does, closes the
+//! whole connection at the client's half-close), `E` = echo everything.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
@@ -62,6 +64,8 @@ const CONN_WORKERS: usize = 8;
 const STREAMS: usize = 8;
 const LATENCY_CONNS: usize = 8;
 const LATENCY_MSG: usize = 64;
+/// Bytes per frame of an upload.
+const UPLOAD_CHUNK: usize = 256 * 1024;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Preamble {
@@ -239,13 +243,22 @@ async fn backend() {
                 return;
             }
             if rec[len] == b'U' {
-                let mut buf = vec![0u8; 256 * 1024];
+                // Frames of a 4-byte length and that many bytes, until an empty one.
+                let mut buf = vec![0u8; UPLOAD_CHUNK];
                 let mut total = 0u64;
                 loop {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => total += n as u64,
+                    let mut len = [0u8; 4];
+                    if s.read_exact(&mut len).await.is_err() {
+                        return;
                     }
+                    let len = u32::from_be_bytes(len) as usize;
+                    if len == 0 {
+                        break;
+                    }
+                    if len > buf.len() || s.read_exact(&mut buf[..len]).await.is_err() {
+                        return;
+                    }
+                    total += len as u64;
                 }
                 let _ = s.write_all(&total.to_be_bytes()).await;
             } else {
@@ -284,18 +297,43 @@ async fn open(t: &Target, cmd: u8) -> std::io::Result<TcpStream> {
                 .as_bytes(),
             )
             .await?;
-            let expected = b"HTTP/1.1 200 Connection established\r\n\r\n";
-            let mut head = vec![0u8; expected.len()];
-            s.read_exact(&mut head).await?;
-            if head != expected {
-                return Err(std::io::Error::other("CONNECT refused"));
-            }
+            connect_reply(&mut s).await?;
         }
     }
     msg.extend(hello());
     msg.push(cmd);
     s.write_all(&msg).await?;
     Ok(s)
+}
+
+/// Reads the answer to a CONNECT: a `200` response head, and not a byte more (the client
+/// sends first after it, so anything else is the proxy's).
+async fn connect_reply<S: AsyncReadExt + Unpin>(s: &mut S) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(256);
+    let mut buf = [0u8; 512];
+    loop {
+        let n = s.read(&mut buf).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        head.extend_from_slice(&buf[..n]);
+        if let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+            if end + 4 != head.len() {
+                return Err(std::io::Error::other(
+                    "bytes after the CONNECT response head",
+                ));
+            }
+            break;
+        }
+        if head.len() > 4096 {
+            return Err(std::io::Error::other("CONNECT response head too long"));
+        }
+    }
+    if head.starts_with(b"HTTP/1.1 200 ") || head.starts_with(b"HTTP/1.0 200 ") {
+        Ok(())
+    } else {
+        Err(std::io::Error::other("CONNECT refused"))
+    }
 }
 
 async fn works(t: &Target) -> bool {
@@ -323,12 +361,13 @@ async fn throughput(t: &Target, streams: usize, secs: f64) -> (f64, u64) {
         let t = t.clone();
         tasks.push(tokio::spawn(async move {
             let mut s = open(&t, b'U').await.ok()?;
-            let chunk = vec![0x5au8; 256 * 1024];
+            let mut frame = (UPLOAD_CHUNK as u32).to_be_bytes().to_vec();
+            frame.resize(4 + UPLOAD_CHUNK, 0x5a);
             let start = Instant::now();
             while start.elapsed().as_secs_f64() < secs {
-                s.write_all(&chunk).await.ok()?;
+                s.write_all(&frame).await.ok()?;
             }
-            s.shutdown().await.ok()?;
+            s.write_all(&[0; 4]).await.ok()?;
             let mut count = [0u8; 8];
             s.read_exact(&mut count).await.ok()?;
             Some(u64::from_be_bytes(count))
