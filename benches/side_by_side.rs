@@ -1,10 +1,11 @@
-//! Side-by-side runner: trellis, HAProxy and nginx doing the same jobs on loopback, in one
-//! run, against the same TCP backend; prints each figure and the trellis ÷ best-peer ratio.
+//! Side-by-side runner: trellis, HAProxy, nginx and Envoy doing the same jobs on loopback, in
+//! one run, against the same TCP backend; prints each figure and the trellis ÷ best-peer ratio.
 //!
-//! `cargo bench --bench side_by_side` (installs the peers with apt-get when missing).
-//! Environment: `BENCH_SECONDS` (per figure and round, default 2), `BENCH_PEERS` (default
-//! `haproxy,nginx,floor`; `floor` is a reference, not a peer: see `floor.rs`; `haproxy-b`
-//! adds a second HAProxy, the A/A row), `BENCH_IDLE` (idle connections for the memory
+//! `cargo bench --bench side_by_side` (installs HAProxy and nginx with apt-get and Envoy with
+//! pip when missing; see `envoy.rs`). Environment: `BENCH_SECONDS` (per figure and round,
+//! default 2), `BENCH_PEERS` (default `haproxy,nginx,envoy,floor`; `floor` is a reference, not
+//! a peer: see `floor.rs`; `haproxy-b` adds a second HAProxy, the A/A row), `BENCH_ENVOY` (the
+//! Envoy binary to run), `BENCH_IDLE` (idle connections for the memory
 //! figure, default 5000), `BENCH_JOBS` (default `sni,proxy-destination,http-connect`),
 //! `BENCH_ROUNDS` (default 9), `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single
 //! thread), `BENCH_TRELLIS_BIN` (another trellis binary to measure, e.g. a previous build),
@@ -27,7 +28,9 @@
 //! time until the last has, and the proxy's CPU time meanwhile.
 //!
 //! Jobs: `sni` (TLS passthrough by SNI), `proxy-destination` (routed by a PROXY v2 header's
-//! destination), `http-connect` (CONNECT relay; no peer config does this, so trellis only).
+//! destination), `http-connect` (CONNECT relay by the `X-Gardener-Destination` header; of the
+//! peers only Envoy does this). Envoy runs with one worker, as HAProxy and nginx do, with a
+//! configuration the bench writes for each job on a port chosen at run time.
 //! Backend protocol (port 7001, as the peer configs expect): after the ClientHello record the
 //! client sends one command byte: `U` = upload (frames of a 4-byte big-endian length and that
 //! many bytes; after an empty frame the backend answers the byte count as 8 bytes: a count
@@ -47,6 +50,8 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+#[path = "side_by_side/envoy.rs"]
+mod envoy;
 #[path = "side_by_side/floor.rs"]
 mod floor;
 
@@ -121,6 +126,8 @@ struct Proxy {
     name: &'static str,
     child: Option<Child>,
     pidfile: Option<PathBuf>,
+    /// Where the proxy's own log goes, shown when it does not work.
+    log: Option<PathBuf>,
 }
 
 impl Proxy {
@@ -834,6 +841,7 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
             name: "trellis",
             child: Some(child),
             pidfile: None,
+            log: None,
         },
         targets,
     )
@@ -857,6 +865,7 @@ fn start_floor() -> Option<(Proxy, Vec<Target>)> {
             name: "floor",
             child: Some(child),
             pidfile: None,
+            log: None,
         },
         vec![
             target("sni", FLOOR_SNI, Preamble::None),
@@ -923,6 +932,7 @@ fn start_haproxy(peers: &Path, second: bool) -> Option<(Proxy, Vec<Target>)> {
                 name,
                 child: None,
                 pidfile: Some(pidfile),
+                log: None,
             },
             targets,
         )
@@ -958,8 +968,67 @@ fn start_nginx(peers: &Path) -> Option<(Proxy, Vec<Target>)> {
             name: "nginx",
             child: Some(child),
             pidfile: None,
+            log: None,
         },
         targets,
+    ))
+}
+
+/// Envoy (`envoy.rs`) for `job`, with a configuration written for it on a port free now.
+fn start_envoy(binary: &Path, dir: &Path, job: &str) -> Option<(Proxy, Vec<Target>)> {
+    let backend: SocketAddr = BACKEND.parse().unwrap();
+    let (job, spec, preamble) = match job {
+        "sni" => (
+            "sni",
+            envoy::Job::Sni {
+                server_name: SNI,
+                backend,
+            },
+            Preamble::None,
+        ),
+        "proxy-destination" => (
+            "proxy-destination",
+            envoy::Job::ProxyDestination {
+                destination: PP_DEST.parse().unwrap(),
+                backend,
+            },
+            Preamble::ProxyV2,
+        ),
+        "http-connect" => (
+            "http-connect",
+            envoy::Job::HttpConnect {
+                destination: CONNECT_DEST,
+                backend,
+            },
+            Preamble::Connect,
+        ),
+        _ => return None,
+    };
+    let addr = SocketAddr::from(([127, 0, 0, 1], envoy::free_port().ok()?));
+    let config = dir.join(format!("envoy-{job}.yaml"));
+    std::fs::write(&config, envoy::config(&spec, addr)).ok()?;
+    let log = dir.join(format!("envoy-{job}.log"));
+    let child = own_session(&mut proxy_command(binary))
+        .arg("-c")
+        .arg(&config)
+        .args(["--concurrency", "1", "--disable-hot-restart", "-l", "warn"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).ok()?)
+        .spawn()
+        .ok()?;
+    Some((
+        Proxy {
+            name: "envoy",
+            child: Some(child),
+            pidfile: None,
+            log: Some(log),
+        },
+        vec![Target {
+            proxy: "envoy",
+            job,
+            addr,
+            preamble,
+        }],
     ))
 }
 
@@ -1049,13 +1118,15 @@ fn main() {
     let rounds: usize = env("BENCH_ROUNDS", "9").parse().unwrap_or(9);
     let idle = idle_connections();
     let storm_n = storm_clients();
-    let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,floor");
+    let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,envoy,floor");
     let jobs = env("BENCH_JOBS", "sni,proxy-destination,http-connect");
     let figures = env("BENCH_FIGURES", "throughput,rate,latency,syscalls,storm");
     let want = |f: &str| figures.split(',').any(|g| g == f);
     let (want_tput, want_rate, want_lat) = (want("throughput"), want("rate"), want("latency"));
     let (want_sys, want_storm) = (want("syscalls"), want("storm") && storm_n > 0);
     let peers_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/side_by_side/peers");
+    // What the bench installs or keeps between runs (Envoy's virtual environment).
+    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
     let work = std::env::temp_dir().join(format!("trellis-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work).unwrap();
 
@@ -1066,24 +1137,37 @@ fn main() {
         .unwrap();
     let rows = rt.block_on(async {
         tokio::spawn(backend());
-        type Starter<'a> = Box<dyn Fn() -> Option<(Proxy, Vec<Target>)> + 'a>;
-        let mut starters: Vec<Starter> = vec![Box::new(|| Some(start_trellis(&work)))];
+        // Each starter starts its proxy for one job (most serve every job they can).
+        type Starter<'a> = Box<dyn Fn(&str) -> Option<(Proxy, Vec<Target>)> + 'a>;
+        let mut starters: Vec<Starter> = vec![Box::new(|_| Some(start_trellis(&work)))];
         let peer_list: Vec<&str> = peers_wanted.split(',').collect();
         if peers_dir.exists() {
             if peer_list.contains(&"haproxy") {
-                starters.push(Box::new(|| start_haproxy(&peers_dir, false)));
+                starters.push(Box::new(|_| start_haproxy(&peers_dir, false)));
             }
             if peer_list.contains(&"haproxy-b") || pinned() {
-                starters.push(Box::new(|| start_haproxy(&peers_dir, true)));
+                starters.push(Box::new(|_| start_haproxy(&peers_dir, true)));
             }
             if peer_list.contains(&"nginx") {
-                starters.push(Box::new(|| start_nginx(&peers_dir)));
+                starters.push(Box::new(|_| start_nginx(&peers_dir)));
             }
         } else {
-            eprintln!("no peer configs at {}; measuring trellis only", peers_dir.display());
+            eprintln!(
+                "no peer configs at {}; no HAProxy or nginx",
+                peers_dir.display()
+            );
+        }
+        if peer_list.contains(&"envoy") {
+            match envoy::binary(&target_dir.join("envoy-venv")) {
+                Ok(bin) => {
+                    let work: &Path = &work;
+                    starters.push(Box::new(move |job| start_envoy(&bin, work, job)));
+                }
+                Err(why) => eprintln!("Envoy skipped: {why}"),
+            }
         }
         if peer_list.contains(&"floor") {
-            starters.push(Box::new(start_floor));
+            starters.push(Box::new(|_| start_floor()));
         }
         let mut rows = Vec::new();
         for job in jobs.split(',') {
@@ -1092,10 +1176,17 @@ fn main() {
             // because a 2-core machine shared by client, proxies and backend is noisy.
             let mut running = Vec::new();
             for start in &starters {
-                let Some((mut proxy, targets)) = start() else { continue };
+                let Some((mut proxy, targets)) = start(job) else { continue };
                 let Some(t) = targets.into_iter().find(|t| t.job == job) else { continue };
                 if !works(&t).await {
                     eprintln!("{} {} does not work on {}; skipped", t.proxy, t.job, t.addr);
+                    if let Some(log) = &proxy.log {
+                        let text = std::fs::read_to_string(log).unwrap_or_default();
+                        let lines: Vec<&str> = text.lines().collect();
+                        for line in &lines[lines.len().saturating_sub(5)..] {
+                            eprintln!("  {}: {line}", t.proxy);
+                        }
+                    }
                     continue;
                 }
                 // Answered, but not by the process just started (it could not bind and is
