@@ -10,6 +10,9 @@
 //!   (`prefix_ranges` + `destination_port`), then `tcp_proxy`;
 //! - `http-connect`: the Istio gateway's reversed-VPN listener, an HTTP connection manager
 //!   upgrading `CONNECT`, routed on the `X-Gardener-Destination` header to a TCP upstream;
+//! - `egress`: vpn-seed-server's Envoy: TLS with a required client certificate, `CONNECT`
+//!   routes (`connect_matcher`) to a `dynamic_forward_proxy` cluster that dials the request's
+//!   target, with Gardener's limits (8,192 connections and DNS cache hosts).
 //!
 //! Clusters with a fixed backend carry the circuit-breaker thresholds Istio sets on every
 //! cluster (all at 2³²−1), so Envoy's own default of 1,024 connections per cluster does not
@@ -20,6 +23,16 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+
+/// The files of a TLS listener that requires client certificates.
+pub struct TlsFiles<'a> {
+    /// The server certificate chain (PEM).
+    pub certificate: &'a Path,
+    /// The server certificate's private key (PEM).
+    pub key: &'a Path,
+    /// The CA that issued the accepted client certificates (PEM).
+    pub client_ca: &'a Path,
+}
 
 /// What a listener does, with what it needs.
 pub enum Job<'a> {
@@ -44,6 +57,8 @@ pub enum Job<'a> {
         /// Where it goes.
         backend: SocketAddr,
     },
+    /// vpn-seed-server's egress: `CONNECT host:port` over mutual TLS, dialed as asked.
+    Egress(TlsFiles<'a>),
 }
 
 /// Istio's circuit breakers on every cluster: no limit of Envoy's own.
@@ -148,6 +163,61 @@ pub fn config(job: &Job<'_>, listen: SocketAddr) -> String {
   clusters:
 {}",
             static_cluster("alpha", *backend)
+        ),
+        Job::Egress(tls) => format!(
+            "    listener_filters:
+    - name: envoy.filters.listener.tls_inspector
+      typed_config: {{\"@type\": type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector}}
+    filter_chains:
+    - transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          require_client_certificate: true
+          common_tls_context:
+            tls_certificates:
+            - certificate_chain: {{filename: \"{}\"}}
+              private_key: {{filename: \"{}\"}}
+            validation_context:
+              trusted_ca: {{filename: \"{}\"}}
+      filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          \"@type\": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: ingress_http
+          route_config:
+            name: local_route
+            virtual_hosts:
+            - name: local_service
+              domains: [\"*\"]
+              routes:
+              - match: {{connect_matcher: {{}}}}
+                route:
+                  cluster: dynamic_forward_proxy_cluster
+                  upgrade_configs: [{{upgrade_type: CONNECT, connect_config: {{}}}}]
+          http_filters:
+          - name: envoy.filters.http.dynamic_forward_proxy
+            typed_config:
+              \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_forward_proxy.v3.FilterConfig
+              dns_cache_config: {{name: dynamic_forward_proxy_cache_config, dns_lookup_family: V4_ONLY, max_hosts: 8192}}
+          - name: envoy.filters.http.router
+            typed_config: {{\"@type\": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+          http_protocol_options: {{accept_http_10: true}}
+          upgrade_configs: [{{upgrade_type: CONNECT}}]
+  clusters:
+  - name: dynamic_forward_proxy_cluster
+    connect_timeout: 20s
+    circuit_breakers: {{thresholds: [{{max_connections: 8192}}]}}
+    lb_policy: CLUSTER_PROVIDED
+    cluster_type:
+      name: envoy.clusters.dynamic_forward_proxy
+      typed_config:
+        \"@type\": type.googleapis.com/envoy.extensions.clusters.dynamic_forward_proxy.v3.ClusterConfig
+        dns_cache_config: {{name: dynamic_forward_proxy_cache_config, dns_lookup_family: V4_ONLY, max_hosts: 8192}}
+",
+            tls.certificate.display(),
+            tls.key.display(),
+            tls.client_ca.display()
         ),
     };
     head + &body
