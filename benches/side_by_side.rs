@@ -1,15 +1,16 @@
-//! Side-by-side runner: trellis, HAProxy and nginx doing the same jobs on loopback, in one
-//! run, against the same TCP backend; prints each figure and the trellis ÷ best-peer ratio.
+//! Side-by-side runner: trellis, HAProxy, nginx and Envoy doing the same jobs on loopback, in
+//! one run, against the same TCP backend; prints each figure and the trellis ÷ best-peer ratio.
 //!
-//! `cargo bench --bench side_by_side` (installs the peers with apt-get when missing).
-//! Environment: `BENCH_SECONDS` (per figure and round, default 2), `BENCH_PEERS` (default
-//! `haproxy,nginx,floor`; `floor` is a reference, not a peer: see `floor.rs`; `haproxy-b`
-//! adds a second HAProxy, the A/A row), `BENCH_IDLE` (idle connections for the memory
-//! figure, default 5000), `BENCH_JOBS` (default `sni,proxy-destination,http-connect`),
+//! `cargo bench --bench side_by_side` (installs HAProxy and nginx with apt-get and Envoy with
+//! pip when missing; see `envoy.rs`). Environment: `BENCH_SECONDS` (per figure and round,
+//! default 2), `BENCH_PEERS` (default `haproxy,nginx,envoy,floor`; `floor` is a reference, not
+//! a peer: see `floor.rs`; `haproxy-b` adds a second HAProxy, the A/A row), `BENCH_ENVOY` (the
+//! Envoy binary to run), `BENCH_IDLE` (idle connections for the memory figure, default
+//! 5000), `BENCH_JOBS` (default `sni,proxy-destination,http-connect,egress,egress-1000`),
 //! `BENCH_ROUNDS` (default 9), `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single
 //! thread), `BENCH_TRELLIS_BIN` (another trellis binary to measure, e.g. a previous build),
 //! `BENCH_FIGURES` (default `throughput,rate,latency,syscalls,storm`: which figures to
-//! measure; the others print as NaN), `BENCH_STORM` (clients of the reconnect storm,
+//! measure; rows of figures not measured are left out), `BENCH_STORM` (clients of the reconnect storm,
 //! default 20000), `BENCH_PIN=1` (each proxy on CPU 0, clients and backend on CPU 1, and
 //! the A/A row), `BENCH_SYSCALLS_DETAIL=1` (also a per-syscall breakdown from `strace -c`).
 //!
@@ -19,7 +20,9 @@
 //! connection (`perf stat -e raw_syscalls:sys_enter` in a separate pass, so counting costs
 //! no other figure anything). On a 2-core machine shared by client, backend and proxy, the
 //! wall-clock figures (throughput, connections per second, latency) are set largely by the
-//! client and the backend; they are printed as information.
+//! client and the backend; they are printed as information, as is the resident memory at
+//! rest (after one connection, before the idle ones) and, for jobs that start with a
+//! CONNECT, the time from sending it to the `200`, one client at a time (p50, p99).
 //!
 //! The reconnect storm: `BENCH_STORM` clients (in processes of 4,000, so no process runs
 //! out of descriptors) connect at one instant, as after a gateway rollout, each until it
@@ -27,10 +30,22 @@
 //! time until the last has, and the proxy's CPU time meanwhile.
 //!
 //! Jobs: `sni` (TLS passthrough by SNI), `proxy-destination` (routed by a PROXY v2 header's
-//! destination), `http-connect` (CONNECT relay; no peer config does this, so trellis only).
+//! destination), `http-connect` (CONNECT relay by the `X-Gardener-Destination` header; of the
+//! peers only Envoy does this), `egress` (kube-apiserver egress as to Gardener's
+//! vpn-seed-server: TLS with a client certificate, `CONNECT 127.0.0.1:7001` with
+//! `Host: 127.0.0.1`, then the backend; trellis's `egress-connect` listener and Envoy
+//! configured as vpn-seed-server configures it; certificates shaped like Gardener's, see
+//! `egress.rs`), `egress-1000` (trellis only: 1,000 egress routes, each chosen by its server
+//! name and with its own CA and server certificate; the connections take the routes in turn;
+//! compared with `egress`'s one route after the tables). trellis serves the egress jobs from
+//! a process of their own and is skipped, with the reason, while it refuses the
+//! configuration. Envoy runs with one worker, as HAProxy and nginx do, with a configuration
+//! the bench writes for each job on a port chosen at run time.
 //! Backend protocol (port 7001, as the peer configs expect): after the ClientHello record the
-//! client sends one command byte: `U` = upload (the backend reads to EOF and answers the byte
-//! count as 8 bytes), `E` = echo everything.
+//! client sends one command byte: `U` = upload (frames of a 4-byte big-endian length and that
+//! many bytes; after an empty frame the backend answers the byte count as 8 bytes: a count
+//! asked for in-band, since a proxy that relays CONNECT over HTTP, as Envoy does, closes the
+//! whole connection at the client's half-close), `E` = echo everything.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
@@ -42,9 +57,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
+#[path = "side_by_side/egress.rs"]
+mod egress;
+#[path = "side_by_side/envoy.rs"]
+mod envoy;
 #[path = "side_by_side/floor.rs"]
 mod floor;
 
@@ -62,12 +84,16 @@ const CONN_WORKERS: usize = 8;
 const STREAMS: usize = 8;
 const LATENCY_CONNS: usize = 8;
 const LATENCY_MSG: usize = 64;
+/// Bytes per frame of an upload.
+const UPLOAD_CHUNK: usize = 256 * 1024;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Preamble {
     None,
     ProxyV2,
     Connect,
+    /// TLS with a client certificate, then `CONNECT 127.0.0.1:7001` (the egress jobs).
+    Egress,
 }
 
 impl Preamble {
@@ -76,6 +102,7 @@ impl Preamble {
             Preamble::None => "none",
             Preamble::ProxyV2 => "proxy",
             Preamble::Connect => "connect",
+            Preamble::Egress => "egress",
         }
     }
 
@@ -83,6 +110,7 @@ impl Preamble {
         match s {
             "proxy" => Preamble::ProxyV2,
             "connect" => Preamble::Connect,
+            "egress" => Preamble::Egress,
             _ => Preamble::None,
         }
     }
@@ -111,12 +139,16 @@ struct Target {
     job: &'static str,
     addr: SocketAddr,
     preamble: Preamble,
+    /// The TLS client of an egress target.
+    egress: Option<Arc<egress::Client>>,
 }
 
 struct Proxy {
     name: &'static str,
     child: Option<Child>,
     pidfile: Option<PathBuf>,
+    /// Where the proxy's own log goes, shown when it does not work.
+    log: Option<PathBuf>,
 }
 
 impl Proxy {
@@ -239,13 +271,22 @@ async fn backend() {
                 return;
             }
             if rec[len] == b'U' {
-                let mut buf = vec![0u8; 256 * 1024];
+                // Frames of a 4-byte length and that many bytes, until an empty one.
+                let mut buf = vec![0u8; UPLOAD_CHUNK];
                 let mut total = 0u64;
                 loop {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => total += n as u64,
+                    let mut len = [0u8; 4];
+                    if s.read_exact(&mut len).await.is_err() {
+                        return;
                     }
+                    let len = u32::from_be_bytes(len) as usize;
+                    if len == 0 {
+                        break;
+                    }
+                    if len > buf.len() || s.read_exact(&mut buf[..len]).await.is_err() {
+                        return;
+                    }
+                    total += len as u64;
                 }
                 let _ = s.write_all(&total.to_be_bytes()).await;
             } else {
@@ -265,43 +306,161 @@ async fn backend() {
     }
 }
 
+/// A client's connection through a proxy: TCP, or TLS to the proxy (the egress jobs).
+enum Stream {
+    /// Plain TCP.
+    Tcp(TcpStream),
+    /// TLS over TCP, terminated by the proxy.
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl Stream {
+    /// Writes all of `data` and flushes it (a TLS stream may hold written bytes until then).
+    async fn send(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.write_all(data).await?;
+        self.flush().await
+    }
+
+    /// Closes the connection as kube-apiserver (Go) does: TLS with a `close_notify` first.
+    async fn close(mut self) {
+        if let Stream::Tls(_) = self {
+            let _ = self.shutdown().await;
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 /// Connects through `t`, sends its preamble, the ClientHello and `cmd`.
-async fn open(t: &Target, cmd: u8) -> std::io::Result<TcpStream> {
-    let mut s = TcpStream::connect(t.addr).await?;
-    s.set_nodelay(true)?;
+async fn open(t: &Target, cmd: u8) -> std::io::Result<Stream> {
+    Ok(open_timed(t, cmd).await?.0)
+}
+
+/// [`open`], and for a CONNECT the time from sending it to its `200` (else zero).
+async fn open_timed(t: &Target, cmd: u8) -> std::io::Result<(Stream, Duration)> {
+    let mut tcp = TcpStream::connect(t.addr).await?;
+    tcp.set_nodelay(true)?;
     let mut msg = Vec::with_capacity(1600);
-    match t.preamble {
-        Preamble::None => {}
-        Preamble::ProxyV2 => msg.extend(trellis::wire::proxy::encode_v2(
-            s.local_addr()?,
-            PP_DEST.parse().unwrap(),
-        )),
+    let mut waited = Duration::ZERO;
+    let mut s = match t.preamble {
+        Preamble::None => Stream::Tcp(tcp),
+        Preamble::ProxyV2 => {
+            msg.extend(trellis::wire::proxy::encode_v2(
+                tcp.local_addr()?,
+                PP_DEST.parse().unwrap(),
+            ));
+            Stream::Tcp(tcp)
+        }
         Preamble::Connect => {
-            s.write_all(
+            let start = Instant::now();
+            tcp.write_all(
                 format!(
                     "CONNECT {SNI}:443 HTTP/1.1\r\nX-Gardener-Destination: {CONNECT_DEST}\r\n\r\n"
                 )
                 .as_bytes(),
             )
             .await?;
-            let expected = b"HTTP/1.1 200 Connection established\r\n\r\n";
-            let mut head = vec![0u8; expected.len()];
-            s.read_exact(&mut head).await?;
-            if head != expected {
-                return Err(std::io::Error::other("CONNECT refused"));
-            }
+            connect_reply(&mut tcp).await?;
+            waited = start.elapsed();
+            Stream::Tcp(tcp)
         }
-    }
+        Preamble::Egress => {
+            let client = t
+                .egress
+                .as_ref()
+                .ok_or_else(|| std::io::Error::other("an egress target without a client"))?;
+            let (name, config) = client.next();
+            let tls = tokio_rustls::TlsConnector::from(config)
+                .connect(name, tcp)
+                .await?;
+            let mut s = Stream::Tls(Box::new(tls));
+            // What kube-apiserver sends (EgressSelectorConfiguration, HTTPConnect).
+            let start = Instant::now();
+            s.send(format!("CONNECT {BACKEND} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+                .await?;
+            connect_reply(&mut s).await?;
+            waited = start.elapsed();
+            s
+        }
+    };
     msg.extend(hello());
     msg.push(cmd);
-    s.write_all(&msg).await?;
-    Ok(s)
+    s.send(&msg).await?;
+    Ok((s, waited))
+}
+
+/// Reads the answer to a CONNECT: a `200` response head, and not a byte more (the client
+/// sends first after it, so anything else is the proxy's).
+async fn connect_reply<S: AsyncRead + Unpin>(s: &mut S) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(256);
+    let mut buf = [0u8; 512];
+    loop {
+        let n = s.read(&mut buf).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        head.extend_from_slice(&buf[..n]);
+        if let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+            if end + 4 != head.len() {
+                return Err(std::io::Error::other(
+                    "bytes after the CONNECT response head",
+                ));
+            }
+            break;
+        }
+        if head.len() > 4096 {
+            return Err(std::io::Error::other("CONNECT response head too long"));
+        }
+    }
+    if head.starts_with(b"HTTP/1.1 200 ") || head.starts_with(b"HTTP/1.0 200 ") {
+        Ok(())
+    } else {
+        Err(std::io::Error::other("CONNECT refused"))
+    }
 }
 
 async fn works(t: &Target) -> bool {
     for _ in 0..100 {
         if let Ok(Ok(mut s)) = tokio::time::timeout(Duration::from_secs(1), open(t, b'E')).await
-            && s.write_all(b"x").await.is_ok()
+            && s.send(b"x").await.is_ok()
         {
             let mut b = [0u8; 1];
             if let Ok(Ok(_)) =
@@ -323,12 +482,13 @@ async fn throughput(t: &Target, streams: usize, secs: f64) -> (f64, u64) {
         let t = t.clone();
         tasks.push(tokio::spawn(async move {
             let mut s = open(&t, b'U').await.ok()?;
-            let chunk = vec![0x5au8; 256 * 1024];
+            let mut frame = (UPLOAD_CHUNK as u32).to_be_bytes().to_vec();
+            frame.resize(4 + UPLOAD_CHUNK, 0x5a);
             let start = Instant::now();
             while start.elapsed().as_secs_f64() < secs {
-                s.write_all(&chunk).await.ok()?;
+                s.send(&frame).await.ok()?;
             }
-            s.shutdown().await.ok()?;
+            s.send(&[0; 4]).await.ok()?;
             let mut count = [0u8; 8];
             s.read_exact(&mut count).await.ok()?;
             Some(u64::from_be_bytes(count))
@@ -365,9 +525,10 @@ impl ConnLoad {
                     let Ok(mut s) = open(&t, b'E').await else {
                         continue;
                     };
-                    if s.write_all(b"x").await.is_ok() && s.read_exact(&mut back).await.is_ok() {
+                    if s.send(b"x").await.is_ok() && s.read_exact(&mut back).await.is_ok() {
                         done.fetch_add(1, Ordering::Relaxed);
                     }
+                    s.close().await;
                 }
             }));
         }
@@ -417,7 +578,7 @@ async fn latency(t: &Target, secs: f64) -> (f64, f64, f64, usize) {
             let start = Instant::now();
             while start.elapsed().as_secs_f64() < secs {
                 let t0 = Instant::now();
-                if s.write_all(&msg).await.is_err() || s.read_exact(&mut back).await.is_err() {
+                if s.send(&msg).await.is_err() || s.read_exact(&mut back).await.is_err() {
                     break;
                 }
                 samples.push(t0.elapsed().as_nanos() as f64 / 1000.0);
@@ -437,8 +598,8 @@ async fn latency(t: &Target, secs: f64) -> (f64, f64, f64, usize) {
     (pct(0.50), pct(0.99), pct(0.999), all.len())
 }
 
-/// Bytes of proxy RSS per idle proxied connection, with `n` open.
-async fn idle_memory(t: &Target, pid: u32, n: usize) -> f64 {
+/// Bytes of proxy RSS per idle proxied connection, with `n` open; and the RSS before.
+async fn idle_memory(t: &Target, pid: u32, n: usize) -> (f64, u64) {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = tree_rss(pid);
     let mut conns = Vec::with_capacity(n);
@@ -448,7 +609,7 @@ async fn idle_memory(t: &Target, pid: u32, n: usize) -> f64 {
             let t = t.clone();
             batch.push(tokio::spawn(async move {
                 let mut s = open(&t, b'E').await.ok()?;
-                s.write_all(b"x").await.ok()?;
+                s.send(b"x").await.ok()?;
                 let mut b = [0u8; 1];
                 tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut b))
                     .await
@@ -474,7 +635,33 @@ async fn idle_memory(t: &Target, pid: u32, n: usize) -> f64 {
         );
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    after.saturating_sub(before) as f64 / opened.max(1) as f64
+    (
+        after.saturating_sub(before) as f64 / opened.max(1) as f64,
+        before,
+    )
+}
+
+/// CONNECT → `200` times with one client at a time (connect, TLS handshake if any, CONNECT,
+/// one round trip, close): (p50, p99) in µs.
+async fn connect_times(t: &Target, secs: f64) -> (f64, f64) {
+    let mut all = Vec::new();
+    let start = Instant::now();
+    let mut back = [0u8; 1];
+    while start.elapsed().as_secs_f64() < secs {
+        let Ok((mut s, waited)) = open_timed(t, b'E').await else {
+            continue;
+        };
+        if s.send(b"x").await.is_ok() && s.read_exact(&mut back).await.is_ok() {
+            all.push(waited.as_nanos() as f64 / 1000.0);
+        }
+        s.close().await;
+    }
+    if all.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    all.sort_by(|a, b| a.total_cmp(b));
+    let pct = |p: f64| all[((all.len() as f64 * p) as usize).min(all.len() - 1)];
+    (pct(0.50), pct(0.99))
 }
 
 /// System calls the proxy makes per new connection: `perf stat -e raw_syscalls:sys_enter`
@@ -566,7 +753,16 @@ async fn storm(t: &Target, pid: Option<u32>, clients: usize) -> (f64, f64) {
         let child = Command::new(std::env::current_exe().unwrap())
             .env(
                 "BENCH_STORM_CLIENT",
-                format!("{},{},{n},{start_ms}", t.addr, t.preamble.name()),
+                match &t.egress {
+                    Some(c) => format!(
+                        "{},{},{n},{start_ms},{},{}",
+                        t.addr,
+                        t.preamble.name(),
+                        c.routes(),
+                        c.dir().display()
+                    ),
+                    None => format!("{},{},{n},{start_ms}", t.addr, t.preamble.name()),
+                },
             )
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -616,17 +812,20 @@ async fn storm(t: &Target, pid: Option<u32>, clients: usize) -> (f64, f64) {
     }
 }
 
-/// A storm client process (`BENCH_STORM_CLIENT=addr,preamble,n,start_unix_ms`): at the
-/// start instant opens `n` connections at once, each retried until it has made one round
-/// trip; prints the ms from the start until the last did, the retried attempts and the
-/// clients that gave up (after 60 s).
+/// A storm client process (`BENCH_STORM_CLIENT=addr,preamble,n,start_unix_ms` and for an
+/// egress target `,routes,pki_dir`): at the start instant opens `n` connections at once, each
+/// retried until it has made one round trip; prints the ms from the start until the last
+/// did, the retried attempts and the clients that gave up (after 60 s).
 fn storm_client(spec: &str) -> ! {
-    let f: Vec<&str> = spec.split(',').collect();
+    let f: Vec<&str> = spec.splitn(6, ',').collect();
     let t = Target {
         proxy: "storm",
         job: "storm",
         addr: f[0].parse().unwrap(),
         preamble: Preamble::parse(f[1]),
+        egress: (f.len() == 6).then(|| {
+            Arc::new(egress::Client::load(Path::new(f[5]), f[4].parse().unwrap()).unwrap())
+        }),
     };
     let n: usize = f[2].parse().unwrap();
     let start_ms: u128 = f[3].parse().unwrap();
@@ -650,9 +849,10 @@ fn storm_client(spec: &str) -> ! {
                     while start.elapsed() < Duration::from_secs(60) {
                         let attempt = async {
                             let mut s = open(&t, b'E').await?;
-                            s.write_all(b"x").await?;
+                            s.send(b"x").await?;
                             let mut b = [0u8; 1];
                             s.read_exact(&mut b).await?;
+                            s.close().await;
                             std::io::Result::Ok(())
                         };
                         if let Ok(Ok(())) =
@@ -760,34 +960,28 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
         ),
     )
     .unwrap();
-    // BENCH_TRELLIS_BIN compares another build (e.g. the previous commit's) in the same run.
-    let bin = std::env::var("BENCH_TRELLIS_BIN")
-        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_trellis").to_string());
-    let child = own_session(&mut proxy_command(bin))
-        .args(["gateway", "--config"])
-        .arg(dir.join("gateway.yaml"))
-        .env("TRELLIS_LOG", "warn")
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let child = spawn_trellis(&dir.join("gateway.yaml"));
     let targets = vec![
         Target {
             proxy: "trellis",
             job: "sni",
             addr: "127.0.0.1:8440".parse().unwrap(),
             preamble: Preamble::None,
+            egress: None,
         },
         Target {
             proxy: "trellis",
             job: "proxy-destination",
             addr: "127.0.0.1:8450".parse().unwrap(),
             preamble: Preamble::ProxyV2,
+            egress: None,
         },
         Target {
             proxy: "trellis",
             job: "http-connect",
             addr: "127.0.0.1:8460".parse().unwrap(),
             preamble: Preamble::Connect,
+            egress: None,
         },
     ];
     (
@@ -795,9 +989,27 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
             name: "trellis",
             child: Some(child),
             pidfile: None,
+            log: None,
         },
         targets,
     )
+}
+
+/// The trellis binary measured: `BENCH_TRELLIS_BIN` (another build, e.g. the previous
+/// commit's, in the same run) or this build's.
+fn trellis_bin() -> String {
+    std::env::var("BENCH_TRELLIS_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_trellis").to_string())
+}
+
+/// `trellis gateway --config config`, in a session of its own.
+fn spawn_trellis(config: &Path) -> Child {
+    own_session(&mut proxy_command(trellis_bin()))
+        .args(["gateway", "--config"])
+        .arg(config)
+        .env("TRELLIS_LOG", "warn")
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
 }
 
 /// The floor (`floor.rs`): this bench binary again, in a session of its own.
@@ -812,12 +1024,14 @@ fn start_floor() -> Option<(Proxy, Vec<Target>)> {
         job,
         addr: addr.parse().unwrap(),
         preamble,
+        egress: None,
     };
     Some((
         Proxy {
             name: "floor",
             child: Some(child),
             pidfile: None,
+            log: None,
         },
         vec![
             target("sni", FLOOR_SNI, Preamble::None),
@@ -870,12 +1084,14 @@ fn start_haproxy(peers: &Path, second: bool) -> Option<(Proxy, Vec<Target>)> {
             job: "sni",
             addr: SocketAddr::from(([127, 0, 0, 1], 8441 + shift)),
             preamble: Preamble::None,
+            egress: None,
         },
         Target {
             proxy: name,
             job: "proxy-destination",
             addr: SocketAddr::from(([127, 0, 0, 1], 8451 + shift)),
             preamble: Preamble::ProxyV2,
+            egress: None,
         },
     ];
     ok.then(|| {
@@ -884,6 +1100,7 @@ fn start_haproxy(peers: &Path, second: bool) -> Option<(Proxy, Vec<Target>)> {
                 name,
                 child: None,
                 pidfile: Some(pidfile),
+                log: None,
             },
             targets,
         )
@@ -906,12 +1123,14 @@ fn start_nginx(peers: &Path) -> Option<(Proxy, Vec<Target>)> {
             job: "sni",
             addr: "127.0.0.1:8442".parse().unwrap(),
             preamble: Preamble::None,
+            egress: None,
         },
         Target {
             proxy: "nginx",
             job: "proxy-destination",
             addr: "127.0.0.1:8452".parse().unwrap(),
             preamble: Preamble::ProxyV2,
+            egress: None,
         },
     ];
     Some((
@@ -919,8 +1138,224 @@ fn start_nginx(peers: &Path) -> Option<(Proxy, Vec<Target>)> {
             name: "nginx",
             child: Some(child),
             pidfile: None,
+            log: None,
         },
         targets,
+    ))
+}
+
+/// Routes of the `egress-1000` job.
+const EGRESS_ROUTES: usize = 1000;
+/// trellis's egress listener.
+const TRELLIS_EGRESS: &str = "127.0.0.1:8470";
+
+/// The egress jobs' certificates (`egress.rs`), made when a job first needs them.
+struct EgressPki {
+    /// Where the PKIs are written (the run's own directory).
+    work: PathBuf,
+    /// Where the RSA keys are kept between runs.
+    cache: PathBuf,
+    /// The clients of the PKIs made so far, by number of routes.
+    made: std::sync::Mutex<Vec<(usize, Arc<egress::Client>)>>,
+}
+
+impl EgressPki {
+    /// The directory of the PKI with `routes` routes.
+    fn dir(&self, routes: usize) -> PathBuf {
+        self.work.join(format!("egress-pki-{routes}"))
+    }
+
+    /// The client of the PKI with `routes` routes, made first if need be.
+    fn client(&self, routes: usize) -> Option<Arc<egress::Client>> {
+        let mut made = self.made.lock().unwrap();
+        if let Some((_, c)) = made.iter().find(|(r, _)| *r == routes) {
+            return Some(c.clone());
+        }
+        let dir = self.dir(routes);
+        let start = Instant::now();
+        match egress::generate(&dir, routes, &self.cache)
+            .and_then(|()| egress::Client::load(&dir, routes))
+        {
+            Ok(c) => {
+                eprintln!(
+                    "egress certificates for {routes} route(s) made in {:.1} s",
+                    start.elapsed().as_secs_f64()
+                );
+                let c = Arc::new(c);
+                made.push((routes, c.clone()));
+                Some(c)
+            }
+            Err(e) => {
+                eprintln!("egress certificates for {routes} route(s): {e}; skipped");
+                None
+            }
+        }
+    }
+}
+
+/// Writes trellis's egress configuration for the PKI at `pki` with `routes` routes into
+/// `dir`: the listener `protocol: egress-connect` with route 0's certificate, and the
+/// routes (`egress::trellis_routes`). Returns the configuration file.
+fn write_trellis_egress(dir: &Path, pki: &Path, routes: usize) -> PathBuf {
+    let table = dir.join(format!("routes-egress-{routes}.yaml"));
+    std::fs::write(&table, egress::trellis_routes(pki, routes)).unwrap();
+    let r0 = egress::route_dir(pki, 0);
+    let config = dir.join(format!("gateway-egress-{routes}.yaml"));
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: \"{}\"}}\nlisteners:\n- name: egress\n  address: \"{TRELLIS_EGRESS}\"\n  protocol: egress-connect\n  tls: {{certificateFile: \"{}\", keyFile: \"{}\", clientCAFile: \"{}\"}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: {}}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
+            table.display(),
+            r0.join("tls.crt").display(),
+            r0.join("tls.key").display(),
+            r0.join("ca.crt").display(),
+            idle_connections().max(storm_clients()) + 1000,
+            std::env::var("BENCH_TRELLIS_WORKERS").unwrap_or_else(|_| "1".into())
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// Whether trellis accepts the configuration `config` (`trellis check`); if not, says why.
+fn trellis_accepts(config: &Path, job: &str) -> bool {
+    let out = Command::new(trellis_bin())
+        .arg("check")
+        .arg(config)
+        .output();
+    match out {
+        Ok(o) if o.status.success() => true,
+        Ok(o) => {
+            let why = String::from_utf8_lossy(&o.stderr);
+            eprintln!("trellis {job} skipped: the gateway refuses its configuration:");
+            for line in why.lines().take(4) {
+                eprintln!("  {line}");
+            }
+            false
+        }
+        Err(e) => {
+            eprintln!("trellis {job} skipped: trellis check: {e}");
+            false
+        }
+    }
+}
+
+/// trellis with only an egress listener: `egress` with one route chosen by the client
+/// address, `egress-1000` with [`EGRESS_ROUTES`] routes each chosen by its server name, with
+/// its own CA and certificate. Skipped, saying why, while the gateway refuses the
+/// configuration; the 1,000 routes' certificates are made only once it accepts one route.
+fn start_trellis_egress(dir: &Path, pki: &EgressPki, job: &str) -> Option<(Proxy, Vec<Target>)> {
+    let (job, routes) = match job {
+        "egress" => ("egress", 1),
+        _ => ("egress-1000", EGRESS_ROUTES),
+    };
+    let one = pki.client(1)?;
+    if !trellis_accepts(&write_trellis_egress(dir, &pki.dir(1), 1), job) {
+        return None;
+    }
+    let client = if routes == 1 {
+        one
+    } else {
+        pki.client(routes)?
+    };
+    let config = write_trellis_egress(dir, &pki.dir(routes), routes);
+    if routes > 1 && !trellis_accepts(&config, job) {
+        return None;
+    }
+    let child = spawn_trellis(&config);
+    Some((
+        Proxy {
+            name: "trellis",
+            child: Some(child),
+            pidfile: None,
+            log: None,
+        },
+        vec![Target {
+            proxy: "trellis",
+            job,
+            addr: TRELLIS_EGRESS.parse().unwrap(),
+            preamble: Preamble::Egress,
+            egress: Some(client),
+        }],
+    ))
+}
+
+/// Envoy (`envoy.rs`) for `job`, with a configuration written for it on a port free now.
+fn start_envoy(
+    binary: &Path,
+    dir: &Path,
+    job: &str,
+    pki: &EgressPki,
+) -> Option<(Proxy, Vec<Target>)> {
+    let backend: SocketAddr = BACKEND.parse().unwrap();
+    let mut client = None;
+    let files = |name| egress::route_dir(&pki.dir(1), 0).join(name);
+    let (certificate, key, client_ca) = (files("tls.crt"), files("tls.key"), files("ca.crt"));
+    let (job, spec, preamble) = match job {
+        "sni" => (
+            "sni",
+            envoy::Job::Sni {
+                server_name: SNI,
+                backend,
+            },
+            Preamble::None,
+        ),
+        "proxy-destination" => (
+            "proxy-destination",
+            envoy::Job::ProxyDestination {
+                destination: PP_DEST.parse().unwrap(),
+                backend,
+            },
+            Preamble::ProxyV2,
+        ),
+        "http-connect" => (
+            "http-connect",
+            envoy::Job::HttpConnect {
+                destination: CONNECT_DEST,
+                backend,
+            },
+            Preamble::Connect,
+        ),
+        "egress" => {
+            client = Some(pki.client(1)?);
+            (
+                "egress",
+                envoy::Job::Egress(envoy::TlsFiles {
+                    certificate: &certificate,
+                    key: &key,
+                    client_ca: &client_ca,
+                }),
+                Preamble::Egress,
+            )
+        }
+        _ => return None,
+    };
+    let addr = SocketAddr::from(([127, 0, 0, 1], envoy::free_port().ok()?));
+    let config = dir.join(format!("envoy-{job}.yaml"));
+    std::fs::write(&config, envoy::config(&spec, addr)).ok()?;
+    let log = dir.join(format!("envoy-{job}.log"));
+    let child = own_session(&mut proxy_command(binary))
+        .arg("-c")
+        .arg(&config)
+        .args(["--concurrency", "1", "--disable-hot-restart", "-l", "warn"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).ok()?)
+        .spawn()
+        .ok()?;
+    Some((
+        Proxy {
+            name: "envoy",
+            child: Some(child),
+            pidfile: None,
+            log: Some(log),
+        },
+        vec![Target {
+            proxy: "envoy",
+            job,
+            addr,
+            preamble,
+            egress: client,
+        }],
     ))
 }
 
@@ -931,7 +1366,7 @@ struct Row {
     figures: [f64; NFIG],
 }
 
-const NFIG: usize = 14;
+const NFIG: usize = 17;
 // Indices into a row's figures.
 const CPU_CONN: usize = 0;
 const USER_CONN: usize = 1;
@@ -947,6 +1382,9 @@ const RATE: usize = 10;
 const P50: usize = 11;
 const P99: usize = 12;
 const P999: usize = 13;
+const CONNECT_P50: usize = 14;
+const CONNECT_P99: usize = 15;
+const REST: usize = 16;
 
 /// Label, whether higher is better, and whether it is a headline figure (what the proxy
 /// spends) rather than information (what the shared machine allows).
@@ -965,6 +1403,9 @@ const FIGURES: [(&str, bool, bool); NFIG] = [
     ("latency p50 (µs)", false, false),
     ("latency p99 (µs)", false, false),
     ("latency p99.9 (µs)", false, false),
+    ("CONNECT to 200, p50 (µs)", false, false),
+    ("CONNECT to 200, p99 (µs)", false, false),
+    ("memory at rest (MiB)", false, false),
 ];
 
 /// Rows that are not peers: left out of "best".
@@ -1010,13 +1451,18 @@ fn main() {
     let rounds: usize = env("BENCH_ROUNDS", "9").parse().unwrap_or(9);
     let idle = idle_connections();
     let storm_n = storm_clients();
-    let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,floor");
-    let jobs = env("BENCH_JOBS", "sni,proxy-destination,http-connect");
+    let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,envoy,floor");
+    let jobs = env(
+        "BENCH_JOBS",
+        "sni,proxy-destination,http-connect,egress,egress-1000",
+    );
     let figures = env("BENCH_FIGURES", "throughput,rate,latency,syscalls,storm");
     let want = |f: &str| figures.split(',').any(|g| g == f);
     let (want_tput, want_rate, want_lat) = (want("throughput"), want("rate"), want("latency"));
     let (want_sys, want_storm) = (want("syscalls"), want("storm") && storm_n > 0);
     let peers_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/side_by_side/peers");
+    // What the bench installs or keeps between runs (Envoy's virtual environment).
+    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
     let work = std::env::temp_dir().join(format!("trellis-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work).unwrap();
 
@@ -1027,24 +1473,46 @@ fn main() {
         .unwrap();
     let rows = rt.block_on(async {
         tokio::spawn(backend());
-        type Starter<'a> = Box<dyn Fn() -> Option<(Proxy, Vec<Target>)> + 'a>;
-        let mut starters: Vec<Starter> = vec![Box::new(|| Some(start_trellis(&work)))];
+        // Each starter starts its proxy for one job (most serve every job they can).
+        type Starter<'a> = Box<dyn Fn(&str) -> Option<(Proxy, Vec<Target>)> + 'a>;
+        let pki = EgressPki {
+            work: work.clone(),
+            cache: target_dir.join("bench-keys"),
+            made: Default::default(),
+        };
+        let pki = &pki;
+        let mut starters: Vec<Starter> = vec![Box::new(|job| match job {
+            "egress" | "egress-1000" => start_trellis_egress(&work, pki, job),
+            _ => Some(start_trellis(&work)),
+        })];
         let peer_list: Vec<&str> = peers_wanted.split(',').collect();
         if peers_dir.exists() {
             if peer_list.contains(&"haproxy") {
-                starters.push(Box::new(|| start_haproxy(&peers_dir, false)));
+                starters.push(Box::new(|_| start_haproxy(&peers_dir, false)));
             }
             if peer_list.contains(&"haproxy-b") || pinned() {
-                starters.push(Box::new(|| start_haproxy(&peers_dir, true)));
+                starters.push(Box::new(|_| start_haproxy(&peers_dir, true)));
             }
             if peer_list.contains(&"nginx") {
-                starters.push(Box::new(|| start_nginx(&peers_dir)));
+                starters.push(Box::new(|_| start_nginx(&peers_dir)));
             }
         } else {
-            eprintln!("no peer configs at {}; measuring trellis only", peers_dir.display());
+            eprintln!(
+                "no peer configs at {}; no HAProxy or nginx",
+                peers_dir.display()
+            );
+        }
+        if peer_list.contains(&"envoy") {
+            match envoy::binary(&target_dir.join("envoy-venv")) {
+                Ok(bin) => {
+                    let work: &Path = &work;
+                    starters.push(Box::new(move |job| start_envoy(&bin, work, job, pki)));
+                }
+                Err(why) => eprintln!("Envoy skipped: {why}"),
+            }
         }
         if peer_list.contains(&"floor") {
-            starters.push(Box::new(start_floor));
+            starters.push(Box::new(|_| start_floor()));
         }
         let mut rows = Vec::new();
         for job in jobs.split(',') {
@@ -1053,10 +1521,17 @@ fn main() {
             // because a 2-core machine shared by client, proxies and backend is noisy.
             let mut running = Vec::new();
             for start in &starters {
-                let Some((mut proxy, targets)) = start() else { continue };
+                let Some((mut proxy, targets)) = start(job) else { continue };
                 let Some(t) = targets.into_iter().find(|t| t.job == job) else { continue };
                 if !works(&t).await {
                     eprintln!("{} {} does not work on {}; skipped", t.proxy, t.job, t.addr);
+                    if let Some(log) = &proxy.log {
+                        let text = std::fs::read_to_string(log).unwrap_or_default();
+                        let lines: Vec<&str> = text.lines().collect();
+                        for line in &lines[lines.len().saturating_sub(5)..] {
+                            eprintln!("  {}: {line}", t.proxy);
+                        }
+                    }
                     continue;
                 }
                 // Answered, but not by the process just started (it could not bind and is
@@ -1077,7 +1552,9 @@ fn main() {
                 running.iter().map(|_| Default::default()).collect();
             for (i, (proxy, t)) in running.iter().enumerate() {
                 if let Some(pid) = proxy.pid() {
-                    samples[i][MEMORY].push(idle_memory(t, pid, idle).await);
+                    let (per_conn, rest) = idle_memory(t, pid, idle).await;
+                    samples[i][MEMORY].push(per_conn);
+                    samples[i][REST].push(rest as f64 / (1 << 20) as f64);
                 }
             }
             for round in 0..rounds {
@@ -1116,6 +1593,13 @@ fn main() {
                         (f64::NAN, f64::NAN, f64::NAN, 0)
                     };
                     let (trip_us, _) = per(before, trips as f64);
+                    let (c50, c99) = if want_lat
+                        && matches!(t.preamble, Preamble::Connect | Preamble::Egress)
+                    {
+                        connect_times(t, secs).await
+                    } else {
+                        (f64::NAN, f64::NAN)
+                    };
                     eprintln!(
                         "round {round} {:9} {:18} {rate:7.0} conn/s, {cpu_us:5.1} µs CPU each ({user_us:4.1} user); {:6.0} trips/s, {trip_us:4.1} µs CPU each, p50 {p50:6.1} p99 {p99:7.1} p99.9 {p999:7.1} µs; {one:5.2} / {eight:5.2} Gbit/s, {per_gb:5.1} ms CPU per GB",
                         t.proxy,
@@ -1133,6 +1617,8 @@ fn main() {
                         (P50, p50),
                         (P99, p99),
                         (P999, p999),
+                        (CONNECT_P50, c50),
+                        (CONNECT_P99, c99),
                     ] {
                         samples[i][k].push(v);
                     }
@@ -1236,6 +1722,11 @@ fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize, storm: usize
             for (i, &(label, higher_is_better, _)) in
                 FIGURES.iter().enumerate().filter(|(_, f)| f.2 == headline)
             {
+                // A figure this job does not have (CONNECT times without a CONNECT), or that
+                // was not measured.
+                if in_job.iter().all(|r| r.figures[i].is_nan()) {
+                    continue;
+                }
                 print!("{label:38}");
                 for r in &in_job {
                     print!("{:>11.2}", r.figures[i]);
@@ -1275,6 +1766,21 @@ fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize, storm: usize
                 t[CPU_CONN] / sni
             );
         }
+    }
+    let trellis_in = |job: &str| {
+        rows.iter()
+            .find(|r| r.proxy == "trellis" && r.job == job)
+            .map(|r| r.figures)
+    };
+    if let (Some(one), Some(many)) = (trellis_in("egress"), trellis_in("egress-1000")) {
+        let added = many[REST] - one[REST];
+        println!(
+            "\ntrellis egress with {EGRESS_ROUTES} routes (each chosen by its server name, with its own CA and server certificate) against one route: CPU per new connection (TLS handshake, CONNECT, one round trip) {:.2}x ({:.1} against {:.1} µs); memory at rest {added:+.1} MiB ({:.1} KiB per route)",
+            many[CPU_CONN] / one[CPU_CONN],
+            many[CPU_CONN],
+            one[CPU_CONN],
+            added * 1024.0 / EGRESS_ROUTES as f64,
+        );
     }
     println!(
         "\nratios: for throughput and connections per second higher is better; for everything else lower is better"
