@@ -41,6 +41,9 @@ pub(crate) struct Certs {
     routes: Mutex<BTreeSet<TlsFiles>>,
     /// Serialises refreshes (a table change and a file change at once).
     refreshing: Mutex<()>,
+    /// When a connection last had a set loaded that the store did not hold yet
+    /// ([`Certs::load_missing`]), per set.
+    tried: Mutex<HashMap<TlsFiles, std::time::Instant>>,
     metrics: Arc<Metrics>,
 }
 
@@ -70,6 +73,7 @@ impl Certs {
             listeners,
             routes: Mutex::new(BTreeSet::new()),
             refreshing: Mutex::new(()),
+            tried: Mutex::new(HashMap::new()),
             metrics,
         })
     }
@@ -88,6 +92,40 @@ impl Certs {
         self.current.load().get(files)?.config.clone()
     }
 
+    /// Loads `files` for a connection whose route names a set the store does not hold yet
+    /// (its table was published a moment before the reload task took the table's sets in).
+    /// At most one attempt per set and [`RETRY`]: a client cannot make the gateway read
+    /// files for every connection. Blocks on file reads and key parsing.
+    pub(crate) fn load_missing(&self, files: &TlsFiles) -> Option<Arc<ServerConfig>> {
+        {
+            let mut tried = self.tried.lock().unwrap_or_else(|e| e.into_inner());
+            let now = std::time::Instant::now();
+            if tried
+                .get(files)
+                .is_some_and(|t| now.duration_since(*t) < RETRY)
+            {
+                return None;
+            }
+            tried.insert(files.clone(), now);
+        }
+        let _one = self.refreshing.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(config) = self.get(files) {
+            return Some(config);
+        }
+        let loaded = match tls::read(files) {
+            Ok(bytes) => self.build(files, &bytes, None, hash(&bytes)),
+            Err(e) => {
+                self.reject(files, &e);
+                return None;
+            }
+        };
+        let config = loaded.config.clone()?;
+        let mut next = (*self.current.load_full()).clone();
+        next.insert(files.clone(), loaded);
+        self.current.store(Arc::new(next));
+        Some(config)
+    }
+
     /// Takes the file sets `table` names (sets no longer named are dropped) and loads the
     /// new ones.
     pub(crate) fn set_table(&self, table: &RoutingTable) {
@@ -96,6 +134,10 @@ impl Certs {
             .iter()
             .filter_map(|r| r.egress.as_ref()?.tls.clone())
             .collect();
+        self.tried
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|f, _| sets.contains(f));
         *self.routes.lock().unwrap_or_else(|e| e.into_inner()) = sets;
         self.refresh();
     }
@@ -179,6 +221,9 @@ impl Certs {
     }
 }
 
+/// How long a set that [`Certs::load_missing`] tried is not tried again.
+const RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A hash of a set's bytes (never 0, which marks an unreadable set).
 fn hash(bytes: &TlsBytes) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -220,5 +265,63 @@ pub(crate) async fn keep_current(
                 let _ = tokio::task::spawn_blocking(move || c.refresh()).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admin::metrics::ResultLabel;
+
+    /// A CA, and a server certificate and key it issued, written into `dir`.
+    fn write_set(dir: &std::path::Path) -> TlsFiles {
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+        let cert = rcgen::CertificateParams::new(vec!["vpn-seed-server".to_string()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        let files = TlsFiles {
+            certificate_file: dir.join("tls.crt"),
+            key_file: dir.join("tls.key"),
+            client_ca_file: dir.join("ca.crt"),
+        };
+        std::fs::write(&files.certificate_file, cert.pem()).unwrap();
+        std::fs::write(&files.key_file, key.serialize_pem()).unwrap();
+        std::fs::write(&files.client_ca_file, ca.pem()).unwrap();
+        files
+    }
+
+    #[test]
+    fn a_set_missing_from_the_store_is_loaded_for_a_connection_at_most_once_a_second() {
+        let dir = std::env::temp_dir().join(format!("trellis-certs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = write_set(&dir);
+        let metrics = Arc::new(Metrics::gateway());
+        let certs = Certs::new([], metrics.clone()).unwrap();
+        assert!(certs.get(&good).is_none());
+        assert!(certs.load_missing(&good).is_some());
+        assert!(certs.get(&good).is_some(), "the loaded set is kept");
+
+        let missing = TlsFiles {
+            client_ca_file: dir.join("nope.crt"),
+            ..good.clone()
+        };
+        let rejected = || {
+            metrics
+                .tls_loads
+                .get_or_create(&ResultLabel { result: "rejected" })
+                .get()
+        };
+        assert!(certs.load_missing(&missing).is_none());
+        assert_eq!(rejected(), 1);
+        // Tried again at once: not read again.
+        assert!(certs.load_missing(&missing).is_none());
+        assert_eq!(rejected(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

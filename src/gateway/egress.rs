@@ -133,7 +133,20 @@ pub(super) async fn handle(
         .and_then(|r| r.egress.as_ref()?.tls.as_ref())
         .unwrap_or(listener_tls);
     let route_name = chosen.as_ref().map_or("", |r| r.name());
-    let Some(server_config) = shared.certs.get(files) else {
+    let server_config = match shared.certs.get(files) {
+        Some(config) => Some(config),
+        // A route of a table published a moment ago: its set is loaded here, off the event
+        // loop, rather than refused until the reload task takes the table in.
+        None if chosen.is_some() => {
+            let (certs, files) = (shared.certs.clone(), files.clone());
+            tokio::task::spawn_blocking(move || certs.load_missing(&files))
+                .await
+                .ok()
+                .flatten()
+        }
+        None => None,
+    };
+    let Some(server_config) = server_config else {
         count(route_name, EgressResult::NoMaterial);
         return conn.reject(
             Outcome::BadRequest,
