@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::*;
 use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use trellis::wire::proxy::encode_v2;
 use trellis::wire::tls::testing::client_hello;
 
@@ -24,24 +24,7 @@ const ACCESS_DENIED: [u8; 7] = [21, 3, 1, 0, 2, 2, 49];
 
 /// An echo backend that counts the connections it accepted.
 async fn counting_echo() -> (SocketAddr, Arc<AtomicUsize>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                continue;
-            };
-            count.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                let (mut r, mut w) = s.split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-                let _ = w.shutdown().await;
-            });
-        }
-    });
-    (addr, accepted)
+    counting_echo_at("127.0.0.1", b"").await
 }
 
 /// Connects, sends `bytes`, half-closes, and returns everything the gateway answers.

@@ -225,26 +225,7 @@ struct Target {
 }
 
 async fn target_at(ip: &str, greeting: &'static [u8]) -> Target {
-    let listener = TcpListener::bind(format!("{ip}:0")).await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let connections = Arc::new(AtomicUsize::new(0));
-    let count = connections.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                continue;
-            };
-            count.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                if !greeting.is_empty() {
-                    let _ = s.write_all(greeting).await;
-                }
-                let (mut r, mut w) = s.split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-                let _ = w.shutdown().await;
-            });
-        }
-    });
+    let (addr, connections) = counting_echo_at(ip, greeting).await;
     Target { addr, connections }
 }
 

@@ -223,7 +223,8 @@ pub(crate) struct Metrics {
     /// dropped (written on the failure path only).
     failure_labels: std::sync::Mutex<std::collections::HashSet<(String, &'static str)>>,
     /// The `(route, result)` label sets of `egress_requests`, for the same purpose.
-    egress_labels: std::sync::Mutex<std::collections::HashSet<(String, &'static str)>>,
+    /// Looked up by route name, so a request that repeats a known pair allocates nothing.
+    egress_labels: std::sync::Mutex<std::collections::HashMap<String, Vec<&'static str>>>,
     /// The controller's families.
     pub controller: ControllerMetrics,
 }
@@ -503,10 +504,14 @@ impl Metrics {
     /// Counts an egress request's result (`route` empty when none was chosen).
     pub(crate) fn egress(&self, route: &str, result: &'static str) {
         if !route.is_empty() {
-            self.egress_labels
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert((route.to_owned(), result));
+            let mut labels = self.egress_labels.lock().unwrap_or_else(|e| e.into_inner());
+            match labels.get_mut(route) {
+                Some(results) if results.contains(&result) => {}
+                Some(results) => results.push(result),
+                None => {
+                    labels.insert(route.to_owned(), vec![result]);
+                }
+            }
         }
         self.egress_requests
             .get_or_create(&RouteResultLabels {
@@ -586,13 +591,15 @@ impl Metrics {
             self.egress_labels
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .retain(|(route, result)| {
+                .retain(|route, results| {
                     let keep = !gone.contains(route);
                     if !keep {
-                        self.egress_requests.remove(&RouteResultLabels {
-                            route: route.clone(),
-                            result,
-                        });
+                        for &result in results.iter() {
+                            self.egress_requests.remove(&RouteResultLabels {
+                                route: route.clone(),
+                                result,
+                            });
+                        }
                     }
                     keep
                 });

@@ -81,6 +81,25 @@ impl EgressResult {
         }
     }
 
+    /// The downstream outcome a refusal with this result is counted as.
+    fn outcome(self) -> Outcome {
+        match self {
+            EgressResult::NoRoute | EgressResult::NoTunnel => Outcome::NoRoute,
+            EgressResult::IdentityMismatch
+            | EgressResult::SourceDenied
+            | EgressResult::TargetDenied
+            | EgressResult::ResolveFailed => Outcome::Denied,
+            EgressResult::Timeout => Outcome::Timeout,
+            EgressResult::ClosedEarly => Outcome::ClosedEarly,
+            EgressResult::Connected
+            | EgressResult::HandshakeFailed
+            | EgressResult::NoMaterial
+            | EgressResult::NotConnect
+            | EgressResult::BadRequest
+            | EgressResult::DialFailed => Outcome::BadRequest,
+        }
+    }
+
     fn as_str(self) -> &'static str {
         match self {
             EgressResult::Connected => "connected",
@@ -212,12 +231,13 @@ pub(super) async fn handle(
             if required
                 && !egress.is_some_and(|e| e.identified_by(names.iter().map(String::as_str)))
             {
-                count(route.name(), EgressResult::IdentityMismatch);
                 return refuse(
                     conn,
+                    shared,
+                    route.name(),
+                    EgressResult::IdentityMismatch,
                     403,
                     "client certificate not accepted",
-                    Outcome::Denied,
                 )
                 .await;
             }
@@ -226,8 +246,15 @@ pub(super) async fn handle(
         None => match table.egress_by_identity(names.iter().map(String::as_str)) {
             Some(route) => route.clone(),
             None => {
-                count("", EgressResult::NoRoute);
-                return refuse(conn, 403, "no route for this client", Outcome::NoRoute).await;
+                return refuse(
+                    conn,
+                    shared,
+                    "",
+                    EgressResult::NoRoute,
+                    403,
+                    "no route for this client",
+                )
+                .await;
             }
         },
     };
@@ -251,16 +278,24 @@ pub(super) async fn handle(
     };
     conn.record.target = Some(head.target.clone());
     if head.method != "CONNECT" {
-        count(name, EgressResult::NotConnect);
-        return refuse(conn, 405, "only CONNECT is supported", Outcome::BadRequest).await;
-    }
-    if consumed != conn.buf.len() {
-        count(name, EgressResult::BadRequest);
         return refuse(
             conn,
+            shared,
+            name,
+            EgressResult::NotConnect,
+            405,
+            "only CONNECT is supported",
+        )
+        .await;
+    }
+    if consumed != conn.buf.len() {
+        return refuse(
+            conn,
+            shared,
+            name,
+            EgressResult::BadRequest,
             400,
             "bytes after the request head before the answer",
-            Outcome::BadRequest,
         )
         .await;
     }
@@ -271,12 +306,13 @@ pub(super) async fn handle(
         Err(_) => None,
     };
     let Some(target) = target else {
-        count(name, EgressResult::BadRequest);
         return refuse(
             conn,
+            shared,
+            name,
+            EgressResult::BadRequest,
             400,
             "the request target must be host:port",
-            Outcome::BadRequest,
         )
         .await;
     };
@@ -284,8 +320,15 @@ pub(super) async fn handle(
     // Where it may go: an allowed address, a name's first allowed address.
     let Some(egress) = route.egress.as_deref() else {
         // Routes are found through their egress; a route without one is never chosen.
-        count(name, EgressResult::NoRoute);
-        return refuse(conn, 403, "no route for this client", Outcome::NoRoute).await;
+        return refuse(
+            conn,
+            shared,
+            name,
+            EgressResult::NoRoute,
+            403,
+            "no route for this client",
+        )
+        .await;
     };
     let candidates: Vec<SocketAddr> = match &target {
         BackendAddress::Ip(a) => vec![*a],
@@ -296,8 +339,15 @@ pub(super) async fn handle(
                 _ => {
                     // Answered like a name that resolves to nothing allowed: a client must
                     // not learn which names exist in the seed's resolver.
-                    count(name, EgressResult::ResolveFailed);
-                    return refuse(conn, 403, "target not allowed", Outcome::Denied).await;
+                    return refuse(
+                        conn,
+                        shared,
+                        name,
+                        EgressResult::ResolveFailed,
+                        403,
+                        "target not allowed",
+                    )
+                    .await;
                 }
             }
         }
@@ -318,17 +368,25 @@ pub(super) async fn handle(
     let (addr, path) = match allowed {
         Some(x) => x,
         None => {
-            count(name, EgressResult::TargetDenied);
-            return refuse(conn, 403, "target not allowed", Outcome::Denied).await;
+            return refuse(
+                conn,
+                shared,
+                name,
+                EgressResult::TargetDenied,
+                403,
+                "target not allowed",
+            )
+            .await;
         }
     };
     if path == EgressPath::Tunnel {
-        count(name, EgressResult::NoTunnel);
         return refuse(
             conn,
+            shared,
+            name,
+            EgressResult::NoTunnel,
             504,
             "no tunnel to the target's network",
-            Outcome::NoRoute,
         )
         .await;
     }
@@ -348,13 +406,17 @@ pub(super) async fn handle(
     }
 }
 
-/// Answers `status` (with `detail`, which names no address), closes, and counts `outcome`.
+/// Counts `result` for `route` (empty: none chosen), answers `status` (with `detail`, which
+/// names no address), closes, and counts the connection's outcome.
 async fn refuse(
     mut conn: Box<Conn<ServerStream>>,
+    shared: &Shared,
+    route: &str,
+    result: EgressResult,
     status: u16,
     detail: &str,
-    outcome: Outcome,
 ) -> Option<Box<EgressReady>> {
+    shared.metrics.egress(route, result.as_str());
     conn.reject_with(&http::response(status, detail)).await;
-    conn.reject(outcome, detail)
+    conn.reject(result.outcome(), detail)
 }

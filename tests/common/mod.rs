@@ -690,6 +690,35 @@ pub(crate) async fn echo_backend() -> SocketAddr {
     addr
 }
 
+/// An echo backend on `ip` (port chosen by the kernel) that counts the connections it
+/// accepted and sends `greeting` first (if any); half-closes after the client does.
+pub(crate) async fn counting_echo_at(
+    ip: &str,
+    greeting: &'static [u8],
+) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind(format!("{ip}:0")).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                if !greeting.is_empty() {
+                    let _ = s.write_all(greeting).await;
+                }
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+                let _ = w.shutdown().await;
+            });
+        }
+    });
+    (addr, accepted)
+}
+
 /// Reads until EOF with a time limit.
 pub(crate) async fn read_all(s: &mut TcpStream, limit: Duration) -> std::io::Result<Vec<u8>> {
     let mut out = Vec::new();
