@@ -12,6 +12,7 @@ mod egress;
 mod index;
 mod net;
 mod ranges;
+mod tunnel;
 
 use std::collections::HashMap;
 
@@ -27,6 +28,7 @@ pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
 pub use egress::{Egress, EgressConflict, EgressIndex, EgressPath, TlsFiles, Via};
 pub use net::{Net, NetError, NetSet, NetTable};
 pub use ranges::{RangesError, SourceRanges};
+pub use tunnel::{KeyError, KeyFileError, Tunnel, TunnelPeer, WgKey, read_key_file};
 
 pub use crate::wire::proxy::ProxyVersion;
 
@@ -82,6 +84,8 @@ pub struct Route {
     pub forward_connect: bool,
     /// kube-apiserver egress on `egress-connect` listeners (boxed: most routes have none).
     pub egress: Option<Box<Egress>>,
+    /// The shoot's WireGuard tunnel (boxed: most routes have none).
+    pub tunnel: Option<Box<Tunnel>>,
 }
 
 /// The keys of one kind of a route, in order.
@@ -164,6 +168,7 @@ impl Route {
             send_proxy_protocol: None,
             forward_connect: false,
             egress: None,
+            tunnel: None,
         })
     }
 
