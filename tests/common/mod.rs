@@ -4,6 +4,7 @@
 
 pub(crate) mod netns;
 pub(crate) mod urgent;
+pub(crate) mod wg;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream as StdTcpStream};
