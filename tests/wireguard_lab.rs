@@ -134,6 +134,13 @@ fn wireguard_go_pair_needs_root_netns() {
         bytes as f64 * 8.0 / took.as_secs_f64() / 1e6
     );
 
+    // b moves to another port; a follows it with b's next packet (roaming).
+    b.set_listen_port(51822);
+    assert_eq!(b.show().listen_port, 51822);
+    assert!(lab.ping(&nb, "192.168.128.1"));
+    let moved = a.show().peer(&kb.public).unwrap().endpoint.unwrap();
+    assert_eq!(moved, "[fd00:250::2]:51822".parse().unwrap());
+
     // A connection held open, so that an echo handler (forked by socat) is running at drop.
     let held = format!("sleep 60 | socat - TCP6:{echo}");
     let log = lab.dir.path("held.log");
@@ -145,6 +152,9 @@ fn wireguard_go_pair_needs_root_netns() {
     });
     assert!(handler.is_some(), "no echo handler for the held connection");
     assert!(lab.children[client].try_wait().unwrap().is_none());
+
+    a.remove_peer(&kb.public);
+    assert!(a.show().peers.is_empty());
 
     // Everything started goes with the lab.
     let mut pids: Vec<u32> = [&na, &nb]
