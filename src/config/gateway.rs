@@ -23,7 +23,8 @@ mapping_only!(
     RawKeepalive,
     RawKeepaliveSide,
     RawLimits,
-    RawAccessLog
+    RawAccessLog,
+    RawWireGuardListener
 );
 
 /// The `kind` of gateway configuration files.
@@ -88,8 +89,7 @@ pub struct RawListener {
     pub name: String,
     /// `IP:port` to bind.
     pub address: String,
-    /// `sni`, `http-connect`, `proxy-destination` or `egress-connect` (`wireguard` is not
-    /// in this build yet).
+    /// `sni`, `http-connect`, `proxy-destination`, `egress-connect` or `wireguard`.
     pub protocol: String,
     /// PROXY protocol from a load balancer in front.
     #[serde(default)]
@@ -105,6 +105,23 @@ pub struct RawListener {
     /// no `tls` of their own. Relative paths are relative to this config file.
     #[serde(default)]
     pub tls: Option<super::tls::RawTls>,
+    /// The WireGuard device of a `wireguard` listener (required there; the address is UDP).
+    #[serde(default)]
+    pub wireguard: Option<RawWireGuardListener>,
+}
+
+/// A `wireguard` listener's device as written.
+#[derive(Debug, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawWireGuardListener {
+    /// The device's private key, as `wg genkey` writes it; relative paths are relative to
+    /// this config file. Read by the gateway when it starts (and re-read on change), not by
+    /// `trellis check`.
+    pub private_key_file: String,
+    /// A CONNECT destination header value: a CONNECT with it, on any `http-connect`
+    /// listener, carries WireGuard over TCP to this device. Left out: UDP only.
+    #[serde(default)]
+    pub connect_destination: Option<String>,
 }
 
 /// PROXY protocol settings as written.
@@ -196,9 +213,7 @@ pub struct RawAccessLog {
 /// What a listener speaks, with the settings only that protocol has: a setting is carried by
 /// the kind that uses it, so a listener can never hold one its protocol ignores. The file
 /// keeps its flat form (`protocol: http-connect` next to `destinationHeader`); validation
-/// builds the kind. The tunnel listeners will fit the same way when they come:
-/// `EgressConnect { tls }` (CONNECT over TLS, the client certificate naming the shoot) and
-/// `Wireguard { private_key }` (user-space WireGuard peers over UDP).
+/// builds the kind.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ListenerKind {
     /// TLS passthrough routed by SNI.
@@ -216,6 +231,16 @@ pub enum ListenerKind {
         /// The listener's server certificate and client CA.
         tls: TlsFiles,
     },
+    /// The gateway's one WireGuard device: shoot peers over UDP on the listener's address
+    /// (the routes' `tunnel.wireguard`), terminated in user space (SPEC `wireguard`). It
+    /// takes no TCP connections, so no PROXY header, TLS or default route.
+    WireGuard {
+        /// The device's private key file (absolute, or relative to the working directory).
+        private_key_file: PathBuf,
+        /// The CONNECT destination header value that carries WireGuard over TCP to the
+        /// device through an `http-connect` listener.
+        connect_destination: Option<String>,
+    },
 }
 
 impl ListenerKind {
@@ -226,7 +251,14 @@ impl ListenerKind {
             ListenerKind::HttpConnect { .. } => "http-connect",
             ListenerKind::ProxyDestination => "proxy-destination",
             ListenerKind::EgressConnect { .. } => "egress-connect",
+            ListenerKind::WireGuard { .. } => "wireguard",
         }
+    }
+
+    /// Whether the listener takes TCP connections (every protocol but `wireguard`, whose
+    /// address is UDP).
+    pub fn is_tcp(&self) -> bool {
+        !matches!(self, ListenerKind::WireGuard { .. })
     }
 }
 
@@ -409,6 +441,21 @@ pub fn check_routes(
         }
     }
     for (i, l) in config.listeners.iter().enumerate() {
+        if let ListenerKind::WireGuard {
+            connect_destination: Some(d),
+            ..
+        } = &l.kind
+            && let Some(route) = table.table.by_destination(d)
+        {
+            errors.push(
+                format!("listeners[{i}].wireguard.connectDestination"),
+                format!(
+                    "{d:?} is also a destination of route {:?} in {}; it must lead to one place",
+                    route.name(),
+                    routes.display()
+                ),
+            );
+        }
         if let Some(r) = &l.default_route
             && table.table.by_name(r).is_none()
         {
@@ -471,7 +518,7 @@ fn build(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
     }
 }
 
-/// The valid listeners, and every address the listeners take (for the admin endpoint's).
+/// The valid listeners, and every TCP address the listeners take (for the admin endpoint's).
 fn listeners(
     errors: &mut Errors,
     dir: &Path,
@@ -482,7 +529,7 @@ fn listeners(
     }
     let mut names = HashSet::new();
     let mut addresses = HashSet::new();
-    let listeners = raw
+    let listeners: Vec<ListenerConfig> = raw
         .iter()
         .enumerate()
         .filter_map(|(i, l)| {
@@ -496,6 +543,34 @@ fn listeners(
             )
         })
         .collect();
+    // One WireGuard device: a peer's key must lead to one place.
+    let mut wireguard = raw
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.protocol == "wireguard");
+    if let Some((first, _)) = wireguard.next() {
+        for (i, _) in wireguard {
+            errors.push(
+                format!("listeners[{i}].protocol"),
+                format!("a second wireguard listener (listeners[{first}]): the gateway has one WireGuard device"),
+            );
+        }
+    }
+    let has_connect = listeners
+        .iter()
+        .any(|l| matches!(l.kind, ListenerKind::HttpConnect { .. }));
+    for (i, l) in raw.iter().enumerate() {
+        if l.wireguard
+            .as_ref()
+            .is_some_and(|w| w.connect_destination.is_some())
+            && !has_connect
+        {
+            errors.push(
+                format!("listeners[{i}].wireguard.connectDestination"),
+                "needs an http-connect listener for the CONNECTs to arrive on",
+            );
+        }
+    }
     (listeners, addresses)
 }
 
@@ -529,7 +604,9 @@ fn listener(
         );
     }
     let address = socket_addr(errors, &at(path, "address"), &l.address);
+    // A wireguard listener's address is UDP: a TCP listener may have the same.
     if let Some(a) = address
+        && l.protocol != "wireguard"
         && !addresses.insert(a)
     {
         errors.push(
@@ -588,16 +665,7 @@ fn listener_kind(
                 None
             }
         },
-        "wireguard" => {
-            errors.push(
-                at(path, "protocol"),
-                format!(
-                    "protocol {:?} is not supported by this build yet",
-                    l.protocol
-                ),
-            );
-            None
-        }
+        "wireguard" => wireguard(errors, path, dir, l),
         other => {
             errors.push(
                 at(path, "protocol"),
@@ -615,7 +683,55 @@ fn listener_kind(
             "only valid for http-connect listeners",
         );
     }
+    if l.wireguard.is_some() && l.protocol != "wireguard" {
+        errors.push(at(path, "wireguard"), "only valid for wireguard listeners");
+    }
     kind
+}
+
+/// A `wireguard` listener's device; the settings of TCP listeners are errors on it.
+fn wireguard(errors: &mut Errors, path: &str, dir: &Path, l: &RawListener) -> Option<ListenerKind> {
+    let tcp_only = [
+        ("proxyProtocol", l.proxy_protocol.is_some()),
+        ("defaultRoute", l.default_route.is_some()),
+    ];
+    for (field, set) in tcp_only {
+        if set {
+            errors.push(
+                at(path, field),
+                "not valid for wireguard listeners: they take no TCP connections (the address is UDP)",
+            );
+        }
+    }
+    let Some(raw) = &l.wireguard else {
+        errors.push(
+            at(path, "wireguard"),
+            "required for wireguard listeners: {privateKeyFile}",
+        );
+        return None;
+    };
+    let before = errors.len();
+    if raw.private_key_file.is_empty() {
+        errors.push(at(path, "wireguard.privateKeyFile"), "must not be empty");
+    }
+    let private_key_file = PathBuf::from(&raw.private_key_file);
+    let private_key_file = if private_key_file.is_relative() {
+        dir.join(private_key_file)
+    } else {
+        private_key_file
+    };
+    if let Some(d) = &raw.connect_destination
+        && !super::routes::valid_destination(d)
+    {
+        errors.push(
+            at(path, "wireguard.connectDestination"),
+            format!("invalid destination {d:?}"),
+        );
+    }
+    (errors.len() == before).then(|| ListenerKind::WireGuard {
+        private_key_file,
+        connect_destination: raw.connect_destination.clone(),
+    })
 }
 
 /// An `http-connect` listener's destination header name (an HTTP token).
@@ -964,6 +1080,91 @@ limits: {{maxClientHelloBytes: 10}}
         ] {
             assert!(err.contains(needle), "{needle} not in:\n{err}");
         }
+    }
+
+    /// A `wireguard` listener: its device's key file (relative to the config), an optional
+    /// CONNECT destination; its UDP address may be a TCP listener's too.
+    #[test]
+    fn a_wireguard_listener_is_one_udp_device() {
+        let c = check(&format!(
+            "{HEAD}routes: {{file: r.yaml}}
+listeners:
+- {{name: tls, address: \"0.0.0.0:9443\", protocol: sni}}
+- {{name: connect, address: \"0.0.0.0:8443\", protocol: http-connect}}
+- name: wg
+  address: \"0.0.0.0:9443\"
+  protocol: wireguard
+  wireguard: {{privateKeyFile: wireguard.key, connectDestination: \"trellis-wireguard:51820\"}}
+admin: {{address: \"127.0.0.1:5\"}}
+"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.listeners[2].kind,
+            ListenerKind::WireGuard {
+                private_key_file: "/etc/trellis/wireguard.key".into(),
+                connect_destination: Some("trellis-wireguard:51820".into()),
+            }
+        );
+        assert!(!c.listeners[2].kind.is_tcp() && c.listeners[0].kind.is_tcp());
+        assert_eq!(c.listeners[2].kind.as_str(), "wireguard");
+        let c = check(&format!(
+            "{HEAD}routes: {{file: r.yaml}}\nlisteners:\n- {{name: wg, address: \"[::]:51820\", protocol: wireguard, wireguard: {{privateKeyFile: /k}}}}\nadmin: {{address: \"127.0.0.1:5\"}}\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.listeners[0].kind,
+            ListenerKind::WireGuard {
+                private_key_file: "/k".into(),
+                connect_destination: None
+            }
+        );
+    }
+
+    /// The settings of TCP listeners are errors on a `wireguard` listener, its own section
+    /// is an error elsewhere, and a gateway has one device.
+    #[test]
+    fn wireguard_listener_errors() {
+        let err = check(&format!(
+            "{HEAD}routes: {{file: r.yaml}}
+listeners:
+- name: wg
+  address: \"0.0.0.0:51820\"
+  protocol: wireguard
+  wireguard: {{privateKeyFile: k}}
+  tls: {{certificateFile: a, keyFile: b, clientCAFile: c}}
+  proxyProtocol: {{mode: optional}}
+  defaultRoute: r
+  destinationHeader: X-D
+- {{name: wg2, address: \"0.0.0.0:51821\", protocol: wireguard}}
+- {{name: tls, address: \"0.0.0.0:1\", protocol: sni, wireguard: {{privateKeyFile: k}}}}
+- {{name: wg3, address: \"0.0.0.0:51822\", protocol: wireguard, wireguard: {{privateKeyFile: \"\", connectDestination: \"a b\", listenPort: 1}}}}
+admin: {{address: \"127.0.0.1:5\"}}
+"
+        ))
+        .unwrap_err();
+        let f = "/etc/trellis/gateway.yaml";
+        for needle in [
+            format!("{f}: listeners[0].tls: only valid for egress-connect listeners"),
+            format!(
+                "{f}: listeners[0].proxyProtocol: not valid for wireguard listeners: they take no TCP connections"
+            ),
+            format!("{f}: listeners[0].defaultRoute: not valid for wireguard listeners"),
+            format!("{f}: listeners[0].destinationHeader: only valid for http-connect listeners"),
+            format!("{f}: listeners[1].wireguard: required for wireguard listeners"),
+            format!("{f}: listeners[1].protocol: a second wireguard listener (listeners[0])"),
+            format!("{f}: listeners[2].wireguard: only valid for wireguard listeners"),
+            format!("{f}: listeners[3].wireguard.privateKeyFile: must not be empty"),
+            format!("{f}: listeners[3].wireguard.connectDestination: invalid destination \"a b\""),
+            format!("{f}: listeners[3].wireguard.listenPort: unknown field `listenPort`"),
+            format!("{f}: listeners[3].protocol: a second wireguard listener (listeners[0])"),
+            format!(
+                "{f}: listeners[3].wireguard.connectDestination: needs an http-connect listener"
+            ),
+        ] {
+            assert!(err.contains(&needle), "{needle}\nnot in:\n{err}");
+        }
+        assert_eq!(err.lines().count(), 12, "{err}");
     }
 
     #[test]

@@ -342,8 +342,8 @@ fn check_api_version(errors: &mut Errors, api_version: &str) {
 pub enum AnyFile {
     /// `kind: GatewayConfiguration`.
     Gateway(gateway::GatewayConfig),
-    /// `kind: RoutingTable`.
-    Routes(routes::LoadedTable),
+    /// `kind: RoutingTable` (boxed: an indexed table is the largest of them).
+    Routes(Box<routes::LoadedTable>),
     /// `kind: NodeConfiguration`.
     Node(node::NodeConfig),
     /// `kind: ControllerConfiguration`.
@@ -392,7 +392,8 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
             }
             let registry = crate::route::BackendRegistry::default();
             let hash = routes::content_hash(&bytes);
-            routes::validate(file, raw, errors, hash, &registry).map(AnyFile::Routes)
+            routes::validate(file, raw, errors, hash, &registry)
+                .map(|t| AnyFile::Routes(Box::new(t)))
         }
     }
 }

@@ -1,7 +1,7 @@
 //! `kind: RoutingTable` files: raw schema and conversion into a [`RoutingTable`].
 
-use std::collections::HashSet;
-use std::net::SocketAddr;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -11,7 +11,7 @@ use super::decode::{Kind, Raw};
 use super::{ConfigError, Errors, at};
 use crate::route::{
     Backend, BackendAddress, BackendRegistry, Egress, Net, NetSet, ProxyVersion, Route,
-    RouteTimeouts, RoutingTable, SourceRanges, Via,
+    RouteTimeouts, RoutingTable, SourceRanges, Tunnel, TunnelPeer, Via, WgKey,
 };
 
 mapping_only!(
@@ -19,7 +19,10 @@ mapping_only!(
     RawRoute,
     RawBackend,
     RawRouteTimeouts,
-    RawEgress
+    RawEgress,
+    RawTunnel,
+    RawWireGuardRoute,
+    RawTunnelPeer
 );
 
 /// The `kind` of routing table files.
@@ -83,6 +86,45 @@ pub struct RawRoute {
     /// route and where their CONNECTs may go. A route with `egress` needs no backends.
     #[serde(default)]
     pub egress: Option<RawEgress>,
+    /// The shoot's tunnel: the peers the gateway's WireGuard device accepts for this route,
+    /// and the gateway's own addresses inside the shoot. A route with `tunnel` needs no
+    /// backends.
+    #[serde(default)]
+    pub tunnel: Option<RawTunnel>,
+}
+
+/// A route's `tunnel` as written.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawTunnel {
+    /// A WireGuard tunnel, served by the gateway's `wireguard` listener.
+    pub wireguard: RawWireGuardRoute,
+}
+
+/// A route's `tunnel.wireguard` as written.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawWireGuardRoute {
+    /// The shoot-side peers (e.g. two agent replicas): at least one; a public key appears
+    /// once in the whole table.
+    #[serde(default)]
+    pub peers: Vec<RawTunnelPeer>,
+    /// The gateway's addresses inside the shoot: one or two, at most one per family, each
+    /// outside every peer's `allowedIPs`.
+    #[serde(default)]
+    pub local_addresses: Vec<String>,
+}
+
+/// One peer of a route's tunnel as written.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawTunnelPeer {
+    /// Its public key, base64 as `wg pubkey` prints it.
+    pub public_key: String,
+    /// The inner source addresses it may send from and the targets it is chosen for
+    /// (`IP/prefix` or a bare IP): at least one.
+    #[serde(default, rename = "allowedIPs")]
+    pub allowed_ips: Vec<String>,
 }
 
 /// A route's `egress` as written.
@@ -282,7 +324,7 @@ fn validate_route(
         })
         .collect();
     for (i, d) in raw.destinations.iter().enumerate() {
-        if d.is_empty() || d.len() > 1024 || d.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+        if !valid_destination(d) {
             errors.push(
                 format!("{path}.destinations[{i}]"),
                 format!("invalid destination {d:?}"),
@@ -304,16 +346,21 @@ fn validate_route(
                 .ok()
         })
         .collect();
-    if raw.backends.is_empty() && raw.egress.is_none() {
+    if raw.backends.is_empty() && raw.egress.is_none() && raw.tunnel.is_none() {
         errors.push(
             at(path, "backends"),
-            "at least one backend is required (a route without backends needs egress)",
+            "at least one backend is required (a route without backends needs egress or tunnel)",
         );
     }
     let egress = raw
         .egress
         .as_ref()
         .and_then(|e| egress(path, e, dir, errors))
+        .map(Box::new);
+    let tunnel = raw
+        .tunnel
+        .as_ref()
+        .and_then(|t| tunnel(path, &t.wireguard, errors))
         .map(Box::new);
     let backends = raw
         .backends
@@ -379,6 +426,7 @@ fn validate_route(
             route.send_proxy_protocol = send_proxy_protocol;
             route.forward_connect = raw.forward_connect;
             route.egress = egress;
+            route.tunnel = tunnel;
             Some(route)
         }
         Err(e) => {
@@ -386,6 +434,12 @@ fn validate_route(
             None
         }
     }
+}
+
+/// Whether `d` can be a CONNECT destination header value: 1 to 1024 bytes, no control
+/// characters or spaces.
+pub(super) fn valid_destination(d: &str) -> bool {
+    !d.is_empty() && d.len() <= 1024 && !d.bytes().any(|b| b.is_ascii_control() || b == b' ')
 }
 
 /// A route's `egress`, or `None` with every problem recorded in `errors`.
@@ -476,6 +530,129 @@ fn egress(path: RoutePath, raw: &RawEgress, dir: &Path, errors: &mut Errors) -> 
         direct_networks,
         via,
     })
+}
+
+/// A route's `tunnel.wireguard`, or `None` with every problem recorded in `errors`. A key
+/// claimed by two routes is found when the table is indexed; one listed twice in this route
+/// is found here.
+fn tunnel(path: RoutePath, raw: &RawWireGuardRoute, errors: &mut Errors) -> Option<Tunnel> {
+    let before = errors.len();
+    let field = |f: &str| format!("{path}.tunnel.wireguard.{f}");
+    if raw.peers.is_empty() {
+        errors.push(
+            field("peers"),
+            "at least one peer is required (the shoot's agents)",
+        );
+    }
+    let mut keys: HashMap<WgKey, usize> = HashMap::with_capacity(raw.peers.len());
+    // Every peer as far as it is valid, in file order (for the local addresses' check).
+    let mut parsed: Vec<(Option<WgKey>, Box<[Net]>)> = Vec::with_capacity(raw.peers.len());
+    for (i, p) in raw.peers.iter().enumerate() {
+        let peer = field(&format!("peers[{i}]"));
+        let public_key = match WgKey::from_base64(&p.public_key) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                errors.push(at(&peer, "publicKey"), e);
+                None
+            }
+        };
+        if let Some(k) = public_key
+            && let Some(first) = keys.insert(k, i)
+        {
+            errors.push(
+                at(&peer, "publicKey"),
+                format!("the key of peers[{first}] again: each peer has its own key"),
+            );
+        }
+        if p.allowed_ips.is_empty() {
+            errors.push(
+                at(&peer, "allowedIPs"),
+                "at least one network is required (the peer's own tunnel address)",
+            );
+        }
+        let allowed_ips: Box<[Net]> = p
+            .allowed_ips
+            .iter()
+            .enumerate()
+            .filter_map(|(j, s)| {
+                Net::parse(s)
+                    .map_err(|e| errors.push(format!("{peer}.allowedIPs[{j}]"), e))
+                    .ok()
+            })
+            .collect();
+        parsed.push((public_key, allowed_ips));
+    }
+    let allowed: Vec<&[Net]> = parsed.iter().map(|(_, nets)| &nets[..]).collect();
+    let local_addresses = local_addresses(&field("localAddresses"), raw, &allowed, errors);
+    if errors.len() != before {
+        return None;
+    }
+    let peers = parsed
+        .into_iter()
+        .filter_map(|(key, allowed_ips)| {
+            Some(TunnelPeer {
+                public_key: key?,
+                allowed_ips,
+            })
+        })
+        .collect();
+    Some(Tunnel {
+        peers,
+        local_addresses: local_addresses.into(),
+    })
+}
+
+/// A tunnel's `localAddresses`: one or two, at most one per family, unicast, each outside
+/// every peer's `allowedIPs` (the gateway answers on them inside the shoot; a peer that may
+/// send from one could pose as the gateway).
+fn local_addresses(
+    path: &str,
+    raw: &RawWireGuardRoute,
+    allowed: &[&[Net]],
+    errors: &mut Errors,
+) -> Vec<IpAddr> {
+    if raw.local_addresses.is_empty() || raw.local_addresses.len() > 2 {
+        errors.push(
+            path,
+            format!(
+                "one or two addresses are required (at most one per family), got {}",
+                raw.local_addresses.len()
+            ),
+        );
+    }
+    let mut out: Vec<IpAddr> = Vec::with_capacity(raw.local_addresses.len());
+    for (i, s) in raw.local_addresses.iter().enumerate() {
+        let at_i = format!("{path}[{i}]");
+        let Ok(ip) = s.parse::<IpAddr>().map(|ip| ip.to_canonical()) else {
+            errors.push(at_i, format!("expected an IP address, got {s:?}"));
+            continue;
+        };
+        let unusable = ip.is_unspecified()
+            || ip.is_multicast()
+            || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast());
+        if unusable {
+            errors.push(&at_i, format!("{ip} is not a unicast address"));
+        }
+        if let Some(other) = out.iter().position(|o| o.is_ipv4() == ip.is_ipv4()) {
+            errors.push(
+                &at_i,
+                format!(
+                    "a second {} address (localAddresses[{other}]): at most one per family",
+                    if ip.is_ipv4() { "IPv4" } else { "IPv6" }
+                ),
+            );
+        }
+        for (p, nets) in allowed.iter().enumerate() {
+            if let Some(net) = nets.iter().find(|n| n.contains(ip)) {
+                errors.push(
+                    &at_i,
+                    format!("{ip} is inside {net}, an allowedIPs network of peers[{p}]: the gateway's address in the shoot must be outside every peer's"),
+                );
+            }
+        }
+        out.push(ip);
+    }
+    out
 }
 
 /// `allowedSourceRanges`, or `None` with every problem recorded in `errors`.
@@ -714,6 +891,210 @@ mod tests {
             err.contains("routes[0].forwardConnect: invalid boolean"),
             "{err}"
         );
+    }
+
+    /// A key as `wg pubkey` prints it.
+    fn key(b: u8) -> String {
+        WgKey([b; 32]).to_base64()
+    }
+
+    /// A table of one tunnel route with these peers (flow YAML) and local addresses.
+    fn tunnel_table(peers: &str, local: &str) -> String {
+        format!(
+            "{HEAD}routes:\n- name: t\n  tunnel:\n    wireguard:\n      peers: {peers}\n      localAddresses: {local}\n"
+        )
+    }
+
+    #[test]
+    fn a_tunnel_route_needs_no_backends() {
+        let t = check(&format!(
+            "{HEAD}routes:
+- name: shoot--dev--alpha
+  tunnel:
+    wireguard:
+      peers:
+      - publicKey: \"{}\"
+        allowedIPs: [\"192.168.128.5/32\", \"10.250.0.0/16\"]
+      - publicKey: \"{}\"
+        allowedIPs: [192.168.128.6, \"10.250.0.0/16\", \"fd8f:6d53:b97a:1::6/128\"]
+      localAddresses: [192.168.128.1, \"fd8f:6d53:b97a:1::1\"]
+  egress:
+    clientIdentities: [shoot--dev--alpha]
+    allowedNetworks: [\"10.250.0.0/16\"]
+    via: tunnel
+- name: no-tunnel-yet
+  egress: {{clientIdentities: [beta], allowedNetworks: [\"10.0.0.0/8\"]}}
+",
+            key(1),
+            key(2)
+        ))
+        .unwrap();
+        let r = t.table.by_name("shoot--dev--alpha").unwrap();
+        let tunnel = r.tunnel.as_deref().unwrap();
+        assert!(r.backends.is_empty());
+        assert_eq!(tunnel.peers.len(), 2);
+        assert_eq!(tunnel.peers[1].public_key, WgKey([2; 32]));
+        assert_eq!(
+            tunnel.peers[1].allowed_ips[0],
+            Net::parse("192.168.128.6/32").unwrap()
+        );
+        assert_eq!(
+            tunnel.local_addresses[..],
+            [
+                "192.168.128.1".parse::<IpAddr>().unwrap(),
+                "fd8f:6d53:b97a:1::1".parse().unwrap()
+            ]
+        );
+        assert_eq!(
+            t.table
+                .by_public_key(&WgKey([2; 32]))
+                .map(|(r, p)| (r.name(), p)),
+            Some(("shoot--dev--alpha", 1))
+        );
+        // Egress via the tunnel with no tunnel is valid: the gateway answers 504.
+        assert!(t.table.by_name("no-tunnel-yet").unwrap().tunnel.is_none());
+    }
+
+    /// Each rule of `tunnel.wireguard`, broken once, is reported at its path; the same table
+    /// with the rule kept is valid (so each assertion fails when its rule goes).
+    #[test]
+    fn tunnel_rules_each_have_an_error() {
+        let ok_peer = format!(
+            "[{{publicKey: \"{}\", allowedIPs: [\"10.250.0.0/16\"]}}]",
+            key(1)
+        );
+        let ok_local = "[10.251.0.1, \"fd00::1\"]";
+        check(&tunnel_table(&ok_peer, ok_local)).unwrap();
+        let base64_31 =
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, [7u8; 31]);
+        let cases = [
+            (
+                tunnel_table(
+                    "[{publicKey: \"not a key!\", allowedIPs: [10.0.0.1]}]",
+                    ok_local,
+                ),
+                "routes[0].tunnel.wireguard.peers[0].publicKey: not base64",
+            ),
+            (
+                tunnel_table(
+                    &format!("[{{publicKey: \"{base64_31}\", allowedIPs: [10.0.0.1]}}]"),
+                    ok_local,
+                ),
+                "routes[0].tunnel.wireguard.peers[0].publicKey: a WireGuard key is 32 bytes, this is 31",
+            ),
+            (
+                tunnel_table("[]", ok_local),
+                "routes[0].tunnel.wireguard.peers: at least one peer is required",
+            ),
+            (
+                tunnel_table(
+                    &format!(
+                        "[{{publicKey: \"{}\", allowedIPs: [\"10.250.0.0/16\"]}}, {{publicKey: \"{}\", allowedIPs: [10.0.0.1]}}]",
+                        key(1),
+                        key(1)
+                    ),
+                    ok_local,
+                ),
+                "routes[0].tunnel.wireguard.peers[1].publicKey: the key of peers[0] again",
+            ),
+            (
+                tunnel_table(&format!("[{{publicKey: \"{}\"}}]", key(1)), ok_local),
+                "routes[0].tunnel.wireguard.peers[0].allowedIPs: at least one network is required",
+            ),
+            (
+                tunnel_table(
+                    &format!(
+                        "[{{publicKey: \"{}\", allowedIPs: [\"10.0.0.0/33\"]}}]",
+                        key(1)
+                    ),
+                    ok_local,
+                ),
+                "routes[0].tunnel.wireguard.peers[0].allowedIPs[0]: invalid prefix length",
+            ),
+            (
+                tunnel_table(&ok_peer, "[\"10.250.3.1\"]"),
+                "routes[0].tunnel.wireguard.localAddresses[0]: 10.250.3.1 is inside 10.250.0.0/16, an allowedIPs network of peers[0]",
+            ),
+            (
+                tunnel_table(&ok_peer, "[10.251.0.1, 10.251.0.2]"),
+                "routes[0].tunnel.wireguard.localAddresses[1]: a second IPv4 address (localAddresses[0])",
+            ),
+            (
+                tunnel_table(&ok_peer, "[\"fd00::1\", \"fd00::2\"]"),
+                "routes[0].tunnel.wireguard.localAddresses[1]: a second IPv6 address (localAddresses[0])",
+            ),
+            (
+                tunnel_table(&ok_peer, "[]"),
+                "routes[0].tunnel.wireguard.localAddresses: one or two addresses are required (at most one per family), got 0",
+            ),
+            (
+                tunnel_table(&ok_peer, "[10.251.0.1, \"fd00::1\", 10.251.0.2]"),
+                "routes[0].tunnel.wireguard.localAddresses: one or two addresses are required (at most one per family), got 3",
+            ),
+            (
+                tunnel_table(&ok_peer, "[gateway]"),
+                "routes[0].tunnel.wireguard.localAddresses[0]: expected an IP address, got \"gateway\"",
+            ),
+            (
+                tunnel_table(&ok_peer, "[0.0.0.0]"),
+                "routes[0].tunnel.wireguard.localAddresses[0]: 0.0.0.0 is not a unicast address",
+            ),
+            (
+                tunnel_table(
+                    &format!(
+                        "[{{publicKey: \"{}\", allowedIPs: [10.0.0.1], endpoint: \"1.2.3.4:51820\"}}]",
+                        key(1)
+                    ),
+                    ok_local,
+                ),
+                "routes[0].tunnel.wireguard.peers[0].endpoint: unknown field `endpoint`",
+            ),
+        ];
+        for (table, needle) in cases {
+            let err = check(&table)
+                .err()
+                .unwrap_or_else(|| panic!("accepted:\n{table}"));
+            assert!(err.contains(needle), "{needle}\nnot in:\n{err}");
+        }
+        // A key in two routes is refused, naming both.
+        let err = check(&format!(
+            "{HEAD}routes:
+- {{name: a, tunnel: {{wireguard: {{peers: [{{publicKey: \"{k}\", allowedIPs: [10.0.0.1]}}], localAddresses: [10.9.0.1]}}}}}}
+- {{name: b, tunnel: {{wireguard: {{peers: [{{publicKey: \"{k2}\", allowedIPs: [10.0.0.2]}}, {{publicKey: \"{k}\", allowedIPs: [10.0.0.1]}}], localAddresses: [10.9.0.1]}}}}}}
+",
+            k = key(1),
+            k2 = key(2),
+        ))
+        .unwrap_err();
+        assert_eq!(
+            err,
+            format!(
+                "routes.yaml: routes[1]: tunnel.wireguard.publicKey \"{}\" of route \"b\" is already claimed by route \"a\" (routes[0])",
+                key(1)
+            )
+        );
+        // Without backends, egress or tunnel, a route leads nowhere.
+        let err = check(&format!("{HEAD}routes:\n- name: x\n")).unwrap_err();
+        assert!(err.contains("routes[0].backends: at least one backend is required (a route without backends needs egress or tunnel)"), "{err}");
+    }
+
+    /// What `/routes` shows of a tunnel is the table file's shape: read back as a table, it
+    /// is the same tunnel.
+    #[test]
+    fn the_routes_view_of_a_tunnel_reads_back() {
+        let t = check(&tunnel_table(
+            &format!("[{{publicKey: \"{}\", allowedIPs: [192.168.128.5, \"10.250.0.0/16\"]}}, {{publicKey: \"{}\", allowedIPs: [\"fd00:1::/64\"]}}]", key(1), key(2)),
+            "[\"fd00:2::1\", 192.168.128.1]",
+        ))
+        .unwrap();
+        let tunnel = t.table.routes()[0].tunnel.as_deref().unwrap();
+        let shown = serde_json::json!({
+            "apiVersion": crate::config::API_VERSION,
+            "kind": KIND,
+            "routes": [{"name": "t", "tunnel": tunnel.view(None)}],
+        });
+        let again = check(&shown.to_string()).unwrap();
+        assert_eq!(again.table.routes()[0].tunnel.as_deref(), Some(tunnel));
     }
 
     #[test]

@@ -82,6 +82,8 @@ async fn pipeline(
         ListenerKind::EgressConnect { .. } => {
             conn.reject(Outcome::BadRequest, "egress-connect served elsewhere")
         }
+        // bound by the tunnel driver
+        ListenerKind::WireGuard { .. } => conn.reject(Outcome::BadRequest, "not a TCP listener"),
     }
 }
 

@@ -138,7 +138,8 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let mut per_worker: Vec<Vec<(Arc<ListenerConfig>, std::net::TcpListener)>> =
         (0..workers).map(|_| Vec::new()).collect();
     let mut claims = Vec::new();
-    for l in &config.listeners {
+    // `wireguard` (UDP) is bound by the tunnel driver.
+    for l in config.listeners.iter().filter(|l| l.kind.is_tcp()) {
         let l = Arc::new(l.clone());
         let bind_error = |source: std::io::Error| {
             GatewayError::bind(format!("listener {}", l.name), l.address, source)

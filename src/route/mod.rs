@@ -28,7 +28,9 @@ pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
 pub use egress::{Egress, EgressConflict, EgressIndex, EgressPath, TlsFiles, Via};
 pub use net::{Net, NetError, NetSet, NetTable};
 pub use ranges::{RangesError, SourceRanges};
-pub use tunnel::{KeyError, KeyFileError, Tunnel, TunnelPeer, WgKey, read_key_file};
+pub use tunnel::{
+    KeyError, KeyFileError, PeerState, Tunnel, TunnelPeer, TunnelView, WgKey, read_key_file,
+};
 
 pub use crate::wire::proxy::ProxyVersion;
 
@@ -216,7 +218,8 @@ impl Route {
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("{kind} {key:?} of route {second:?} is already claimed by route {first:?}")]
 pub struct Conflict {
-    /// `sni`, `destination`, `proxyDestination` or `name`.
+    /// `sni`, `destination`, `proxyDestination`, `name`, an egress selector or
+    /// `tunnel.wireguard.publicKey`.
     pub kind: &'static str,
     /// The key as written.
     pub key: String,
@@ -242,6 +245,8 @@ pub struct RoutingTable {
     destinations: Index,
     proxy_destinations: HashMap<SocketAddr, u32>,
     egress: EgressIndex,
+    /// Every tunnel peer's public key: its route and its index in the route's peers.
+    tunnel_peers: HashMap<WgKey, (u32, u32)>,
 }
 
 /// Which string of a route an index holds; `position` picks one of a list.
@@ -287,6 +292,9 @@ impl RoutingTable {
             destinations: Index::with_capacity(count(|r| r.destinations().len())),
             proxy_destinations: HashMap::with_capacity(count(|r| r.proxy_destinations.len())),
             egress: EgressIndex::default(),
+            tunnel_peers: HashMap::with_capacity(count(|r| {
+                r.tunnel.as_ref().map_or(0, |t| t.peers.len())
+            })),
             routes: Vec::new(),
         };
         let keys = |kind| RouteKeys {
@@ -348,6 +356,22 @@ impl RoutingTable {
             for d in route.proxy_destinations.iter() {
                 let prev = *table.proxy_destinations.entry(*d).or_insert(n);
                 claim("proxyDestination", d, Some(prev));
+            }
+            // One WireGuard device serves every shoot: a key names one peer in the whole
+            // table. A key listed twice in one route is the caller's to refuse (the config's
+            // validation does); the index keeps its first peer.
+            let peers = route.tunnel.as_ref().map_or(&[][..], |t| &t.peers[..]);
+            for (p, peer) in peers.iter().enumerate() {
+                let prev = table
+                    .tunnel_peers
+                    .entry(peer.public_key)
+                    .or_insert((n, p as u32))
+                    .0;
+                claim(
+                    "tunnel.wireguard.publicKey",
+                    &peer.public_key.to_base64(),
+                    Some(prev),
+                );
             }
         }
         let with_egress = routes
@@ -436,6 +460,13 @@ impl RoutingTable {
         names: impl Iterator<Item = &'a str>,
     ) -> Option<&Arc<Route>> {
         self.found(self.egress.by_identity(names))
+    }
+
+    /// The route whose tunnel has a peer with this public key, and the peer's index in the
+    /// route's `tunnel.wireguard.peers`.
+    pub fn by_public_key(&self, key: &WgKey) -> Option<(&Arc<Route>, usize)> {
+        let &(route, peer) = self.tunnel_peers.get(key)?;
+        Some((&self.routes[route as usize], peer as usize))
     }
 
     /// The route for an original destination carried in a PROXY header.
@@ -536,6 +567,45 @@ mod tests {
         assert_eq!(err.len(), 1, "{err:?}");
         let err = RoutingTable::new(vec![route("a", &[]), route("a", &[])]).unwrap_err();
         assert_eq!(err[0].kind, "name");
+    }
+
+    #[test]
+    fn a_public_key_names_one_peer_in_the_whole_table() {
+        let with_peers = |name: &str, keys: &[u8]| {
+            let mut r = route(name, &[]);
+            r.tunnel = Some(Box::new(Tunnel {
+                peers: keys
+                    .iter()
+                    .map(|&k| TunnelPeer {
+                        public_key: WgKey([k; 32]),
+                        allowed_ips: Box::new([]),
+                    })
+                    .collect(),
+                local_addresses: Box::new([]),
+            }));
+            r
+        };
+        let t = RoutingTable::new(vec![
+            route("plain", &[]),
+            with_peers("a", &[1, 2]),
+            with_peers("b", &[3]),
+        ])
+        .unwrap();
+        let found = |k: u8| {
+            t.by_public_key(&WgKey([k; 32]))
+                .map(|(r, p)| (r.name().to_owned(), p))
+        };
+        assert_eq!(found(2), Some(("a".into(), 1)));
+        assert_eq!(found(3), Some(("b".into(), 0)));
+        assert_eq!(found(4), None);
+        let err = RoutingTable::new(vec![with_peers("a", &[1, 2]), with_peers("b", &[3, 2])])
+            .unwrap_err();
+        assert_eq!(err.len(), 1, "{err:?}");
+        assert_eq!(
+            (err[0].kind, &*err[0].first, &*err[0].second),
+            ("tunnel.wireguard.publicKey", "a", "b")
+        );
+        assert_eq!(err[0].key, WgKey([2; 32]).to_base64());
     }
 
     #[test]
