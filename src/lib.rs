@@ -15,6 +15,7 @@ pub mod net;
 pub mod node;
 pub mod route;
 pub(crate) mod serve;
+pub(crate) mod tunnel;
 pub mod wire;
 
 /// The version `trellis --version` prints and `trellis_build_info` carries: the crate

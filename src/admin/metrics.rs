@@ -156,6 +156,70 @@ pub(crate) enum Role {
     Node,
     /// The controller's families only ([`ControllerMetrics`]).
     Controller,
+    /// The agent: the shared connection families and the tunnel's ([`TunnelMetrics`]).
+    Agent,
+}
+
+/// `route`, `peer` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct RoutePeerLabels {
+    /// Route name.
+    pub route: String,
+    /// The peer's position in the route.
+    pub peer: String,
+}
+
+/// The WireGuard tunnel's families (gateway and agent).
+#[derive(Debug, Default)]
+pub(crate) struct TunnelMetrics {
+    /// `trellis_tunnel_handshakes_total`: completed handshakes by route (`result="ok"`) and
+    /// recovery handshakes started (`result="recovery"`).
+    pub handshakes: Family<RouteResultLabels, Counter>,
+    /// `trellis_tunnel_last_handshake_timestamp_seconds`.
+    pub last_handshake: Family<RoutePeerLabels, Gauge<f64, AtomicU64>>,
+    /// `trellis_tunnel_bytes_total`: stream bytes, `rx` from the shoot, `tx` into it.
+    pub bytes: Family<RouteDirectionLabels, Counter>,
+    /// `trellis_tunnel_streams_active`.
+    pub streams: Family<RouteLabel, Gauge>,
+    /// `trellis_tunnel_dial_failures_total`.
+    pub dial_failures: Family<RouteReasonLabels, Counter>,
+    /// `trellis_tunnel_packets_dropped_total`.
+    pub dropped: Family<ReasonLabel, Counter>,
+}
+
+impl TunnelMetrics {
+    fn register(&self, r: &mut Registry) {
+        r.register(
+            "tunnel_handshakes",
+            "WireGuard handshakes by route and result (ok: completed; recovery: started by trellis for a session it did not hold)",
+            self.handshakes.clone(),
+        );
+        r.register(
+            "tunnel_last_handshake_timestamp_seconds",
+            "When each peer's last handshake completed (Unix time)",
+            self.last_handshake.clone(),
+        );
+        r.register(
+            "tunnel_bytes",
+            "Bytes of tunneled streams by route and direction (rx from the shoot, tx into it)",
+            self.bytes.clone(),
+        );
+        r.register(
+            "tunnel_streams_active",
+            "Tunneled streams open now, by route",
+            self.streams.clone(),
+        );
+        r.register(
+            "tunnel_dial_failures",
+            "Streams that could not be opened through a tunnel, by route and reason",
+            self.dial_failures.clone(),
+        );
+        r.register(
+            "tunnel_packets_dropped",
+            "Tunnel packets dropped, by reason",
+            self.dropped.clone(),
+        );
+    }
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -227,6 +291,8 @@ pub(crate) struct Metrics {
     egress_labels: std::sync::Mutex<std::collections::HashMap<String, Vec<&'static str>>>,
     /// The controller's families.
     pub controller: ControllerMetrics,
+    /// The tunnel's families (gateway and agent).
+    pub tunnel: std::sync::Arc<TunnelMetrics>,
 }
 
 /// Per-route handles, resolved once per connection.
@@ -309,12 +375,16 @@ impl Metrics {
             failure_labels: Default::default(),
             egress_labels: Default::default(),
             controller: ControllerMetrics::new(),
+            tunnel: Default::default(),
         };
         let r = registry.sub_registry_with_prefix("trellis");
         if role == Role::Controller {
             m.register_controller(r);
         } else {
             m.register_connections(r);
+        }
+        if matches!(role, Role::Gateway | Role::Agent) {
+            m.tunnel.register(r);
         }
         if role == Role::Gateway {
             r.register(

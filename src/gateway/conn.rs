@@ -12,7 +12,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::Shared;
-use crate::net::dial::Dest;
+use crate::net::dial::{Dest, Dialer};
 use crate::net::relay::Leg;
 use crate::net::socket::normalize;
 use crate::net::stream::{ClientStream, READ_CHUNK, read_appending};
@@ -264,9 +264,22 @@ impl<S: ClientStream> Conn<S> {
         self: Box<Self>,
         route: &Arc<Route>,
         to: Dest<'_>,
-        mut reply: Reply,
+        reply: Reply,
         shared: &Shared,
     ) -> Option<Ready<S>> {
+        self.link_with(route, to, reply, shared, &shared.dialer)
+            .await
+    }
+
+    /// [`Conn::link`] with another dialer (egress through a tunnel).
+    pub(super) async fn link_with<D: Dialer>(
+        self: Box<Self>,
+        route: &Arc<Route>,
+        to: Dest<'_>,
+        mut reply: Reply,
+        shared: &Shared,
+        dialer: &D,
+    ) -> Option<Ready<S, D::Stream>> {
         let cfg = &shared.config;
         let (stream, mut buf, record, guard, source, destination) = self.into_parts();
         if let Some(version) = route.send_proxy_protocol {
@@ -302,7 +315,7 @@ impl<S: ClientStream> Conn<S> {
                 progress: cfg.access_log_interval,
             },
         };
-        forward::link(routed, &shared.dialer, reply).await
+        forward::link(routed, dialer, reply).await
     }
 }
 
@@ -415,6 +428,7 @@ admin: {address: \"127.0.0.1:2\"}
             tables,
             drain: Drain::default(),
             certs: Arc::new(crate::gateway::certs::Certs::new([], metrics_for_certs).unwrap()),
+            tunnels: None,
         }
     }
 

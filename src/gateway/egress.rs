@@ -13,9 +13,11 @@
 //! is resolved here, and its first allowed address dialed); the answer is exactly
 //! `HTTP/1.1 200 Connection established` with a blank line, written and flushed on its own,
 //! once the target is connected. Every refusal answers a status whose body names no address
-//! and closes. `allowedNetworks` go through the shoot's tunnel, which this build does not
-//! have: `504`, counted `no_tunnel` (with `via: direct` they are dialed from the gateway's
-//! network). Each result is counted in `trellis_egress_requests_total{route, result}`.
+//! and closes. `allowedNetworks` go through the shoot's WireGuard tunnel (a reset there is
+//! `502`, no live peer or no answer `504`); a route without a tunnel, or a gateway without a
+//! `wireguard` listener, answers `504`, counted `no_tunnel` (with `via: direct` they are
+//! dialed from the gateway's network). Each result is counted in
+//! `trellis_egress_requests_total{route, result}`.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -26,14 +28,17 @@ use super::Shared;
 use super::conn::{Conn, Ready};
 use crate::net::dial::Dest;
 use crate::net::prefixed::Prefixed;
+use crate::net::relay::Either;
 use crate::net::tls::{ServerStream, identities};
 use crate::route::{BackendAddress, EgressPath, Route, TlsFiles};
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
+use crate::tunnel::TunnelStream;
+use crate::tunnel::dialer::ViaTunnel;
 use crate::wire::http;
 
 /// A linked egress connection: TLS to the client, TCP to the target.
-pub(super) type EgressReady = Ready<ServerStream, TcpStream>;
+pub(super) type EgressReady = Ready<ServerStream, Either<TcpStream, TunnelStream>>;
 
 /// Most addresses of a resolved name looked at for one the route allows.
 const MAX_RESOLVED: usize = 16;
@@ -379,20 +384,28 @@ pub(super) async fn handle(
             .await;
         }
     };
-    if path == EgressPath::Tunnel {
-        return refuse(
-            conn,
-            shared,
-            name,
-            EgressResult::NoTunnel,
-            504,
-            "no tunnel to the target's network",
-        )
-        .await;
-    }
+    let tunnels = match (path, &shared.tunnels) {
+        (EgressPath::Tunnel, Some(t)) if route.tunnel.is_some() => Some(t),
+        (EgressPath::Tunnel, _) => {
+            return refuse(
+                conn,
+                shared,
+                name,
+                EgressResult::NoTunnel,
+                504,
+                "no tunnel to the target's network",
+            )
+            .await;
+        }
+        _ => None,
+    };
     let dest = BackendAddress::Ip(addr);
+    let dialer = ViaTunnel {
+        direct: &shared.dialer,
+        tunnels,
+    };
     match conn
-        .link(&route, Dest::Address(&dest), Reply::Http, shared)
+        .link_with(&route, Dest::Address(&dest), Reply::Http, shared, &dialer)
         .await
     {
         Some(ready) => {

@@ -13,6 +13,7 @@ mod egress;
 mod proxydst;
 mod sni;
 pub(crate) mod table;
+mod tunnel;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -63,6 +64,9 @@ pub enum GatewayError {
     /// Signal handlers could not be installed.
     #[error("signal handling: {0}")]
     Signals(std::io::Error),
+    /// The `wireguard` listener's private key could not be read.
+    #[error("wireguard private key: {0}")]
+    WireGuardKey(#[from] crate::route::KeyFileError),
     /// A listener's TLS material could not be loaded.
     #[error("listener TLS material: {0}")]
     Tls(#[from] crate::net::tls::TlsError),
@@ -104,6 +108,8 @@ pub(crate) struct Shared {
     pub destination_headers: Vec<String>,
     /// TLS configs of the `egress-connect` listeners and of routes' `egress.tls`.
     pub certs: Arc<certs::Certs>,
+    /// The `wireguard` listener's device, if the gateway has one.
+    pub tunnels: Option<crate::tunnel::Tunnels>,
 }
 
 /// Runs the gateway until SIGTERM/SIGINT and a completed drain.
@@ -161,6 +167,22 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     }
     // The listeners listen now: nobody else can claim their addresses.
     drop(claims);
+    // The `wireguard` listener (at most one): its key and its UDP socket.
+    let mut wireguard = None;
+    for l in &config.listeners {
+        if let ListenerKind::WireGuard {
+            private_key_file, ..
+        } = &l.kind
+        {
+            let key = crate::route::read_key_file(private_key_file)?;
+            let sock = socket::bind_udp(l.address).map_err(|source| {
+                GatewayError::bind(format!("listener {}", l.name), l.address, source)
+            })?;
+            let address = sock.local_addr().map_or(l.address, |a| a);
+            tracing::info!(listener = %l.name, %address, protocol = "wireguard", "listening");
+            wireguard = Some((sock, key, private_key_file.clone()));
+        }
+    }
     let admin_sock = admin::bind(config.admin)
         .map_err(|source| GatewayError::bind("admin".into(), config.admin, source))?;
     let debug_sock = admin::bind(config.debug_address).map_err(|source| {
@@ -168,7 +190,26 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     })?;
     let admin_state = Arc::new(AdminState::new(metrics.clone()));
     let json_tables = tables.clone();
-    let routes: admin::RoutesJson = Box::new(move || json_tables.to_json());
+    let tunnels = match wireguard {
+        Some((sock, key, key_file)) => {
+            let sock = tokio::net::UdpSocket::from_std(sock).map_err(GatewayError::Signals)?;
+            let t = crate::tunnel::Tunnels::gateway(sock, key, metrics.tunnel.clone());
+            Some((t, key_file))
+        }
+        None => None,
+    };
+    let live_tunnels = tunnels.as_ref().map(|(t, _)| t.clone());
+    let routes: admin::RoutesJson = Box::new(move || match &live_tunnels {
+        Some(t) => {
+            let status = t.status();
+            let live = |route: &str, peer: usize| {
+                let p = status.get(route)?.peers.get(peer)?;
+                serde_json::to_value(p).ok()
+            };
+            json_tables.to_json_live(Some(&live))
+        }
+        None => json_tables.to_json(),
+    });
     // Probes, metrics and /routes run on a thread of their own.
     let admin_server =
         admin::Server::start(admin_sock, Some((debug_sock, routes)), admin_state.clone()).map_err(
@@ -190,10 +231,20 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let certs_task = tokio::spawn(certs::keep_current(
         certs.clone(),
         tables.subscribe(),
-        watches,
+        watches.clone(),
         config.routes_check_interval,
-        hup_rx,
+        hup_rx.clone(),
     ));
+    let tunnel_task = tunnels.as_ref().map(|(t, key_file)| {
+        tokio::spawn(tunnel::keep_current(
+            t.clone(),
+            key_file.clone(),
+            tables.subscribe(),
+            watches,
+            config.routes_check_interval,
+            hup_rx,
+        ))
+    });
 
     let drain_times = DrainTimes {
         delay: config.timeouts.drain_delay,
@@ -217,6 +268,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         drain: Drain::default(),
         dialer,
         certs,
+        tunnels: tunnels.map(|(t, _)| t),
     });
     let stop_rx = shared.drain.listeners_stop();
     let (exit_tx, exit_rx) = watch::channel(false);
@@ -264,6 +316,9 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     .await;
     watch_task.abort();
     certs_task.abort();
+    if let Some(t) = tunnel_task {
+        t.abort();
+    }
     memory_task.abort();
     drop(admin_server);
     tracing::info!("gateway stopped");

@@ -21,6 +21,9 @@ use crate::serve::watch::{Clock, DirWatches, Tracked, Trigger, Watched};
 #[cfg(test)]
 use crate::serve::watch::{RACY_STAMP, Stamp};
 
+/// The live state of a route's tunnel peer (route name, the peer's index), for `/routes`.
+pub(crate) type LiveState<'a> = dyn Fn(&str, usize) -> Option<serde_json::Value> + 'a;
+
 /// One published table.
 #[derive(Debug)]
 pub(crate) struct Snapshot {
@@ -334,6 +337,11 @@ impl Tables {
     /// The active table as JSON, for `/routes`: rendered from the indexed table (names
     /// normalised, durations canonical), so no copy of the file stays in memory.
     pub(crate) fn to_json(&self) -> String {
+        self.to_json_live(None)
+    }
+
+    /// [`Tables::to_json`] with each tunnel peer's live state from `live(route, peer)`.
+    pub(crate) fn to_json_live(&self, live: Option<&LiveState<'_>>) -> String {
         #[derive(Serialize)]
         #[serde(rename_all = "camelCase")]
         struct View<'a> {
@@ -368,6 +376,8 @@ impl Tables {
             forward_connect: bool,
             #[serde(skip_serializing_if = "Option::is_none")]
             egress: Option<&'a crate::route::Egress>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            tunnel: Option<serde_json::Value>,
         }
         #[derive(Serialize)]
         struct BackendView<'a> {
@@ -409,6 +419,11 @@ impl Tables {
                 send_proxy_protocol: r.send_proxy_protocol.map(|v| v.as_str()),
                 forward_connect: r.forward_connect,
                 egress: r.egress.as_deref(),
+                tunnel: r.tunnel.as_deref().and_then(|t| {
+                    let name = r.name();
+                    let peer = |i: usize| live.and_then(|f| f(name, i));
+                    serde_json::to_value(t.view(Some(&peer))).ok()
+                }),
             })
             .collect();
         let view = View {

@@ -159,6 +159,26 @@ pub fn raise_nofile_limit() -> io::Result<u64> {
     Ok(limit.current.unwrap_or(u64::MAX))
 }
 
+/// Socket buffer size asked for on tunnel (UDP) sockets: a burst of full-size datagrams
+/// must not overflow them while the task that reads them is busy (the kernel caps it at
+/// `net.core.rmem_max`/`wmem_max`).
+pub(crate) const UDP_BUFFER: usize = 4 << 20;
+
+/// A non-blocking UDP socket bound to `addr` (no `SO_REUSEPORT`: an address another process
+/// holds fails with `EADDRINUSE`), with large buffers; IPv6 wildcards accept IPv4 too.
+pub(crate) fn bind_udp(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
+    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, None)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(false)?;
+    }
+    // Best effort: the kernel's caps apply.
+    let _ = socket.set_recv_buffer_size(UDP_BUFFER);
+    let _ = socket.set_send_buffer_size(UDP_BUFFER);
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

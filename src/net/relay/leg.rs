@@ -50,10 +50,6 @@ impl<T: Leg + ?Sized> Leg for Box<T> {
 /// stream: each call goes to the stream it holds, [`Leg::as_tcp`] included, so a kernel
 /// socket in it keeps the relay's fast path.
 #[derive(Debug)]
-#[cfg_attr(
-    not(test),
-    expect(dead_code, reason = "for dialers that yield either kind of stream")
-)]
 pub(crate) enum Either<A, B> {
     /// The first kind.
     A(A),

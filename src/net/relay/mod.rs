@@ -36,13 +36,6 @@ use tokio::time::{Instant, Sleep, sleep_until};
 
 use copy::{Dir, Meter, Op};
 use deadline::{Deadlines, Due};
-#[cfg_attr(
-    not(test),
-    expect(
-        unused_imports,
-        reason = "for dialers that yield either kind of stream"
-    )
-)]
 pub(crate) use leg::Either;
 pub(crate) use leg::Leg;
 #[cfg(test)]

@@ -1,0 +1,613 @@
+//! The tokio side of the tunnel: the UDP socket, the one timer, the device state that table
+//! changes replace, dials from the gateway and connections accepted on the agent.
+//!
+//! Threading: each shoot is one `Mutex` ([`super::device::ShootCell`]). The UDP task, the
+//! timer and every stream's task lock the shoot they touch and do the work there and then
+//! (decrypt, run the stack, encrypt, send), so a connection accepted on any worker reaches
+//! its shoot with no hop and no channel; shoots never wait for each other.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use arc_swap::ArcSwap;
+use thiserror::Error;
+use tokio::net::UdpSocket;
+use tokio::sync::{Notify, mpsc};
+
+use super::device::{self, Keys, Maps, Recovery, ShootCell, lock};
+use super::peer::Peer;
+use super::shoot::{Accept, Dialed, Drop, Io, Mode, Shoot};
+use super::stack::StackError;
+use super::stream::{StreamMetrics, TunnelStream};
+use crate::admin::metrics::{
+    ReasonLabel, RouteDirectionLabels, RouteLabel, RoutePeerLabels, RouteReasonLabels,
+    RouteResultLabels, TunnelMetrics,
+};
+use crate::route::{Net, Tunnel, WgKey};
+
+/// How often every peer's timers run (WireGuard's own resolution is coarser).
+const TIMER_TICK: Duration = Duration::from_millis(250);
+
+/// Why a stream could not be opened through a tunnel.
+#[derive(Debug, Error)]
+pub(crate) enum DialError {
+    /// The route has no tunnel.
+    #[error("the route has no tunnel")]
+    NoTunnel,
+    /// No peer whose `allowedIPs` hold the target has a live session.
+    #[error("no live tunnel peer for the target")]
+    NoLivePeer,
+    /// The target answered with a reset.
+    #[error("connection refused in the shoot")]
+    Refused,
+    /// No answer in time.
+    #[error("no answer in time")]
+    Timeout,
+    /// The stack could not open the stream.
+    #[error("{0}")]
+    Stack(#[from] StackError),
+    /// The route or peer went away while dialing.
+    #[error("route removed")]
+    RouteRemoved,
+}
+
+impl DialError {
+    /// The `reason` label.
+    pub(crate) fn as_str(&self) -> &'static str {
+        match self {
+            DialError::NoTunnel => "no_tunnel",
+            DialError::NoLivePeer => "no_live_peer",
+            DialError::Refused => "refused",
+            DialError::Timeout => "timeout",
+            DialError::Stack(_) => "stack",
+            DialError::RouteRemoved => "route_removed",
+        }
+    }
+}
+
+/// The device state a table change replaces as a whole.
+pub(crate) struct State {
+    keys: Keys,
+    maps: Maps,
+}
+
+/// What every task of the tunnel shares.
+pub(crate) struct Inner {
+    socket: Arc<UdpSocket>,
+    state: ArcSwap<State>,
+    recovery: Recovery,
+    metrics: Arc<TunnelMetrics>,
+    wake: Notify,
+    /// Serializes table changes.
+    apply: Mutex<()>,
+    /// The agent's accepted connections, for its dialer.
+    accepts: Option<mpsc::UnboundedSender<(ShootCell, Accept)>>,
+    mode: Mode,
+}
+
+/// Sends through the UDP socket and counts.
+pub(crate) struct UdpIo<'a> {
+    inner: &'a Inner,
+}
+
+impl Io for UdpIo<'_> {
+    fn send(&mut self, to: SocketAddr, datagram: &[u8]) {
+        if self.inner.socket.try_send_to(datagram, to).is_err() {
+            self.dropped(Drop::Busy);
+        }
+    }
+
+    fn dropped(&mut self, reason: Drop) {
+        self.inner
+            .metrics
+            .dropped
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            })
+            .inc();
+    }
+
+    fn handshake(&mut self, route: &str, _peer: &WgKey) {
+        self.count(route, "ok");
+    }
+
+    fn recovery(&mut self, route: &str) {
+        self.count(route, "recovery");
+    }
+}
+
+impl UdpIo<'_> {
+    fn count(&self, route: &str, result: &'static str) {
+        self.inner
+            .metrics
+            .handshakes
+            .get_or_create(&RouteResultLabels {
+                route: route.to_string(),
+                result,
+            })
+            .inc();
+    }
+}
+
+impl Inner {
+    pub(crate) fn io(&self) -> UdpIo<'_> {
+        UdpIo { inner: self }
+    }
+}
+
+/// The tunnel device of a gateway or an agent.
+#[derive(Clone)]
+pub(crate) struct Tunnels {
+    inner: Arc<Inner>,
+}
+
+/// The agent's side of its one tunnel.
+#[derive(Debug, Clone)]
+pub(crate) struct AgentSide {
+    /// The gateway's public key.
+    pub(crate) gateway: WgKey,
+    /// Where the gateway is (UDP).
+    pub(crate) endpoint: SocketAddr,
+    /// The agent's addresses inside the tunnel.
+    pub(crate) addresses: Vec<std::net::IpAddr>,
+    /// What the agent dials.
+    pub(crate) networks: Arc<[Net]>,
+    /// Persistent keepalive, seconds.
+    pub(crate) keepalive: Option<u16>,
+}
+
+/// The live state of one peer, for `/routes`.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct PeerStatus {
+    /// The peer's public key.
+    pub(crate) public_key: String,
+    /// Where its packets come from.
+    pub(crate) endpoint: Option<String>,
+    /// Seconds since its last handshake.
+    pub(crate) last_handshake_seconds_ago: Option<u64>,
+    /// Whether it has a usable session.
+    pub(crate) live: bool,
+}
+
+/// One shoot's live state, for `/routes`.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ShootStatus {
+    /// Its peers.
+    pub(crate) peers: Vec<PeerStatus>,
+    /// Streams (and closing sockets) in its stack.
+    pub(crate) streams: usize,
+}
+
+fn seed() -> u64 {
+    let mut b = [0u8; 8];
+    let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b);
+    u64::from_le_bytes(b)
+}
+
+fn new_peer(keys: &Keys, key: WgKey, allowed: &[Net], keepalive: Option<u16>) -> Peer {
+    Peer::new(
+        &keys.secret,
+        key,
+        allowed.into(),
+        keys.index_of(&key),
+        keepalive,
+        None,
+    )
+}
+
+impl Tunnels {
+    /// A gateway device on `socket` with `private` as its key and no shoots yet.
+    pub(crate) fn gateway(
+        socket: UdpSocket,
+        private: WgKey,
+        metrics: Arc<TunnelMetrics>,
+    ) -> Tunnels {
+        Self::new(socket, private, metrics, Mode::Gateway, None)
+    }
+
+    fn new(
+        socket: UdpSocket,
+        private: WgKey,
+        metrics: Arc<TunnelMetrics>,
+        mode: Mode,
+        accepts: Option<mpsc::UnboundedSender<(ShootCell, Accept)>>,
+    ) -> Tunnels {
+        let inner = Arc::new(Inner {
+            socket: Arc::new(socket),
+            state: ArcSwap::from_pointee(State {
+                keys: Keys::new(private),
+                maps: Maps::default(),
+            }),
+            recovery: Recovery::default(),
+            metrics,
+            wake: Notify::new(),
+            apply: Mutex::new(()),
+            accepts,
+            mode,
+        });
+        let t = Tunnels { inner };
+        tokio::spawn(t.clone().receive_loop());
+        tokio::spawn(t.clone().timer_loop());
+        t
+    }
+
+    /// An agent device: one shoot with the gateway as its one peer, initiating towards
+    /// its endpoint; connections the gateway opens arrive on the returned channel.
+    pub(crate) fn agent(
+        socket: UdpSocket,
+        private: WgKey,
+        side: AgentSide,
+        metrics: Arc<TunnelMetrics>,
+    ) -> (Tunnels, mpsc::UnboundedReceiver<(ShootCell, Accept)>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mode = Mode::Agent {
+            networks: side.networks,
+        };
+        let t = Self::new(socket, private, metrics, mode.clone(), Some(tx));
+        let now = Instant::now();
+        {
+            let state = t.inner.state.load();
+            // The agent dials only its networks; what the gateway sends from is the
+            // gateway's business (its own cryptokey routing).
+            let everything: Vec<Net> = [
+                std::net::IpAddr::from(std::net::Ipv4Addr::UNSPECIFIED),
+                std::net::IpAddr::from(std::net::Ipv6Addr::UNSPECIFIED),
+            ]
+            .into_iter()
+            .filter_map(|a| Net::new(a, 0).ok())
+            .collect();
+            let mut peer = new_peer(&state.keys, side.gateway, &everything, side.keepalive);
+            peer.endpoint = Some(side.endpoint);
+            let shoot = Shoot::new(
+                "agent".into(),
+                vec![peer],
+                &side.addresses,
+                mode,
+                now,
+                seed(),
+            );
+            let cell: ShootCell = Arc::new(Mutex::new(shoot));
+            let mut maps = Maps::default();
+            maps.insert(&state.keys, cell.clone());
+            lock(&cell).initiate(now, 0, None, &mut t.inner.io());
+            t.inner.state.store(Arc::new(State {
+                keys: Keys::new(private),
+                maps,
+            }));
+        }
+        (t, rx)
+    }
+
+    /// Whether any peer of the (agent's) device has a live session.
+    pub(crate) fn up(&self) -> bool {
+        let now = Instant::now();
+        let state = self.inner.state.load();
+        state
+            .maps
+            .shoots
+            .values()
+            .any(|c| lock(c).peers.iter().any(|p| p.live(now)))
+    }
+
+    /// The live state of every shoot, by route.
+    pub(crate) fn status(&self) -> HashMap<String, ShootStatus> {
+        let now = Instant::now();
+        let state = self.inner.state.load();
+        state
+            .maps
+            .shoots
+            .iter()
+            .map(|(name, cell)| {
+                let s = lock(cell);
+                let peers = s
+                    .peers
+                    .iter()
+                    .map(|p| PeerStatus {
+                        public_key: p.key.to_base64(),
+                        endpoint: p.endpoint.map(|e| e.to_string()),
+                        last_handshake_seconds_ago: p
+                            .handshake_at
+                            .map(|at| now.saturating_duration_since(at).as_secs()),
+                        live: p.live(now),
+                    })
+                    .collect();
+                (
+                    name.to_string(),
+                    ShootStatus {
+                        peers,
+                        streams: s.stack.flow_count(),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Number of tunneled streams and closing sockets in every stack (drain waits for 0).
+    pub(crate) fn flows(&self) -> usize {
+        let state = self.inner.state.load();
+        state
+            .maps
+            .shoots
+            .values()
+            .map(|c| lock(c).stack.flow_count())
+            .sum()
+    }
+
+    /// Reconciles the shoots with a table's tunnels: new routes get a shoot, changed peers are
+    /// added, updated or removed (a removed peer's streams end), a route whose addresses
+    /// changed or that is gone ends its streams (`route_removed`). Other shoots are not
+    /// touched. A new private key rebuilds every shoot.
+    pub(crate) fn apply(&self, tunnels: &[(Arc<str>, &Tunnel)], private: Option<WgKey>) {
+        let _serial = self.inner.apply.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let old = self.inner.state.load_full();
+        let rekeyed = private.is_some_and(|k| k.0 != old.keys.secret.to_bytes());
+        let keys = match private {
+            Some(k) if rekeyed => Keys::new(k),
+            _ => Keys::new(WgKey(old.keys.secret.to_bytes())),
+        };
+        let mut io = self.inner.io();
+        let mut maps = Maps::default();
+        for (name, tunnel) in tunnels {
+            let reuse = (!rekeyed)
+                .then(|| old.maps.shoots.get(name))
+                .flatten()
+                .filter(|c| lock(c).stack.addresses() == &tunnel.local_addresses[..]);
+            let cell = match reuse {
+                Some(cell) => {
+                    let mut s = lock(cell);
+                    let wanted: HashMap<WgKey, &[Net]> = tunnel
+                        .peers
+                        .iter()
+                        .map(|p| (p.public_key, &p.allowed_ips[..]))
+                        .collect();
+                    let gone: Vec<WgKey> = s
+                        .peers
+                        .iter()
+                        .map(|p| p.key)
+                        .filter(|k| !wanted.contains_key(k))
+                        .collect();
+                    for k in &gone {
+                        s.stack.reset_flows(Some(k));
+                    }
+                    s.peers.retain(|p| wanted.contains_key(&p.key));
+                    for p in s.peers.iter_mut() {
+                        if let Some(allowed) = wanted.get(&p.key) {
+                            p.allowed = (*allowed).into();
+                        }
+                    }
+                    for tp in tunnel.peers.iter() {
+                        if s.peer_position(&tp.public_key).is_none() {
+                            let peer = new_peer(&keys, tp.public_key, &tp.allowed_ips, None);
+                            s.peers.push(peer);
+                        }
+                    }
+                    s.flush(now, &mut io);
+                    drop(s);
+                    cell.clone()
+                }
+                None => {
+                    let peers = tunnel
+                        .peers
+                        .iter()
+                        .map(|tp| new_peer(&keys, tp.public_key, &tp.allowed_ips, None))
+                        .collect();
+                    let shoot = Shoot::new(
+                        name.clone(),
+                        peers,
+                        &tunnel.local_addresses,
+                        self.inner.mode.clone(),
+                        now,
+                        seed(),
+                    );
+                    Arc::new(Mutex::new(shoot))
+                }
+            };
+            maps.insert(&keys, cell);
+        }
+        for (name, cell) in &old.maps.shoots {
+            if maps.shoots.get(name).is_some_and(|c| Arc::ptr_eq(c, cell)) {
+                continue;
+            }
+            let mut s = lock(cell);
+            s.removed = true;
+            s.stack.reset_flows(None);
+            s.flush(now, &mut io);
+        }
+        self.inner.state.store(Arc::new(State { keys, maps }));
+        self.inner.wake.notify_one();
+    }
+
+    /// Opens a stream from the route's shoot to `target` through a live peer whose
+    /// `allowedIPs` hold it.
+    pub(crate) async fn dial(
+        &self,
+        route: &str,
+        target: SocketAddr,
+        timeout: Duration,
+    ) -> Result<TunnelStream, DialError> {
+        let result = self.try_dial(route, target, timeout).await;
+        if let Err(e) = &result {
+            self.inner
+                .metrics
+                .dial_failures
+                .get_or_create(&RouteReasonLabels {
+                    route: route.to_string(),
+                    reason: e.as_str(),
+                })
+                .inc();
+        }
+        result
+    }
+
+    async fn try_dial(
+        &self,
+        route: &str,
+        target: SocketAddr,
+        timeout: Duration,
+    ) -> Result<TunnelStream, DialError> {
+        let cell = {
+            let state = self.inner.state.load();
+            state
+                .maps
+                .shoots
+                .get(route)
+                .cloned()
+                .ok_or(DialError::NoTunnel)?
+        };
+        let handle = {
+            let now = Instant::now();
+            let mut s = lock(&cell);
+            let peer = s
+                .best_peer(now, target.ip())
+                .filter(|i| s.peers[*i].live(now))
+                .ok_or(DialError::NoLivePeer)?;
+            let key = s.peers[peer].key;
+            let h = s.stack.connect(target, Some(key))?;
+            s.flush(now, &mut self.inner.io());
+            h
+        };
+        self.inner.wake.notify_one();
+        let stream = TunnelStream::new(
+            cell.clone(),
+            handle,
+            self.inner.clone(),
+            self.stream_metrics(route),
+        );
+        match tokio::time::timeout(timeout, stream.established()).await {
+            Ok(Ok(())) => Ok(stream),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(DialError::Timeout),
+        }
+    }
+
+    /// Per-stream metric handles of a route.
+    pub(crate) fn stream_metrics(&self, route: &str) -> StreamMetrics {
+        let m = &self.inner.metrics;
+        let dir = |direction| RouteDirectionLabels {
+            route: route.to_string(),
+            direction,
+        };
+        StreamMetrics {
+            rx: m.bytes.get_or_create(&dir("rx")).clone(),
+            tx: m.bytes.get_or_create(&dir("tx")).clone(),
+            active: m
+                .streams
+                .get_or_create(&RouteLabel {
+                    route: route.to_string(),
+                })
+                .clone(),
+        }
+    }
+
+    /// A stream for a connection the agent accepted, once its own dial ended.
+    pub(crate) fn accepted(
+        &self,
+        cell: &ShootCell,
+        accept: &Accept,
+        dialed: Dialed,
+    ) -> Option<TunnelStream> {
+        lock(cell).accepted(Instant::now(), accept, dialed, &mut self.inner.io());
+        self.inner.wake.notify_one();
+        (dialed == Dialed::Connected).then(|| {
+            TunnelStream::new(
+                cell.clone(),
+                accept.handle,
+                self.inner.clone(),
+                self.stream_metrics("agent"),
+            )
+        })
+    }
+
+    async fn receive_loop(self) {
+        let mut buf = vec![0u8; 65_536];
+        loop {
+            let (n, from) = match self.inner.socket.recv_from(&mut buf).await {
+                Ok(r) => r,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "wireguard socket receive failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let state = self.inner.state.load();
+            let mut io = self.inner.io();
+            let now = Instant::now();
+            device::receive(
+                &state.keys,
+                &state.maps,
+                &self.inner.recovery,
+                now,
+                from,
+                &buf[..n],
+                &mut io,
+            );
+            if let Some(tx) = &self.inner.accepts {
+                for cell in state.maps.shoots.values() {
+                    for a in lock(cell).take_accepts() {
+                        let _ = tx.send((cell.clone(), a));
+                    }
+                }
+            }
+            self.inner.wake.notify_one();
+        }
+    }
+
+    async fn timer_loop(self) {
+        let mut last_tick = Instant::now();
+        let mut last_reset = Instant::now();
+        loop {
+            let now = Instant::now();
+            let state = self.inner.state.load();
+            let tick = now.saturating_duration_since(last_tick) >= TIMER_TICK;
+            if tick {
+                last_tick = now;
+            }
+            if now.saturating_duration_since(last_reset) >= Duration::from_secs(1) {
+                state.keys.limiter.reset_count();
+                last_reset = now;
+            }
+            let mut next = last_tick + TIMER_TICK;
+            let wall = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0);
+            for (name, cell) in &state.maps.shoots {
+                let mut s = lock(cell);
+                let mut io = self.inner.io();
+                if tick {
+                    s.tick(now, &mut io);
+                    for (i, p) in s.peers.iter().enumerate() {
+                        if let Some(at) = p.handshake_at {
+                            let ago = now.saturating_duration_since(at).as_secs_f64();
+                            self.inner
+                                .metrics
+                                .last_handshake
+                                .get_or_create(&RoutePeerLabels {
+                                    route: name.to_string(),
+                                    peer: i.to_string(),
+                                })
+                                .set(wall - ago);
+                        }
+                    }
+                } else if s.poll_at(now).is_some_and(|at| at <= now) {
+                    s.flush(now, &mut io);
+                }
+                if let Some(at) = s.poll_at(now) {
+                    next = next.min(at.max(now + Duration::from_millis(1)));
+                }
+            }
+            drop(state);
+            tokio::select! {
+                _ = tokio::time::sleep_until(next.into()) => {}
+                _ = self.inner.wake.notified() => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,29 @@
+//! WireGuard terminated in user space, with one isolated TCP/IP stack per shoot.
+//!
+//! The core is sans-IO: [`peer::Peer`] wraps boringtun's noise session with its endpoint and
+//! allowed networks, [`stack::Stack`] is one smoltcp interface and socket set, and
+//! [`shoot::Shoot`] joins a shoot's peers to its stack (cryptokey routing in both directions).
+//! [`device::Device`] maps a datagram to its shoot and peer: handshake initiations by the
+//! sender's public key, everything else by the receiver index, whose upper 24 bits are keyed
+//! by the device's private key so that a restarted process (or another replica) still knows
+//! which peer a data packet belongs to. Every call takes `now` and writes datagrams through
+//! a [`shoot::Transmit`]; nothing below [`driver`] and [`stream`] uses tokio.
+//!
+//! [`driver`] is the thin tokio layer: the UDP socket, the one timer, dials from the gateway
+//! (`egress-connect` with `via: tunnel`) and accepted connections on the agent. It never
+//! imports a role or the serving layer.
+
+pub(crate) mod device;
+pub(crate) mod dialer;
+pub(crate) mod driver;
+pub(crate) mod index;
+pub(crate) mod peer;
+pub(crate) mod shoot;
+pub(crate) mod stack;
+pub(crate) mod stream;
+
+#[cfg(test)]
+mod testing;
+
+pub(crate) use driver::{AgentSide, DialError, Tunnels};
+pub(crate) use stream::TunnelStream;

@@ -1,0 +1,452 @@
+//! One shoot: its peers and its stack, joined by cryptokey routing. Decrypted packets are
+//! admitted only from inside their peer's `allowedIPs`; packets the stack sends go to the
+//! peer their flow is pinned to, else to the live peer whose `allowedIPs` hold the target
+//! most specifically.
+//!
+//! On the agent ([`Mode::Agent`]) the stack accepts connections for any address inside its
+//! networks: a SYN creates a socket that answers only after the agent's own dial
+//! ([`Shoot::accepted`]), is reset when the dial is refused, and gets no answer at all when
+//! the target is unreachable. Sans-IO: every call takes `now` and sends through an [`Io`].
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use boringtun::noise::errors::WireGuardError;
+use boringtun::noise::{Tunn, TunnResult};
+use smoltcp::iface::SocketHandle;
+use smoltcp::wire::{IpProtocol, Ipv4Packet, Ipv6Packet, TcpPacket};
+
+use super::peer::Peer;
+use super::stack::Stack;
+use crate::route::{Net, WgKey};
+
+/// Why a packet was dropped (`trellis_tunnel_packets_dropped_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Drop {
+    /// A decrypted packet from outside its peer's `allowedIPs`.
+    AllowedIps,
+    /// A handshake from a key no route lists, or an index no peer has.
+    UnknownPeer,
+    /// A data packet whose counter was seen before (or is too old).
+    Replay,
+    /// A handshake answered with a cookie (under load) instead of a response.
+    Cookie,
+    /// No room to queue or send it.
+    Busy,
+    /// Malformed, or failed authentication.
+    Invalid,
+    /// A data packet for a session this process does not have.
+    NoSession,
+    /// The stack sent a packet to a peer whose endpoint is not known yet.
+    NoEndpoint,
+    /// The stack sent a packet no peer's `allowedIPs` hold.
+    NoPeer,
+    /// The agent got a connection for a target outside its networks (answered with a reset).
+    NotAllowed,
+}
+
+impl Drop {
+    /// The metric label.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Drop::AllowedIps => "allowed_ips",
+            Drop::UnknownPeer => "unknown_peer",
+            Drop::Replay => "replay",
+            Drop::Cookie => "cookie",
+            Drop::Busy => "busy",
+            Drop::Invalid => "invalid",
+            Drop::NoSession => "no_session",
+            Drop::NoEndpoint => "no_endpoint",
+            Drop::NoPeer => "no_peer",
+            Drop::NotAllowed => "not_allowed",
+        }
+    }
+
+    /// The drop a noise error stands for.
+    pub(crate) fn from_error(e: &WireGuardError) -> Drop {
+        match e {
+            WireGuardError::DuplicateCounter | WireGuardError::InvalidCounter => Drop::Replay,
+            WireGuardError::NoCurrentSession | WireGuardError::WrongIndex => Drop::NoSession,
+            WireGuardError::UnderLoad => Drop::Cookie,
+            _ => Drop::Invalid,
+        }
+    }
+}
+
+/// Where a shoot's datagrams go, and what it reports.
+pub(crate) trait Io {
+    /// Sends one datagram (a full socket drops it and reports [`Drop::Busy`] itself).
+    fn send(&mut self, to: SocketAddr, datagram: &[u8]);
+    /// A packet was dropped.
+    fn dropped(&mut self, reason: Drop);
+    /// A handshake of a peer of `route` completed.
+    fn handshake(&mut self, _route: &str, _peer: &WgKey) {}
+    /// A recovery handshake was sent to a peer of `route`.
+    fn recovery(&mut self, _route: &str) {}
+}
+
+/// Which end of the tunnel the shoot is.
+#[derive(Debug, Clone)]
+pub(crate) enum Mode {
+    /// The gateway: answers on its local addresses and dials out.
+    Gateway,
+    /// The agent: terminates connections to any address in `networks`.
+    Agent {
+        /// What the agent dials.
+        networks: Arc<[Net]>,
+    },
+}
+
+/// A connection the shoot opened towards the agent, waiting for the agent's own dial.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Accept {
+    /// The paused socket.
+    pub(crate) handle: SocketHandle,
+    /// The target the shoot-side client asked for.
+    pub(crate) target: SocketAddr,
+    /// The shoot-side client.
+    pub(crate) client: SocketAddr,
+}
+
+/// What became of an agent's dial.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dialed {
+    /// Connected: answer the SYN.
+    Connected,
+    /// Refused: reset.
+    Refused,
+    /// No answer: stay silent (the client times out as it would against the target).
+    Silent,
+}
+
+/// How long a target the agent could not reach stays silent for the same client port.
+const SILENT_FOR: Duration = Duration::from_secs(30);
+/// Datagram scratch size: the largest inner packet plus WireGuard's overhead.
+const SCRATCH: usize = 65_536 + 64;
+
+/// One shoot.
+pub(crate) struct Shoot {
+    /// The route (or agent) name, for metrics and logs.
+    pub(crate) name: Arc<str>,
+    /// Its peers.
+    pub(crate) peers: Vec<Peer>,
+    /// Its stack.
+    pub(crate) stack: Stack,
+    mode: Mode,
+    buf: Box<[u8]>,
+    accepts: Vec<Accept>,
+    silent: HashMap<(SocketAddr, SocketAddr), Instant>,
+    /// Set when the shoot was removed from the table: its streams end (`route_removed`).
+    pub(crate) removed: bool,
+}
+
+impl std::fmt::Debug for Shoot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shoot")
+            .field("name", &self.name)
+            .field("peers", &self.peers)
+            .finish()
+    }
+}
+
+/// The TCP ends and flags of an IP packet, if it is TCP: (source, destination, SYN, ACK).
+fn tcp_ends(packet: &[u8]) -> Option<(SocketAddr, SocketAddr, bool, bool)> {
+    let (src, dst, proto, payload): (IpAddr, IpAddr, IpProtocol, &[u8]) = match packet.first()? >> 4
+    {
+        4 => {
+            let p = Ipv4Packet::new_checked(packet).ok()?;
+            let hl = usize::from(p.header_len());
+            let total = usize::from(p.total_len()).min(packet.len());
+            (
+                IpAddr::V4(p.src_addr()),
+                IpAddr::V4(p.dst_addr()),
+                p.next_header(),
+                packet.get(hl..total)?,
+            )
+        }
+        6 => {
+            let p = Ipv6Packet::new_checked(packet).ok()?;
+            let end = (40 + usize::from(p.payload_len())).min(packet.len());
+            (
+                IpAddr::V6(p.src_addr()),
+                IpAddr::V6(p.dst_addr()),
+                p.next_header(),
+                packet.get(40..end)?,
+            )
+        }
+        _ => return None,
+    };
+    if proto != IpProtocol::Tcp {
+        return None;
+    }
+    let t = TcpPacket::new_checked(payload).ok()?;
+    Some((
+        SocketAddr::new(src, t.src_port()),
+        SocketAddr::new(dst, t.dst_port()),
+        t.syn(),
+        t.ack(),
+    ))
+}
+
+/// Whether an IP packet is an ICMP(v6) message, and its destination.
+fn icmp_to(packet: &[u8]) -> Option<IpAddr> {
+    match packet.first()? >> 4 {
+        4 => {
+            let p = Ipv4Packet::new_checked(packet).ok()?;
+            (p.next_header() == IpProtocol::Icmp).then(|| IpAddr::V4(p.dst_addr()))
+        }
+        6 => {
+            let p = Ipv6Packet::new_checked(packet).ok()?;
+            (p.next_header() == IpProtocol::Icmpv6).then(|| IpAddr::V6(p.dst_addr()))
+        }
+        _ => None,
+    }
+}
+
+impl Shoot {
+    /// A shoot with these peers and a stack on `addresses`.
+    pub(crate) fn new(
+        name: Arc<str>,
+        peers: Vec<Peer>,
+        addresses: &[IpAddr],
+        mode: Mode,
+        now: Instant,
+        seed: u64,
+    ) -> Shoot {
+        let any_ip = matches!(mode, Mode::Agent { .. });
+        Shoot {
+            name,
+            peers,
+            stack: Stack::new(addresses, any_ip, now, seed),
+            mode,
+            buf: vec![0; SCRATCH].into_boxed_slice(),
+            accepts: Vec::new(),
+            silent: HashMap::new(),
+            removed: false,
+        }
+    }
+
+    /// The position of the peer with this key.
+    pub(crate) fn peer_position(&self, key: &WgKey) -> Option<usize> {
+        self.peers.iter().position(|p| &p.key == key)
+    }
+
+    /// Handles one datagram authenticated as (or addressed to) peer `peer`, then runs the
+    /// stack. An error is the noise layer's verdict; nothing was delivered.
+    pub(crate) fn receive(
+        &mut self,
+        now: Instant,
+        peer: usize,
+        from: SocketAddr,
+        datagram: &[u8],
+        io: &mut impl Io,
+    ) -> Result<(), WireGuardError> {
+        let kind = datagram.first().copied().unwrap_or(0);
+        let name = self.name.clone();
+        let Shoot { peers, buf, .. } = self;
+        let Some(p) = peers.get_mut(peer) else {
+            return Err(WireGuardError::WrongKey);
+        };
+        let mut inner: Option<(usize, IpAddr)> = None;
+        match p.tunn.decapsulate(Some(from.ip()), datagram, buf) {
+            TunnResult::Done => {}
+            TunnResult::Err(e) => return Err(e),
+            TunnResult::WriteToNetwork(out) => {
+                // The peer's own limiter answered with a cookie: nothing was authenticated.
+                if out.first() == Some(&3) {
+                    io.send(from, out);
+                    io.dropped(Drop::Cookie);
+                    return Ok(());
+                }
+                io.send(from, out);
+                while let TunnResult::WriteToNetwork(out) = p.tunn.decapsulate(None, &[], buf) {
+                    io.send(from, out);
+                }
+            }
+            TunnResult::WriteToTunnelV4(pkt, src) => inner = Some((pkt.len(), IpAddr::V4(src))),
+            TunnResult::WriteToTunnelV6(pkt, src) => inner = Some((pkt.len(), IpAddr::V6(src))),
+        }
+        // Authenticated: the peer is where this came from (roaming).
+        p.endpoint = Some(from);
+        if kind == 1 || kind == 2 {
+            p.handshake_at = Some(now);
+            p.recovery_at = None;
+            io.handshake(&name, &p.key);
+        }
+        if let Some((len, src)) = inner {
+            if !p.allows(src) {
+                io.dropped(Drop::AllowedIps);
+            } else {
+                let key = p.key;
+                let packet = buf[..len].to_vec();
+                if self.admit(now, &packet, key, io) && !self.stack.push(&packet) {
+                    io.dropped(Drop::Busy);
+                }
+            }
+        }
+        self.flush(now, io);
+        Ok(())
+    }
+
+    /// Whether a decrypted packet goes on into the stack: on the agent, a SYN to a target
+    /// inside its networks opens a paused socket (and is reported by [`Shoot::take_accepts`]),
+    /// pings reach only its own addresses.
+    fn admit(&mut self, now: Instant, packet: &[u8], peer: WgKey, io: &mut impl Io) -> bool {
+        let Mode::Agent { networks } = &self.mode else {
+            return true;
+        };
+        if let Some(dst) = icmp_to(packet) {
+            return self.stack.addresses().contains(&dst);
+        }
+        let Some((client, target, syn, ack)) = tcp_ends(packet) else {
+            return true;
+        };
+        if !syn || ack || self.stack.flow_for(target, client).is_some() {
+            return true;
+        }
+        if let Some(until) = self.silent.get(&(target, client)) {
+            if now < *until {
+                return false;
+            }
+            self.silent.remove(&(target, client));
+        }
+        if !networks.iter().any(|n| n.contains(target.ip())) {
+            // No socket listens: the stack answers with a reset.
+            io.dropped(Drop::NotAllowed);
+            return true;
+        }
+        match self.stack.listen(target, client, Some(peer)) {
+            Ok(handle) => {
+                self.accepts.push(Accept {
+                    handle,
+                    target,
+                    client,
+                });
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Connections the shoot opened since the last call (the agent dials each).
+    pub(crate) fn take_accepts(&mut self) -> Vec<Accept> {
+        std::mem::take(&mut self.accepts)
+    }
+
+    /// The agent's dial for `accept` ended: answer, reset or stay silent.
+    pub(crate) fn accepted(
+        &mut self,
+        now: Instant,
+        accept: &Accept,
+        dialed: Dialed,
+        io: &mut impl Io,
+    ) {
+        match dialed {
+            Dialed::Connected => self.stack.release_synack(accept.handle),
+            Dialed::Refused => self.stack.release(accept.handle, true),
+            Dialed::Silent => {
+                self.stack.forget(accept.handle);
+                self.silent
+                    .insert((accept.target, accept.client), now + SILENT_FOR);
+            }
+        }
+        self.flush(now, io);
+    }
+
+    /// Runs the stack and sends what it produced.
+    pub(crate) fn flush(&mut self, now: Instant, io: &mut impl Io) {
+        self.stack.poll(now);
+        let sent: Vec<Vec<u8>> = self.stack.take_sent().collect();
+        for packet in sent {
+            self.send_packet(now, &packet, io);
+        }
+        self.stack.reap();
+    }
+
+    /// The peer a packet from the stack goes to.
+    fn peer_for(&self, now: Instant, packet: &[u8]) -> Option<usize> {
+        if let Some((local, remote, _, _)) = tcp_ends(packet)
+            && let Some(key) = self.stack.pinned_peer(local, remote)
+        {
+            return self.peer_position(&key);
+        }
+        let dst = Tunn::dst_address(packet)?;
+        self.best_peer(now, dst)
+    }
+
+    /// The peer whose `allowedIPs` hold `dst` most specifically, live ones first.
+    pub(crate) fn best_peer(&self, now: Instant, dst: IpAddr) -> Option<usize> {
+        self.peers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.match_len(dst).map(|len| (p.live(now), len, i)))
+            .max_by_key(|(live, len, i)| (*live, *len, std::cmp::Reverse(*i)))
+            .map(|(_, _, i)| i)
+    }
+
+    fn send_packet(&mut self, now: Instant, packet: &[u8], io: &mut impl Io) {
+        let Some(i) = self.peer_for(now, packet) else {
+            io.dropped(Drop::NoPeer);
+            return;
+        };
+        let Shoot { peers, buf, .. } = self;
+        let p = &mut peers[i];
+        match p.tunn.encapsulate(packet, buf) {
+            TunnResult::WriteToNetwork(out) => match p.endpoint {
+                Some(to) => io.send(to, out),
+                None => io.dropped(Drop::NoEndpoint),
+            },
+            TunnResult::Err(_) => io.dropped(Drop::Invalid),
+            _ => {}
+        }
+    }
+
+    /// Runs the peers' timers (handshake retries, rekeys, keepalives) and the stack's.
+    pub(crate) fn tick(&mut self, now: Instant, io: &mut impl Io) {
+        let Shoot { peers, buf, .. } = self;
+        for p in peers.iter_mut() {
+            match p.tunn.update_timers(buf) {
+                TunnResult::WriteToNetwork(out) => match p.endpoint {
+                    Some(to) => io.send(to, out),
+                    None => io.dropped(Drop::NoEndpoint),
+                },
+                TunnResult::Err(WireGuardError::ConnectionExpired) => p.handshake_at = None,
+                _ => {}
+            }
+        }
+        self.silent.retain(|_, until| *until > now);
+        self.flush(now, io);
+    }
+
+    /// Starts a handshake with peer `peer` (the agent's first, and a restarted gateway's
+    /// recovery towards `to`).
+    pub(crate) fn initiate(
+        &mut self,
+        now: Instant,
+        peer: usize,
+        to: Option<SocketAddr>,
+        io: &mut impl Io,
+    ) {
+        let Shoot { peers, buf, .. } = self;
+        let Some(p) = peers.get_mut(peer) else {
+            return;
+        };
+        if let TunnResult::WriteToNetwork(out) = p.tunn.format_handshake_initiation(buf, false) {
+            if to.is_some() {
+                io.recovery(&self.name);
+            }
+            match to.or(p.endpoint) {
+                Some(to) => io.send(to, out),
+                None => io.dropped(Drop::NoEndpoint),
+            }
+        }
+        p.recovery_at = Some(now);
+    }
+
+    /// When the stack next needs a poll without new packets.
+    pub(crate) fn poll_at(&mut self, now: Instant) -> Option<Instant> {
+        self.stack.poll_at(now)
+    }
+}

@@ -1,0 +1,297 @@
+//! WireGuard tunnels with real peers: the gateway's `wireguard` listener and `trellis agent`
+//! on loopback (no root), kube-apiserver's egress (`CONNECT` over mutual TLS) dialing
+//! through them to plain TCP servers the agent reaches with ordinary sockets.
+// A test or bench fails loudly on what it did not expect; its helpers are its own.
+#![allow(clippy::unwrap_used, unreachable_pub)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use base64::Engine;
+use common::egress::*;
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A WireGuard key pair (base64), made in process.
+struct Keys {
+    private: String,
+    public: String,
+}
+
+fn keys() -> Keys {
+    let mut b = [0u8; 32];
+    for (i, x) in b.iter_mut().enumerate() {
+        *x = rand_byte(i);
+    }
+    let secret = boringtun::x25519::StaticSecret::from(b);
+    let public = boringtun::x25519::PublicKey::from(&secret);
+    let e = base64::engine::general_purpose::STANDARD;
+    Keys {
+        private: e.encode(secret.to_bytes()),
+        public: e.encode(public.to_bytes()),
+    }
+}
+
+/// Bytes that differ between keys of one test run.
+fn rand_byte(i: usize) -> u8 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_usize(i);
+    h.finish() as u8
+}
+
+/// A running `trellis agent`.
+struct Agent {
+    child: Child,
+    dir: TestDir,
+    admin: SocketAddr,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Agent {
+    fn start(keys: &Keys, gateway_public: &str, endpoint: SocketAddr, networks: &str) -> Agent {
+        let dir = TestDir::new("agent");
+        let key: PathBuf = dir.path("agent.key");
+        std::fs::write(&key, format!("{}\n", keys.private)).unwrap();
+        let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let config = format!(
+            "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: AgentConfiguration
+wireguard:
+  privateKeyFile: {key:?}
+  addresses: [192.168.128.5]
+  gateway:
+    publicKey: \"{gateway_public}\"
+    endpoints: [{{udp: \"{endpoint}\"}}]
+    persistentKeepalive: 25s
+networks: {networks}
+admin: {{address: \"{admin}\"}}
+"
+        );
+        std::fs::write(dir.path("agent.yaml"), config).unwrap();
+        let log = std::fs::File::create(dir.path("agent.log")).unwrap();
+        let child = Command::new(BIN)
+            .args(["--log-format", "json", "agent", "--config"])
+            .arg(dir.path("agent.yaml"))
+            .env("RUST_LOG", "debug")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        Agent { child, dir, admin }
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(self.dir.path("agent.log")).unwrap_or_default()
+    }
+
+    /// Waits until `/ready` answers 200 (the tunnel is up).
+    fn wait_ready(&self, limit: Duration) -> bool {
+        wait_for(limit, || {
+            (http_get(self.admin, "/ready").map(|(s, _)| s) == Some(200)).then_some(())
+        })
+        .is_some()
+    }
+
+    fn metric(&self, prefix: &str) -> f64 {
+        metric_in(
+            &http_get(self.admin, "/metrics")
+                .map(|(_, b)| b)
+                .unwrap_or_default(),
+            prefix,
+        )
+    }
+}
+
+/// A gateway with an `egress-connect` and a `wireguard` listener and one shoot whose route
+/// tunnels `allowed` to the agent.
+struct Lab {
+    gw: Gateway,
+    shoot: Shoot,
+    gw_keys: Keys,
+    agent_keys: Keys,
+    _dir: TestDir,
+}
+
+fn route(shoot: &Shoot, agent_public: &str, peer_allowed: &str, allowed: &str) -> String {
+    format!(
+        "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: RoutingTable
+routes:
+- name: shoot--local--a
+  tunnel:
+    wireguard:
+      peers:
+      - publicKey: \"{agent_public}\"
+        allowedIPs: {peer_allowed}
+      localAddresses: [192.168.128.1]
+  egress:
+    clientSources: [\"127.0.0.1/32\"]
+    tls: {}
+    allowedNetworks: {allowed}
+",
+        shoot.tls_yaml()
+    )
+}
+
+impl Lab {
+    fn start() -> Lab {
+        let dir = TestDir::new("tunnel-lab");
+        let shoot = Shoot::new(&dir, "shoot--local--a");
+        let (gw_keys, agent_keys) = (keys(), keys());
+        let key = dir.path("gateway.key");
+        std::fs::write(&key, format!("{}\n", gw_keys.private)).unwrap();
+        let routes = route(
+            &shoot,
+            &agent_keys.public,
+            "[\"192.168.128.5/32\", \"127.0.0.0/8\"]",
+            "[\"127.0.0.0/8\"]",
+        );
+        let gw = Gateway::start_listeners(
+            &routes,
+            &[
+                (
+                    "egress",
+                    "egress-connect",
+                    &format!("  tls: {}", shoot.tls_yaml()),
+                ),
+                (
+                    "wireguard",
+                    "wireguard",
+                    &format!("  wireguard: {{privateKeyFile: {key:?}}}"),
+                ),
+            ],
+            "",
+        );
+        Lab {
+            gw,
+            shoot,
+            gw_keys,
+            agent_keys,
+            _dir: dir,
+        }
+    }
+
+    fn agent(&self, networks: &str) -> Agent {
+        let agent = Agent::start(
+            &self.agent_keys,
+            &self.gw_keys.public,
+            self.gw.addr("wireguard"),
+            networks,
+        );
+        assert!(
+            agent.wait_ready(Duration::from_secs(10)),
+            "agent not ready:\n{}\ngateway:\n{}",
+            agent.logs(),
+            self.gw.logs()
+        );
+        agent
+    }
+
+    /// CONNECTs to `target` as kube-apiserver does; returns the stream and the answer.
+    async fn connect(
+        &self,
+        target: &str,
+    ) -> (
+        tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+        Vec<u8>,
+    ) {
+        let mut tls = handshake(
+            self.gw.addr("egress"),
+            None,
+            "vpn-seed-server",
+            &self.shoot.client(),
+            false,
+        )
+        .await
+        .unwrap();
+        let answer = connect_to(&mut tls, target).await;
+        (tls, answer)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn egress_reaches_a_server_behind_the_agent_byte_exact_each_way_with_half_close() {
+    let lab = Lab::start();
+    let agent = lab.agent("[\"127.0.0.0/8\"]");
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (mut tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK, "{}", String::from_utf8_lossy(&answer));
+
+    // 4 MB each way, written and read concurrently; then the client half-closes and still
+    // reads everything the echo sends back.
+    let data: Vec<u8> = (0..4_000_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    let (mut r, mut w) = tokio::io::split(&mut tls);
+    let expected = data.clone();
+    let (_, got) = tokio::join!(
+        async {
+            w.write_all(&data).await.unwrap();
+            w.flush().await.unwrap();
+            w.shutdown().await.unwrap();
+        },
+        async {
+            let mut got = Vec::new();
+            tokio::time::timeout(Duration::from_secs(60), r.read_to_end(&mut got))
+                .await
+                .expect("echo in time")
+                .unwrap();
+            got
+        }
+    );
+    assert_eq!(got.len(), expected.len());
+    assert!(got == expected, "bytes differ");
+    assert!(
+        lab.gw
+            .metric("trellis_tunnel_handshakes_total{route=\"shoot--local--a\",result=\"ok\"}")
+            >= 1.0
+    );
+    assert!(
+        lab.gw
+            .metric("trellis_tunnel_bytes_total{route=\"shoot--local--a\",direction=\"rx\"}")
+            >= 4_000_000.0
+    );
+    drop(agent);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_port_is_502_outside_the_agents_networks_is_502_and_counted_no_agent_is_504() {
+    let lab = Lab::start();
+    // No agent yet: no live peer.
+    let (_, answer) = lab.connect("127.0.0.1:9").await;
+    assert_eq!(status(&answer), 504, "{}", String::from_utf8_lossy(&answer));
+    assert_eq!(
+        lab.gw.metric(
+            "trellis_tunnel_dial_failures_total{route=\"shoot--local--a\",reason=\"no_live_peer\"}"
+        ),
+        1.0
+    );
+
+    let agent = lab.agent("[\"127.0.0.1/32\"]");
+    // Nothing listens there: the agent's dial is refused, the inner SYN reset.
+    let closed = free_port();
+    let (_, answer) = lab.connect(&format!("127.0.0.1:{closed}")).await;
+    assert_eq!(status(&answer), 502, "{}", String::from_utf8_lossy(&answer));
+    assert_eq!(
+        agent.metric("trellis_tunnel_dial_failures_total{route=\"agent\",reason=\"refused\"}"),
+        1.0
+    );
+
+    // Allowed by the route, outside the agent's networks: reset by the agent, counted.
+    let (other, _) = counting_echo_at("127.0.0.2", b"").await;
+    let (_, answer) = lab.connect(&other.to_string()).await;
+    assert_eq!(status(&answer), 502, "{}", String::from_utf8_lossy(&answer));
+    assert_eq!(
+        agent.metric("trellis_tunnel_packets_dropped_total{reason=\"not_allowed\"}"),
+        1.0
+    );
+}
