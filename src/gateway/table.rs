@@ -368,6 +368,8 @@ impl Tables {
             forward_connect: bool,
             #[serde(skip_serializing_if = "Option::is_none")]
             egress: Option<&'a crate::route::Egress>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            tunnel: Option<crate::route::TunnelView<'a>>,
         }
         #[derive(Serialize)]
         struct BackendView<'a> {
@@ -409,6 +411,8 @@ impl Tables {
                 send_proxy_protocol: r.send_proxy_protocol.map(|v| v.as_str()),
                 forward_connect: r.forward_connect,
                 egress: r.egress.as_deref(),
+                // The tunnel driver's live state of each peer goes in the hook.
+                tunnel: r.tunnel.as_deref().map(|t| t.view(None)),
             })
             .collect();
         let view = View {
