@@ -8,6 +8,7 @@
 //! codecs) and `admin` (metrics, health). `main.rs` only parses the command line.
 
 pub(crate) mod admin;
+pub mod agent;
 pub mod config;
 pub mod controller;
 pub mod gateway;

@@ -40,6 +40,13 @@ enum Command {
         #[arg(long)]
         cleanup: bool,
     },
+    /// Run the shoot side of a WireGuard tunnel: a user-space peer of the gateway that dials
+    /// targets in the shoot, without privileges.
+    Agent {
+        /// AgentConfiguration file.
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// The controller: the seed's objects -> routing tables. With `--config`, watches the
     /// API server and writes the table to `output.file` on every change.
     #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
@@ -212,6 +219,27 @@ fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
+fn agent(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let config = match trellis::config::agent::load(config_file) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(2)
+        .thread_name("trellis-agent")
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(trellis::agent::run(config));
+    // Blocking tasks still running (a name lookup of the gateway) must not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    result?;
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Divides the open-files limit and returns the connections the process can admit:
 /// `limits.maxConnections`, or fewer when the limit cannot hold them (said at start).
 fn budget(requested: usize, fixed: u64) -> anyhow::Result<usize> {
@@ -245,6 +273,7 @@ fn main() -> ExitCode {
         },
         Command::Gateway { config } => gateway(config),
         Command::Node { config, cleanup } => node(config, *cleanup),
+        Command::Agent { config } => agent(config),
     };
     match result {
         Ok(code) => code,

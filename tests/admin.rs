@@ -196,6 +196,44 @@ fn routes_are_served_on_the_debug_address_only() {
     }
 }
 
+/// `/routes` shows a route's WireGuard tunnel as the table file writes it: its peers' keys
+/// and allowedIPs (networks in prefix form) and the gateway's local addresses.
+#[test]
+fn routes_show_each_tunnel_in_the_table_shape() {
+    use base64::Engine;
+    let key = |b: u8| base64::engine::general_purpose::STANDARD.encode([b; 32]);
+    let table = format!(
+        "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: RoutingTable
+routes:
+- name: shoot
+  tunnel:
+    wireguard:
+      peers:
+      - {{publicKey: \"{}\", allowedIPs: [192.168.128.5, \"10.250.0.0/16\"]}}
+      - {{publicKey: \"{}\", allowedIPs: [\"fd00::/64\"]}}
+      localAddresses: [192.168.128.1, \"fd01::1\"]
+",
+        key(1),
+        key(2)
+    );
+    let gw = Gateway::start(&table, "");
+    let (status, body) = http_get(gw.debug, "/routes").unwrap();
+    assert_eq!(status, 200);
+    let routes: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        routes["routes"][0]["tunnel"],
+        serde_json::json!({"wireguard": {
+            "peers": [
+                {"publicKey": key(1), "allowedIPs": ["192.168.128.5/32", "10.250.0.0/16"]},
+                {"publicKey": key(2), "allowedIPs": ["fd00::/64"]},
+            ],
+            "localAddresses": ["192.168.128.1", "fd01::1"],
+        }}),
+        "{body}"
+    );
+}
+
 /// `n` clients that connect to `addr` and never send a byte.
 fn silent_clients(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
     (0..n)

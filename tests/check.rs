@@ -514,3 +514,198 @@ fn check_loads_the_gateways_routing_table_as_the_gateway_does() {
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("valid GatewayConfiguration"), "{out}");
 }
+
+/// A WireGuard key as `wg pubkey` prints it (base64 of 32 bytes).
+fn wg_key(byte: u8) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode([byte; 32])
+}
+
+/// Tunnels: every problem of a table's `tunnel.wireguard` sections, of an agent file and of a
+/// wireguard listener is reported in one run, each at its path, and `check` exits 1.
+#[test]
+fn tunnel_files_report_every_error_with_path() {
+    let dir = TestDir::new("tunnels");
+    let routes = dir.path("routes.yaml");
+    std::fs::write(
+        &routes,
+        format!(
+            "{HEAD}kind: RoutingTable
+routes:
+- name: a
+  tunnel:
+    wireguard:
+      peers:
+      - {{publicKey: \"{k1}\", allowedIPs: [\"10.250.0.0/16\", 192.168.128.5]}}
+      - {{publicKey: \"not-a-key\", allowedIPs: [10.250.0.300]}}
+      localAddresses: [10.250.0.1, 192.168.128.2]
+- name: b
+  tunnel:
+    wireguard:
+      peers: [{{publicKey: \"{k1}\", allowedIPs: [10.0.0.1], persistentKeepalive: 25}}]
+      localAddresses: [192.168.128.1]
+- name: c
+  tunnel: {{wireguard: {{localAddresses: [192.168.128.1]}}}}
+",
+            k1 = wg_key(1)
+        ),
+    )
+    .unwrap();
+    let agent = dir.path("agent.yaml");
+    std::fs::write(
+        &agent,
+        format!(
+            "{HEAD}kind: AgentConfiguration
+wireguard:
+  privateKeyFile: agent.key
+  addresses: [192.168.128.5, 192.168.128.6]
+  gateway:
+    publicKey: \"{}\"
+    endpoints: [{{connect: {{address: \"api.example.com:8443\", destination: \"trellis-wireguard:51820\"}}}}]
+networks: [\"10.250.0.0/16\", \"10.0.0.0/40\"]
+admin: {{address: \"127.0.0.1:16911\"}}
+",
+            wg_key(2)
+        ),
+    )
+    .unwrap();
+    let (r, a) = (routes.display(), agent.display());
+    let mut expected = vec![
+        format!(
+            "{r}: routes[1].tunnel.wireguard.peers[0].persistentKeepalive: unknown field `persistentKeepalive`"
+        ),
+        format!(
+            "{r}: routes[0].tunnel.wireguard.peers[1].publicKey: not base64 (a WireGuard key is 44 characters as `wg genkey` writes it)"
+        ),
+        format!(
+            "{r}: routes[0].tunnel.wireguard.peers[1].allowedIPs[0]: invalid IP address \"10.250.0.300\""
+        ),
+        format!(
+            "{r}: routes[0].tunnel.wireguard.localAddresses[0]: 10.250.0.1 is inside 10.250.0.0/16, an allowedIPs network of peers[0]: the gateway's address in the shoot must be outside every peer's"
+        ),
+        format!(
+            "{r}: routes[0].tunnel.wireguard.localAddresses[1]: a second IPv4 address (localAddresses[0]): at most one per family"
+        ),
+        format!(
+            "{r}: routes[2].tunnel.wireguard.peers: at least one peer is required (the shoot's agents)"
+        ),
+        format!(
+            "{r}: routes[1]: tunnel.wireguard.publicKey \"{}\" of route \"b\" is already claimed by route \"a\" (routes[0])",
+            wg_key(1)
+        ),
+        format!(
+            "{a}: wireguard.addresses[1]: a second IPv4 address (addresses[0]): at most one per family"
+        ),
+        format!(
+            "{a}: wireguard.gateway.endpoints: needs at least one udp endpoint (connect endpoints are not supported by this build yet; use udp)"
+        ),
+        format!("{a}: networks[1]: invalid prefix length \"40\""),
+    ];
+    let (code, err) = stderr_of(&["check".as_ref(), routes.as_os_str(), agent.as_os_str()]);
+    assert_eq!(code, Some(1), "{err}");
+    let mut got: Vec<&str> = err.lines().collect();
+    got.sort();
+    expected.sort();
+    assert_eq!(got, expected, "{err}");
+
+    // A wireguard listener takes no TLS or PROXY header; its connectDestination must lead to
+    // the device alone.
+    std::fs::write(
+        &routes,
+        format!("{HEAD}kind: RoutingTable\nroutes:\n- {{name: x, destinations: [\"trellis-wireguard:51820\"], backends: [{{address: \"127.0.0.1:9\"}}]}}\n"),
+    )
+    .unwrap();
+    let gateway = dir.path("gateway.yaml");
+    let write_gateway = |extra: &str| {
+        std::fs::write(
+            &gateway,
+            format!(
+                "{HEAD}kind: GatewayConfiguration
+routes: {{file: routes.yaml}}
+listeners:
+- {{name: connect, address: \"127.0.0.1:8443\", protocol: http-connect}}
+- name: wg
+  address: \"127.0.0.1:51820\"
+  protocol: wireguard
+  wireguard: {{privateKeyFile: wg.key, connectDestination: \"trellis-wireguard:51820\"}}
+{extra}admin: {{address: \"127.0.0.1:15021\"}}
+"
+            ),
+        )
+        .unwrap()
+    };
+    write_gateway(
+        "  tls: {certificateFile: a, keyFile: b, clientCAFile: c}\n  proxyProtocol: {mode: required, trustedSources: [10.0.0.0/8]}\n",
+    );
+    let g = gateway.display();
+    let mut got = check_errors(&gateway);
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            format!(
+                "{g}: listeners[1].proxyProtocol: not valid for wireguard listeners: they take no TCP connections (the address is UDP)"
+            ),
+            format!("{g}: listeners[1].tls: only valid for egress-connect listeners"),
+        ]
+    );
+    // Valid itself, the configuration is checked against its table (the key file is the
+    // gateway's to read when it starts).
+    write_gateway("");
+    assert_eq!(
+        check_errors(&gateway),
+        [format!(
+            "{g}: listeners[1].wireguard.connectDestination: \"trellis-wireguard:51820\" is also a destination of route \"x\" in {}; it must lead to one place",
+            routes.display()
+        )]
+    );
+    std::fs::write(&routes, format!("{HEAD}kind: RoutingTable\n")).unwrap();
+    let (code, err) = stderr_of(&["check".as_ref(), gateway.as_os_str()]);
+    assert_eq!(code, Some(0), "{err}");
+}
+
+/// `trellis agent` refuses an invalid configuration (or one of another kind) with every error
+/// and its path, exit code 1, before binding anything.
+#[test]
+fn agent_with_invalid_config_binds_nothing_and_exits_1() {
+    let dir = TestDir::new("agent");
+    let admin = free_port();
+    let file = dir.path("agent.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "{HEAD}kind: AgentConfiguration
+wireguard:
+  privateKeyFile: agent.key
+  addresses: [192.168.128.5]
+  gateway: {{publicKey: \"{}\", endpoints: [{{udp: \"127.0.0.1:0\"}}]}}
+networks: []
+admin: {{address: \"127.0.0.1:{admin}\"}}
+",
+            wg_key(3)
+        ),
+    )
+    .unwrap();
+    let (code, err) = stderr_of(&["agent".as_ref(), "--config".as_ref(), file.as_os_str()]);
+    assert_eq!(code, Some(1), "{err}");
+    let f = file.display();
+    assert_eq!(
+        err.lines().collect::<Vec<_>>(),
+        [
+            format!(
+                "{f}: wireguard.gateway.endpoints[0].udp: expected HOST:PORT, got \"127.0.0.1:0\""
+            ),
+            format!(
+                "{f}: networks: at least one network is required (what the agent dials for the seed)"
+            ),
+        ]
+    );
+    std::net::TcpListener::bind(("127.0.0.1", admin)).expect("admin port must be free");
+    std::fs::write(&file, format!("{HEAD}kind: RoutingTable\n")).unwrap();
+    let (code, err) = stderr_of(&["agent".as_ref(), "--config".as_ref(), file.as_os_str()]);
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(
+        err,
+        format!("{f}: kind RoutingTable, but 'trellis agent' needs an AgentConfiguration\n")
+    );
+}

@@ -17,7 +17,7 @@ use serde::de::value::{MapAccessDeserializer, StrDeserializer, StringDeserialize
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_saphyr::MessageFormatter as _;
 
-use super::{ConfigError, Derived, Errors, FieldError, controller, gateway, node, routes};
+use super::{ConfigError, Derived, Errors, FieldError, agent, controller, gateway, node, routes};
 
 /// The kinds of file this build reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,11 +30,19 @@ pub(crate) enum Kind {
     Node,
     /// `ControllerConfiguration`.
     Controller,
+    /// `AgentConfiguration`.
+    Agent,
 }
 
 impl Kind {
     /// Every kind, in the order error messages list them.
-    pub(crate) const ALL: [Kind; 4] = [Kind::Gateway, Kind::Routes, Kind::Node, Kind::Controller];
+    pub(crate) const ALL: [Kind; 5] = [
+        Kind::Gateway,
+        Kind::Routes,
+        Kind::Node,
+        Kind::Controller,
+        Kind::Agent,
+    ];
 
     /// The `kind` as written in files.
     pub(crate) fn as_str(self) -> &'static str {
@@ -43,6 +51,7 @@ impl Kind {
             Kind::Routes => routes::KIND,
             Kind::Node => node::KIND,
             Kind::Controller => controller::KIND,
+            Kind::Agent => agent::KIND,
         }
     }
 
@@ -61,6 +70,8 @@ pub(crate) enum Raw {
     Node(node::RawNode),
     /// `kind: ControllerConfiguration`.
     Controller(controller::RawController),
+    /// `kind: AgentConfiguration`.
+    Agent(agent::RawAgent),
 }
 
 impl Raw {
@@ -71,6 +82,7 @@ impl Raw {
             Raw::Routes(_) => Kind::Routes,
             Raw::Node(_) => Kind::Node,
             Raw::Controller(_) => Kind::Controller,
+            Raw::Agent(_) => Kind::Agent,
         }
     }
 }
@@ -103,6 +115,10 @@ pub(crate) fn decode(file: &Path, bytes: &[u8]) -> Result<(Raw, Errors), ConfigE
             let (raw, unknown) = run(file, text, json, PhantomData)?;
             (Raw::Controller(raw), unknown)
         }
+        Outcome::KindLate(Kind::Agent) => {
+            let (raw, unknown) = run(file, text, json, PhantomData)?;
+            (Raw::Agent(raw), unknown)
+        }
         Outcome::UnknownKind(kind) => {
             let kinds: Vec<_> = Kind::ALL.iter().map(|k| k.as_str()).collect();
             return Err(super::invalid(
@@ -127,8 +143,13 @@ pub(crate) fn wrong_kind(file: &Path, found: Kind, needed: Kind, by: &str) -> Co
         file,
         "",
         format!(
-            "kind {}, but {by} needs a {}",
+            "kind {}, but {by} needs {} {}",
             found.as_str(),
+            if needed.as_str().starts_with(['A', 'E', 'I', 'O', 'U']) {
+                "an"
+            } else {
+                "a"
+            },
             needed.as_str()
         ),
     )
@@ -466,6 +487,7 @@ fn decode_rest<'de, A: MapAccess<'de>>(kind: Kind, rest: Prefixed<A>) -> Result<
         Kind::Routes => Raw::Routes(Derived::derived(d)?),
         Kind::Node => Raw::Node(Derived::derived(d)?),
         Kind::Controller => Raw::Controller(Derived::derived(d)?),
+        Kind::Agent => Raw::Agent(Derived::derived(d)?),
     })
 }
 

@@ -739,17 +739,20 @@ fn destination_header(errors: &mut Errors, path: &str, raw: Option<&str>) -> Str
     let Some(h) = raw else {
         return DEFAULT_DESTINATION_HEADER.to_owned();
     };
-    if h.is_empty()
-        || !h
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-    {
+    if !valid_header_name(h) {
         errors.push(
             at(path, "destinationHeader"),
             format!("invalid header name {h:?}"),
         );
     }
     h.to_owned()
+}
+
+/// Whether `h` is an HTTP header name (a token).
+pub(super) fn valid_header_name(h: &str) -> bool {
+    !h.is_empty()
+        && h.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 /// The admin endpoint's address, which no listener may take.

@@ -34,6 +34,7 @@ macro_rules! mapping_only {
     )*};
 }
 
+pub mod agent;
 pub mod controller;
 mod decode;
 pub mod gateway;
@@ -348,6 +349,8 @@ pub enum AnyFile {
     Node(node::NodeConfig),
     /// `kind: ControllerConfiguration`.
     Controller(controller::ControllerConfig),
+    /// `kind: AgentConfiguration`.
+    Agent(agent::AgentConfig),
 }
 
 impl AnyFile {
@@ -358,6 +361,7 @@ impl AnyFile {
             AnyFile::Routes(_) => routes::KIND,
             AnyFile::Node(_) => node::KIND,
             AnyFile::Controller(_) => controller::KIND,
+            AnyFile::Agent(_) => agent::KIND,
         }
     }
 }
@@ -371,8 +375,9 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
         Raw::Gateway(raw) => {
             let dir = file.parent().unwrap_or(Path::new("."));
             let mut errors = errors;
+            // A `tls` on another protocol is an error of its own: its files are not read.
             for (i, l) in raw.listeners.iter().enumerate() {
-                if let Some(t) = &l.tls {
+                if let Some(t) = l.tls.as_ref().filter(|_| l.protocol == "egress-connect") {
                     tls::check_material(&mut errors, &format!("listeners[{i}].tls"), dir, t);
                 }
             }
@@ -382,6 +387,7 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
         }
         Raw::Node(raw) => node::validate(file, raw, errors).map(AnyFile::Node),
         Raw::Controller(raw) => controller::validate(file, raw, errors).map(AnyFile::Controller),
+        Raw::Agent(raw) => agent::validate(file, raw, errors).map(AnyFile::Agent),
         Raw::Routes(raw) => {
             let dir = file.parent().unwrap_or(Path::new("."));
             let mut errors = errors;
@@ -430,7 +436,13 @@ mod tests {
         std::fs::write(&file, format!("apiVersion: {API_VERSION}\nkind: Shoot\n")).unwrap();
         let err = check_file(&file).unwrap_err().to_string();
         std::fs::remove_file(&file).unwrap();
-        for kind in [gateway::KIND, routes::KIND, node::KIND, controller::KIND] {
+        for kind in [
+            gateway::KIND,
+            routes::KIND,
+            node::KIND,
+            controller::KIND,
+            agent::KIND,
+        ] {
             assert!(err.contains(kind), "{kind} not in {err}");
         }
     }
@@ -586,6 +598,11 @@ mod tests {
             ("node", include_str!("../../config/node.yaml")),
             ("controller", include_str!("../../config/controller.yaml")),
             ("routes", routes),
+            ("agent", include_str!("../../config/agent.yaml")),
+            (
+                "tunnel-routes",
+                include_str!("../../config/tunnel-routes.yaml"),
+            ),
         ];
         let mut refused = 0;
         for (kind, example) in examples {

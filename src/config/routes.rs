@@ -360,8 +360,7 @@ fn validate_route(
     let tunnel = raw
         .tunnel
         .as_ref()
-        .and_then(|t| tunnel(path, &t.wireguard, errors))
-        .map(Box::new);
+        .map(|t| Box::new(tunnel(path, &t.wireguard, errors)));
     let backends = raw
         .backends
         .iter()
@@ -532,11 +531,10 @@ fn egress(path: RoutePath, raw: &RawEgress, dir: &Path, errors: &mut Errors) -> 
     })
 }
 
-/// A route's `tunnel.wireguard`, or `None` with every problem recorded in `errors`. A key
-/// claimed by two routes is found when the table is indexed; one listed twice in this route
-/// is found here.
-fn tunnel(path: RoutePath, raw: &RawWireGuardRoute, errors: &mut Errors) -> Option<Tunnel> {
-    let before = errors.len();
+/// A route's `tunnel.wireguard`, every problem recorded in `errors`. A key listed twice in
+/// this route is found here; one claimed by two routes when the table is indexed, which is
+/// why the tunnel keeps its valid peers when others are not (the table is not used then).
+fn tunnel(path: RoutePath, raw: &RawWireGuardRoute, errors: &mut Errors) -> Tunnel {
     let field = |f: &str| format!("{path}.tunnel.wireguard.{f}");
     if raw.peers.is_empty() {
         errors.push(
@@ -584,9 +582,6 @@ fn tunnel(path: RoutePath, raw: &RawWireGuardRoute, errors: &mut Errors) -> Opti
     }
     let allowed: Vec<&[Net]> = parsed.iter().map(|(_, nets)| &nets[..]).collect();
     let local_addresses = local_addresses(&field("localAddresses"), raw, &allowed, errors);
-    if errors.len() != before {
-        return None;
-    }
     let peers = parsed
         .into_iter()
         .filter_map(|(key, allowed_ips)| {
@@ -596,10 +591,10 @@ fn tunnel(path: RoutePath, raw: &RawWireGuardRoute, errors: &mut Errors) -> Opti
             })
         })
         .collect();
-    Some(Tunnel {
+    Tunnel {
         peers,
         local_addresses: local_addresses.into(),
-    })
+    }
 }
 
 /// A tunnel's `localAddresses`: one or two, at most one per family, unicast, each outside
@@ -1072,6 +1067,23 @@ mod tests {
                 "routes.yaml: routes[1]: tunnel.wireguard.publicKey \"{}\" of route \"b\" is already claimed by route \"a\" (routes[0])",
                 key(1)
             )
+        );
+        // Found also when the first route's tunnel has another problem.
+        let err = check(&format!(
+            "{HEAD}routes:
+- {{name: a, tunnel: {{wireguard: {{peers: [{{publicKey: \"{k}\", allowedIPs: [10.0.0.1]}}], localAddresses: [10.0.0.1]}}}}}}
+- {{name: b, tunnel: {{wireguard: {{peers: [{{publicKey: \"{k}\", allowedIPs: [10.0.0.1]}}], localAddresses: [10.9.0.1]}}}}}}
+",
+            k = key(1),
+        ))
+        .unwrap_err();
+        assert!(
+            err.contains("routes[0].tunnel.wireguard.localAddresses[0]: 10.0.0.1 is inside"),
+            "{err}"
+        );
+        assert!(
+            err.contains("routes[1]: tunnel.wireguard.publicKey"),
+            "{err}"
         );
         // Without backends, egress or tunnel, a route leads nowhere.
         let err = check(&format!("{HEAD}routes:\n- name: x\n")).unwrap_err();

@@ -178,10 +178,6 @@ impl Tables {
         self.current.load_full()
     }
 
-    #[allow(
-        dead_code,
-        reason = "the tunnel's peer reconciliation subscribes; tests do now"
-    )]
     /// Every table applied from now on, starting with the current one: for parts that
     /// reconcile state with the table (tunnel peers) rather than read it per connection.
     /// A slow subscriber sees the latest table, not every one in between.

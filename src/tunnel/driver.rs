@@ -327,17 +327,6 @@ impl Tunnels {
             .collect()
     }
 
-    /// Number of tunneled streams and closing sockets in every stack (drain waits for 0).
-    pub(crate) fn flows(&self) -> usize {
-        let state = self.inner.state.load();
-        state
-            .maps
-            .shoots
-            .values()
-            .map(|c| lock(c).stack.flow_count())
-            .sum()
-    }
-
     /// Reconciles the shoots with a table's tunnels: new routes get a shoot, changed peers are
     /// added, updated or removed (a removed peer's streams end), a route whose addresses
     /// changed or that is gone ends its streams (`route_removed`). Other shoots are not
@@ -493,16 +482,16 @@ impl Tunnels {
             route: route.to_string(),
             direction,
         };
-        StreamMetrics {
-            rx: m.bytes.get_or_create(&dir("rx")).clone(),
-            tx: m.bytes.get_or_create(&dir("tx")).clone(),
-            active: m
-                .streams
-                .get_or_create(&RouteLabel {
-                    route: route.to_string(),
-                })
-                .clone(),
-        }
+        // One family lock at a time: a guard lives to the end of its statement.
+        let rx = m.bytes.get_or_create(&dir("rx")).clone();
+        let tx = m.bytes.get_or_create(&dir("tx")).clone();
+        let active = m
+            .streams
+            .get_or_create(&RouteLabel {
+                route: route.to_string(),
+            })
+            .clone();
+        StreamMetrics { rx, tx, active }
     }
 
     /// A stream for a connection the agent accepted, once its own dial ended.
