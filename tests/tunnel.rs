@@ -306,3 +306,74 @@ async fn a_refused_port_is_502_outside_the_agents_networks_is_502_and_counted_no
         1.0
     );
 }
+
+/// Writes `data` and reads as many bytes back from an echo.
+async fn echo_round<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    s: &mut S,
+    data: &[u8],
+) -> Vec<u8> {
+    s.write_all(data).await.unwrap();
+    s.flush().await.unwrap();
+    let mut got = vec![0u8; data.len()];
+    tokio::time::timeout(Duration::from_secs(20), s.read_exact(&mut got))
+        .await
+        .expect("echo in time")
+        .unwrap();
+    got
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_draining_gateway_keeps_its_tunnel_until_the_last_tunneled_stream_ended() {
+    let lab = Lab::start();
+    let _agent = lab.agent("[\"127.0.0.0/8\"]");
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (mut tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    assert_eq!(echo_round(&mut tls, b"before").await, b"before");
+    lab.gw.signal("TERM");
+    // Readiness fails at once; the stream (and so the tunnel) still carries bytes.
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            (http_get(lab.gw.admin, "/ready").map(|(s, _)| s) != Some(200)).then_some(())
+        })
+        .is_some()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let data = vec![7u8; 300_000];
+    assert_eq!(echo_round(&mut tls, &data).await, data);
+    drop(tls);
+}
+
+/// A soak across WireGuard rekeys (the agent starts a new handshake 120 s into a session it
+/// sends on): 210 s of new connections every 2 s plus one long stream, all byte-exact.
+/// `cargo test --test tunnel -- --ignored soak --nocapture`.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "runs 210 s; see the doc comment for the command"]
+async fn soak_across_rekeys_with_connections_opened_throughout() {
+    let lab = Lab::start();
+    let _agent = lab.agent("[\"127.0.0.0/8\"]");
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (mut long, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    let start = std::time::Instant::now();
+    let (mut opened, mut round) = (0, 0u32);
+    while start.elapsed() < Duration::from_secs(210) {
+        let (mut tls, answer) = lab.connect(&target.to_string()).await;
+        assert_eq!(answer, OK, "connection {opened} at {:?}", start.elapsed());
+        let data: Vec<u8> = (0..65_536u32).map(|i| (i ^ round) as u8).collect();
+        assert_eq!(echo_round(&mut tls, &data).await, data);
+        opened += 1;
+        round += 1;
+        let data = vec![round as u8; 10_000];
+        assert_eq!(echo_round(&mut long, &data).await, data);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let handshakes = lab
+        .gw
+        .metric("trellis_tunnel_handshakes_total{route=\"shoot--local--a\",result=\"ok\"}");
+    println!(
+        "soak: {opened} connections over {:?}, {handshakes} handshakes",
+        start.elapsed()
+    );
+    assert!(handshakes >= 2.0, "a rekey happened");
+}

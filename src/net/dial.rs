@@ -205,6 +205,8 @@ pub(crate) struct Dialed<S> {
     pub elapsed: Duration,
     /// Bytes the backend sent past a tunnel's handshake, for the client.
     pub early: Vec<u8>,
+    /// The WireGuard peer a tunneled stream goes through (`key@endpoint`), for the log.
+    pub via: Option<String>,
 }
 
 /// Yields a stream to a target's destination.
@@ -297,6 +299,7 @@ impl Direct {
                         guard,
                         elapsed: start.elapsed(),
                         early: Vec::new(),
+                        via: None,
                     });
                 }
                 Err(reason) => {

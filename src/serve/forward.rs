@@ -167,6 +167,7 @@ pub(crate) async fn link<C: Leg, D: Dialer>(
     };
     rm.connect_duration.observe(up.elapsed.as_secs_f64());
     record.backend = Some(std::mem::take(&mut up.backend));
+    record.tunnel_peer = up.via.take();
     // Flushed on its own: over TLS the answer is one record, and nothing follows it until
     // the backend sends (kube-apiserver fails on any byte read with the response head).
     if reply == Reply::Http

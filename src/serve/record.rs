@@ -128,6 +128,8 @@ pub(crate) struct Record {
     pub backend: Option<String>,
     /// PROXY header version and TLVs, when one was received.
     pub proxy: Option<String>,
+    /// The WireGuard peer a tunneled backend stream went through (`key@endpoint`).
+    pub tunnel_peer: Option<String>,
     /// The CONNECT request head was forwarded to the backend, which answered it (a route
     /// with `forwardConnect`), rather than answered by the gateway. Set once a backend
     /// connection is up: a `502`/`504` the gateway answered itself is not forwarded.
@@ -159,6 +161,7 @@ impl ConnRecord {
             local: None,
             target: None,
             identity: None,
+            tunnel_peer: None,
             backend: None,
             proxy: None,
             forwarded: false,
@@ -262,6 +265,7 @@ impl ConnRecord {
             identity = self.identity.as_deref().unwrap_or("-"),
             backend = self.backend.as_deref().unwrap_or("-"),
             proxy = self.proxy.as_deref().unwrap_or("-"),
+            tunnel_peer = self.tunnel_peer.as_deref().unwrap_or("-"),
             forwarded = self.forwarded,
             rx_bytes = stats.rx,
             tx_bytes = stats.tx,

@@ -43,6 +43,7 @@ impl Dialer for ViaTunnel<'_> {
                 guard: d.guard,
                 elapsed: d.elapsed,
                 early: d.early,
+                via: d.via,
             });
         };
         let route = target.route;
@@ -61,13 +62,14 @@ impl Dialer for ViaTunnel<'_> {
             .unwrap_or(self.direct.connect_timeout);
         let start = Instant::now();
         match tunnels.dial(route.name(), addr, budget).await {
-            Ok(stream) => Ok(Dialed {
+            Ok((stream, peer)) => Ok(Dialed {
                 stream: Either::B(stream),
                 backend: addr.to_string(),
                 addr,
                 guard: None,
                 elapsed: start.elapsed(),
                 early: Vec::new(),
+                via: Some(peer),
             }),
             Err(e) => {
                 let reason = e.failure();

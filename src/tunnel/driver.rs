@@ -171,6 +171,8 @@ pub(crate) struct PeerStatus {
     pub(crate) last_handshake_seconds_ago: Option<u64>,
     /// Whether it has a usable session.
     pub(crate) live: bool,
+    /// Tunneled streams through it (and sockets still closing).
+    pub(crate) streams: usize,
 }
 
 /// One shoot's live state, for `/routes`.
@@ -314,6 +316,7 @@ impl Tunnels {
                             .handshake_at
                             .map(|at| now.saturating_duration_since(at).as_secs()),
                         live: p.live(now),
+                        streams: s.stack.flows_of(&p.key),
                     })
                     .collect();
                 (
@@ -413,13 +416,13 @@ impl Tunnels {
     }
 
     /// Opens a stream from the route's shoot to `target` through a live peer whose
-    /// `allowedIPs` hold it.
+    /// `allowedIPs` hold it; also says which peer (`key@endpoint`, for the access log).
     pub(crate) async fn dial(
         &self,
         route: &str,
         target: SocketAddr,
         timeout: Duration,
-    ) -> Result<TunnelStream, DialError> {
+    ) -> Result<(TunnelStream, String), DialError> {
         let result = self.try_dial(route, target, timeout).await;
         if let Err(e) = &result {
             self.inner
@@ -439,7 +442,7 @@ impl Tunnels {
         route: &str,
         target: SocketAddr,
         timeout: Duration,
-    ) -> Result<TunnelStream, DialError> {
+    ) -> Result<(TunnelStream, String), DialError> {
         let cell = {
             let state = self.inner.state.load();
             state
@@ -449,7 +452,7 @@ impl Tunnels {
                 .cloned()
                 .ok_or(DialError::NoTunnel)?
         };
-        let handle = {
+        let (handle, label) = {
             let now = Instant::now();
             let mut s = lock(&cell);
             let peer = s
@@ -457,9 +460,13 @@ impl Tunnels {
                 .filter(|i| s.peers[*i].live(now))
                 .ok_or(DialError::NoLivePeer)?;
             let key = s.peers[peer].key;
+            let label = match s.peers[peer].endpoint {
+                Some(e) => format!("{}@{e}", key.to_base64()),
+                None => key.to_base64(),
+            };
             let h = s.stack.connect(target, Some(key))?;
             s.flush(now, &mut self.inner.io());
-            h
+            (h, label)
         };
         self.inner.wake.notify_one();
         let stream = TunnelStream::new(
@@ -469,7 +476,7 @@ impl Tunnels {
             self.stream_metrics(route),
         );
         match tokio::time::timeout(timeout, stream.established()).await {
-            Ok(Ok(())) => Ok(stream),
+            Ok(Ok(())) => Ok((stream, label)),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(DialError::Timeout),
         }

@@ -314,6 +314,14 @@ impl Stack {
         self.sockets.get_mut::<tcp::Socket>(h)
     }
 
+    /// Number of flows pinned to `peer`.
+    pub(crate) fn flows_of(&self, peer: &WgKey) -> usize {
+        self.flows
+            .values()
+            .filter(|f| f.peer.as_ref() == Some(peer))
+            .count()
+    }
+
     /// Number of flows (streams and sockets still closing).
     pub(crate) fn flow_count(&self) -> usize {
         self.flows.len()
