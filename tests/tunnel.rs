@@ -377,3 +377,35 @@ async fn soak_across_rekeys_with_connections_opened_throughout() {
     );
     assert!(handshakes >= 2.0, "a rekey happened");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_changed_peer_key_ends_its_streams_at_once_as_route_removed() {
+    let lab = Lab::start();
+    let _agent = lab.agent("[\"127.0.0.0/8\"]");
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (mut tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    assert_eq!(echo_round(&mut tls, b"x").await, b"x");
+
+    // The same route with another peer key: the old peer's streams end now, not at a timeout.
+    let other = keys();
+    lab.gw.write_routes(&route(
+        &lab.shoot,
+        &other.public,
+        "[\"192.168.128.5/32\", \"127.0.0.0/8\"]",
+        "[\"127.0.0.0/8\"]",
+    ));
+    let mut buf = [0u8; 16];
+    let ended = tokio::time::timeout(Duration::from_secs(5), tls.read(&mut buf)).await;
+    assert!(
+        matches!(ended, Ok(Ok(0)) | Ok(Err(_))),
+        "the stream did not end: {ended:?}"
+    );
+    lab.gw
+        .wait_access_log(|l| l["reason"] == "error:route_removed");
+    assert_eq!(
+        lab.gw
+            .metric("trellis_tunnel_streams_active{route=\"shoot--local--a\"}"),
+        0.0
+    );
+}

@@ -17,10 +17,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::device::{ShootCell, lock};
 use super::driver::Inner;
-use crate::net::relay::Leg;
-
-/// The error a stream ends with when its route, peer or key went away.
-pub(crate) const ROUTE_REMOVED: &str = "route_removed";
+use crate::net::relay::{Leg, ROUTE_REMOVED};
 
 /// Per-stream metric handles.
 #[derive(Debug, Clone)]

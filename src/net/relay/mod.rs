@@ -81,9 +81,15 @@ pub(crate) enum IoKind {
     Aborted,
     /// The kernel gave up (keepalive or retransmission timeout).
     TimedOut,
+    /// A user-space stream ended because its route (or its tunnel peer) was removed.
+    RouteRemoved,
     /// Any other I/O error.
     Io,
 }
+
+/// The error message a user-space leg (a tunneled stream) ends with when a table change
+/// removed its route or peer: the relay reports it as `error:route_removed`.
+pub(crate) const ROUTE_REMOVED: &str = "route_removed";
 
 impl IoKind {
     /// The kind of `e`.
@@ -91,6 +97,12 @@ impl IoKind {
         match e.kind() {
             io::ErrorKind::ConnectionReset => IoKind::Reset,
             io::ErrorKind::BrokenPipe => IoKind::BrokenPipe,
+            io::ErrorKind::ConnectionAborted
+                if e.get_ref()
+                    .is_some_and(|inner| inner.to_string() == ROUTE_REMOVED) =>
+            {
+                IoKind::RouteRemoved
+            }
             io::ErrorKind::ConnectionAborted => IoKind::Aborted,
             io::ErrorKind::TimedOut => IoKind::TimedOut,
             _ => IoKind::Io,
@@ -104,6 +116,7 @@ impl IoKind {
             IoKind::BrokenPipe => "broken_pipe",
             IoKind::Aborted => "aborted",
             IoKind::TimedOut => "timed_out",
+            IoKind::RouteRemoved => "route_removed",
             IoKind::Io => "io",
         }
     }
