@@ -111,7 +111,8 @@ impl Recovery {
     }
 }
 
-/// Handles one datagram from `from`.
+/// Handles one datagram from `from`; returns the shoot it was delivered to, whose stack the
+/// caller runs ([`Shoot::flush`]) once per batch.
 pub(crate) fn receive(
     keys: &Keys,
     maps: &Maps,
@@ -120,7 +121,7 @@ pub(crate) fn receive(
     from: SocketAddr,
     datagram: &[u8],
     io: &mut impl Io,
-) {
+) -> Option<ShootCell> {
     let mut cookie = [0u8; 64];
     let packet = match keys
         .limiter
@@ -130,31 +131,35 @@ pub(crate) fn receive(
         Err(TunnResult::WriteToNetwork(reply)) => {
             io.send(from, reply);
             io.dropped(Drop::Cookie);
-            return;
+            return None;
         }
         Err(_) => {
             io.dropped(Drop::Invalid);
-            return;
+            return None;
         }
     };
     match packet {
         Packet::HandshakeInit(init) => {
             let Ok(half) = parse_handshake_anon(&keys.secret, &keys.public, &init) else {
                 io.dropped(Drop::Invalid);
-                return;
+                return None;
             };
             let key = WgKey(half.peer_static_public);
             let Some(cell) = maps.by_key.get(&key) else {
                 io.dropped(Drop::UnknownPeer);
-                return;
+                return None;
             };
             let mut shoot = lock(cell);
             let Some(i) = shoot.peer_position(&key) else {
                 io.dropped(Drop::UnknownPeer);
-                return;
+                return None;
             };
-            if let Err(e) = shoot.receive(now, i, from, datagram, io) {
-                io.dropped(Drop::from_error(&e));
+            match shoot.receive(now, i, from, datagram, io) {
+                Ok(()) => Some(cell.clone()),
+                Err(e) => {
+                    io.dropped(Drop::from_error(&e));
+                    None
+                }
             }
         }
         Packet::HandshakeResponse(p) => by_index(
@@ -200,10 +205,10 @@ fn by_index(
     datagram: &[u8],
     data: bool,
     io: &mut impl Io,
-) {
+) -> Option<ShootCell> {
     let Some(candidates) = maps.by_index.get(&index_peer(receiver)) else {
         io.dropped(Drop::UnknownPeer);
-        return;
+        return None;
     };
     let mut last = Drop::UnknownPeer;
     let mut orphan: Option<(&ShootCell, WgKey)> = None;
@@ -213,7 +218,7 @@ fn by_index(
             continue;
         };
         match shoot.receive(now, i, from, datagram, io) {
-            Ok(()) => return,
+            Ok(()) => return Some(cell.clone()),
             Err(e) => {
                 last = Drop::from_error(&e);
                 if data && last == Drop::NoSession && orphan.is_none() {
@@ -230,7 +235,7 @@ fn by_index(
     {
         let mut shoot = lock(cell);
         let Some(i) = shoot.peer_position(&key) else {
-            return;
+            return None;
         };
         let due = shoot.peers[i]
             .recovery_at
@@ -239,4 +244,5 @@ fn by_index(
             shoot.initiate(now, i, Some(from), io);
         }
     }
+    None
 }

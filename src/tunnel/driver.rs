@@ -28,6 +28,9 @@ use crate::admin::metrics::{
 };
 use crate::route::{Net, Tunnel, WgKey};
 
+/// Datagrams handled before each touched shoot's stack runs.
+const RECEIVE_BATCH: usize = 64;
+
 /// How often every peer's timers run (WireGuard's own resolution is coarser).
 const TIMER_TICK: Duration = Duration::from_millis(250);
 
@@ -522,8 +525,9 @@ impl Tunnels {
 
     async fn receive_loop(self) {
         let mut buf = vec![0u8; 65_536];
+        let mut touched: Vec<ShootCell> = Vec::new();
         loop {
-            let (n, from) = match self.inner.socket.recv_from(&mut buf).await {
+            let first = match self.inner.socket.recv_from(&mut buf).await {
                 Ok(r) => r,
                 Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
                 Err(e) => {
@@ -535,18 +539,34 @@ impl Tunnels {
             let state = self.inner.state.load();
             let mut io = self.inner.io();
             let now = Instant::now();
-            device::receive(
-                &state.keys,
-                &state.maps,
-                &self.inner.recovery,
-                now,
-                from,
-                &buf[..n],
-                &mut io,
-            );
-            if let Some(tx) = &self.inner.accepts {
-                for cell in state.maps.shoots.values() {
-                    for a in lock(cell).take_accepts() {
+            // A batch: whatever else is queued already (up to RECEIVE_BATCH datagrams), each
+            // shoot's stack run once for all of its packets.
+            let mut next = Some(first);
+            let mut count = 0;
+            while let Some((n, from)) = next.take() {
+                count += 1;
+                let datagram = &buf[..n];
+                if let Some(cell) = device::receive(
+                    &state.keys,
+                    &state.maps,
+                    &self.inner.recovery,
+                    now,
+                    from,
+                    datagram,
+                    &mut io,
+                ) && !touched.iter().any(|c| Arc::ptr_eq(c, &cell))
+                {
+                    touched.push(cell);
+                }
+                if count < RECEIVE_BATCH {
+                    next = self.inner.socket.try_recv_from(&mut buf).ok();
+                }
+            }
+            for cell in touched.drain(..) {
+                let mut s = lock(&cell);
+                s.flush(now, &mut io);
+                if let Some(tx) = &self.inner.accepts {
+                    for a in s.take_accepts() {
                         let _ = tx.send((cell.clone(), a));
                     }
                 }

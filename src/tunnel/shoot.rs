@@ -233,8 +233,9 @@ impl Shoot {
         self.peers.iter().position(|p| &p.key == key)
     }
 
-    /// Handles one datagram authenticated as (or addressed to) peer `peer`, then runs the
-    /// stack. An error is the noise layer's verdict; nothing was delivered.
+    /// Handles one datagram authenticated as (or addressed to) peer `peer`; a decrypted
+    /// packet is queued for the stack, which the caller runs ([`Shoot::flush`]) once per
+    /// batch of datagrams. An error is the noise layer's verdict; nothing was delivered.
     pub(crate) fn receive(
         &mut self,
         now: Instant,
@@ -286,7 +287,6 @@ impl Shoot {
                 }
             }
         }
-        self.flush(now, io);
         Ok(())
     }
 

@@ -195,7 +195,7 @@ impl Pair {
                     wire: &mut self.wire,
                     from: addr(GW),
                 };
-                device::receive(
+                if let Some(cell) = device::receive(
                     &self.gw.keys,
                     &self.gw.maps,
                     &self.gw.recovery,
@@ -203,13 +203,15 @@ impl Pair {
                     from,
                     &d,
                     &mut io,
-                );
+                ) {
+                    lock(&cell).flush(now, &mut io);
+                }
             } else if let Some((from, d)) = self.wire.to_agent.pop_front() {
                 let mut io = SideIo {
                     wire: &mut self.wire,
                     from: addr(AGENT),
                 };
-                device::receive(
+                if let Some(cell) = device::receive(
                     &self.agent.keys,
                     &self.agent.maps,
                     &self.agent.recovery,
@@ -217,7 +219,9 @@ impl Pair {
                     from,
                     &d,
                     &mut io,
-                );
+                ) {
+                    lock(&cell).flush(now, &mut io);
+                }
             } else {
                 return moved;
             }
