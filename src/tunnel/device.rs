@@ -234,9 +234,7 @@ fn by_index(
         && candidates.len() == 1
     {
         let mut shoot = lock(cell);
-        let Some(i) = shoot.peer_position(&key) else {
-            return None;
-        };
+        let i = shoot.peer_position(&key)?;
         let due = shoot.peers[i]
             .recovery_at
             .is_none_or(|at| now.saturating_duration_since(at) >= RECOVERY_PER_PEER);
