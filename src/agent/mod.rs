@@ -26,6 +26,9 @@ use crate::tunnel::device::ShootCell;
 use crate::tunnel::shoot::{Accept, Dialed};
 use crate::tunnel::{AgentSide, Tunnels};
 
+/// How long the tunnel may be down before the gateway's endpoints are resolved again.
+const RESOLVE_AGAIN: Duration = Duration::from_secs(30);
+
 /// Why the agent could not start.
 #[derive(Debug, Error)]
 pub enum AgentError {
@@ -128,15 +131,30 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     tracing::info!(gateway = %endpoint, admin = %config.admin, "agent started");
     let ready = {
         let (tunnels, state) = (tunnels.clone(), admin_state.clone());
+        let endpoints = config.endpoints.clone();
         tokio::spawn(async move {
             let mut was = false;
+            let mut down_since = tokio::time::Instant::now();
+            let mut current = endpoint;
             loop {
                 let up = tunnels.up();
                 if up != was {
                     tracing::info!(up, "tunnel");
                     was = up;
+                    down_since = tokio::time::Instant::now();
                 }
                 state.set_ready(up);
+                // Down for a while: the gateway's name may point elsewhere now.
+                if !up && down_since.elapsed() >= RESOLVE_AGAIN {
+                    down_since = tokio::time::Instant::now();
+                    if let Ok(fresh) = gateway_endpoint(&endpoints).await
+                        && fresh != current
+                    {
+                        tracing::info!(gateway = %fresh, "gateway endpoint resolved anew");
+                        tunnels.set_endpoint(fresh);
+                        current = fresh;
+                    }
+                }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         })
@@ -164,6 +182,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             _ = sigint.recv() => { tracing::info!("SIGINT: draining"); break; }
         }
     }
+    // New connections are refused from now on; those relaying may finish.
+    drop(accepts);
     ready.abort();
     admin_state.set_ready(false);
     let deadline = tokio::time::Instant::now() + config.timeouts.drain;
@@ -188,12 +208,18 @@ struct Serving {
 /// Dials one accepted connection's target and relays it.
 async fn serve(shared: Arc<Serving>, cell: ShootCell, accept: Accept) {
     let dial = tokio::time::timeout(shared.connect, TcpStream::connect(accept.target)).await;
+    // What the seed sees mirrors what the dial met: a refusal is a reset; no route or no
+    // answer is silence (the seed's own connect times out); a local failure (descriptors,
+    // ports) is a reset too, so the seed does not wait for nothing.
     let (dialed, reason, tcp) = match dial {
         Ok(Ok(tcp)) => (Dialed::Connected, None, Some(tcp)),
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-            (Dialed::Refused, Some("refused"), None)
-        }
-        Ok(Err(_)) => (Dialed::Silent, Some("unreachable"), None),
+        Ok(Err(e)) => match e.kind() {
+            std::io::ErrorKind::ConnectionRefused => (Dialed::Refused, Some("refused"), None),
+            std::io::ErrorKind::HostUnreachable
+            | std::io::ErrorKind::NetworkUnreachable
+            | std::io::ErrorKind::TimedOut => (Dialed::Silent, Some("unreachable"), None),
+            _ => (Dialed::Refused, Some("error"), None),
+        },
         Err(_) => (Dialed::Silent, Some("timeout"), None),
     };
     if let Some(reason) = reason {

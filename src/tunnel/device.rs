@@ -26,8 +26,10 @@ use super::index::{
 use super::shoot::{Drop, Io, Shoot};
 use crate::route::WgKey;
 
-/// Handshake initiations per second the whole device answers before it asks for cookies.
-pub(crate) const HANDSHAKES_BEFORE_COOKIES: u64 = 2000;
+/// Handshake messages per second the whole device takes before it asks for cookies. Each
+/// is counted twice (the device's check and the peer's session check share the limiter), so
+/// this is 2,000 handshakes a second.
+pub(crate) const HANDSHAKES_BEFORE_COOKIES: u64 = 4000;
 
 /// A shoot shared between the device and its streams.
 pub(crate) type ShootCell = Arc<Mutex<Shoot>>;
@@ -52,6 +54,16 @@ impl Keys {
             secret,
             public,
             limiter,
+        }
+    }
+
+    /// The same key material (and cookie secret), shared: for a table change that keeps the
+    /// key.
+    pub(crate) fn share(&self) -> Keys {
+        Keys {
+            secret: self.secret.clone(),
+            public: self.public,
+            limiter: self.limiter.clone(),
         }
     }
 
@@ -235,9 +247,12 @@ fn by_index(
     {
         let mut shoot = lock(cell);
         let i = shoot.peer_position(&key)?;
-        let due = shoot.peers[i]
-            .recovery_at
-            .is_none_or(|at| now.saturating_duration_since(at) >= RECOVERY_PER_PEER);
+        // A live peer needs no recovery (an old packet replayed against it must not make
+        // the gateway send anything).
+        let due = !shoot.peers[i].live(now)
+            && shoot.peers[i]
+                .recovery_at
+                .is_none_or(|at| now.saturating_duration_since(at) >= RECOVERY_PER_PEER);
         if due && recovery.take(now) {
             shoot.initiate(now, i, Some(from), io);
         }

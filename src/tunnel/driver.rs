@@ -28,6 +28,9 @@ use crate::admin::metrics::{
 };
 use crate::route::{Net, Tunnel, WgKey};
 
+/// Connections the agent accepted and has not started dialing yet, at most.
+const ACCEPT_QUEUE: usize = 1024;
+
 /// Datagrams handled before each touched shoot's stack runs.
 const RECEIVE_BATCH: usize = 64;
 
@@ -58,6 +61,16 @@ pub(crate) enum DialError {
 }
 
 impl DialError {
+    /// Every `reason` label.
+    const REASONS: [&'static str; 6] = [
+        "no_tunnel",
+        "no_live_peer",
+        "refused",
+        "timeout",
+        "stack",
+        "route_removed",
+    ];
+
     /// The `reason` label.
     pub(crate) fn as_str(&self) -> &'static str {
         match self {
@@ -87,7 +100,7 @@ pub(crate) struct Inner {
     /// Serializes table changes.
     apply: Mutex<()>,
     /// The agent's accepted connections, for its dialer.
-    accepts: Option<mpsc::UnboundedSender<(ShootCell, Accept)>>,
+    accepts: Option<mpsc::Sender<(ShootCell, Accept)>>,
     mode: Mode,
 }
 
@@ -194,6 +207,8 @@ fn seed() -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// A peer under `keys`, sharing the device's handshake limiter (one budget for the device;
+/// a replayed initiation cannot push one peer into cookies on its own).
 fn new_peer(keys: &Keys, key: WgKey, allowed: &[Net], keepalive: Option<u16>) -> Peer {
     Peer::new(
         &keys.secret,
@@ -201,7 +216,7 @@ fn new_peer(keys: &Keys, key: WgKey, allowed: &[Net], keepalive: Option<u16>) ->
         allowed.into(),
         keys.index_of(&key),
         keepalive,
-        None,
+        Some(keys.limiter.clone()),
     )
 }
 
@@ -220,7 +235,7 @@ impl Tunnels {
         private: WgKey,
         metrics: Arc<TunnelMetrics>,
         mode: Mode,
-        accepts: Option<mpsc::UnboundedSender<(ShootCell, Accept)>>,
+        accepts: Option<mpsc::Sender<(ShootCell, Accept)>>,
     ) -> Tunnels {
         let inner = Arc::new(Inner {
             socket: Arc::new(socket),
@@ -248,8 +263,8 @@ impl Tunnels {
         private: WgKey,
         side: AgentSide,
         metrics: Arc<TunnelMetrics>,
-    ) -> (Tunnels, mpsc::UnboundedReceiver<(ShootCell, Accept)>) {
-        let (tx, rx) = mpsc::unbounded_channel();
+    ) -> (Tunnels, mpsc::Receiver<(ShootCell, Accept)>) {
+        let (tx, rx) = mpsc::channel(ACCEPT_QUEUE);
         let mode = Mode::Agent {
             networks: side.networks,
         };
@@ -281,11 +296,21 @@ impl Tunnels {
             maps.insert(&state.keys, cell.clone());
             lock(&cell).initiate(now, 0, None, &mut t.inner.io());
             t.inner.state.store(Arc::new(State {
-                keys: Keys::new(private),
+                keys: state.keys.share(),
                 maps,
             }));
         }
         (t, rx)
+    }
+
+    /// Points the agent's peer (the gateway) at `endpoint` (its name resolved anew).
+    pub(crate) fn set_endpoint(&self, endpoint: SocketAddr) {
+        let state = self.inner.state.load();
+        for cell in state.maps.shoots.values() {
+            for p in lock(cell).peers.iter_mut() {
+                p.endpoint = Some(endpoint);
+            }
+        }
     }
 
     /// Whether any peer of the (agent's) device has a live session.
@@ -344,7 +369,8 @@ impl Tunnels {
         let rekeyed = private.is_some_and(|k| k.0 != old.keys.secret.to_bytes());
         let keys = match private {
             Some(k) if rekeyed => Keys::new(k),
-            _ => Keys::new(WgKey(old.keys.secret.to_bytes())),
+            // The cookie secret and the handshake count carry over.
+            _ => old.keys.share(),
         };
         let mut io = self.inner.io();
         let mut maps = Maps::default();
@@ -382,6 +408,9 @@ impl Tunnels {
                             s.peers.push(peer);
                         }
                     }
+                    // The table's order: a peer's index is the same in /routes and metrics.
+                    s.peers
+                        .sort_by_key(|p| tunnel.peers.iter().position(|tp| tp.public_key == p.key));
                     s.flush(now, &mut io);
                     drop(s);
                     cell.clone()
@@ -413,9 +442,44 @@ impl Tunnels {
             s.removed = true;
             s.stack.reset_flows(None);
             s.flush(now, &mut io);
+            if !maps.shoots.contains_key(name) {
+                self.forget_metrics(name, s.peers.len());
+            }
         }
         self.inner.state.store(Arc::new(State { keys, maps }));
         self.inner.wake.notify_one();
+    }
+
+    /// Drops a removed route's tunnel series (its streams still count down on handles
+    /// they hold).
+    fn forget_metrics(&self, route: &str, peers: usize) {
+        let m = &self.inner.metrics;
+        let route = route.to_string();
+        for result in ["ok", "recovery"] {
+            m.handshakes.remove(&RouteResultLabels {
+                route: route.clone(),
+                result,
+            });
+        }
+        for direction in ["rx", "tx"] {
+            m.bytes.remove(&RouteDirectionLabels {
+                route: route.clone(),
+                direction,
+            });
+        }
+        for peer in 0..peers {
+            m.last_handshake.remove(&RoutePeerLabels {
+                route: route.clone(),
+                peer: peer.to_string(),
+            });
+        }
+        for reason in DialError::REASONS {
+            m.dial_failures.remove(&RouteReasonLabels {
+                route: route.clone(),
+                reason,
+            });
+        }
+        m.streams.remove(&RouteLabel { route });
     }
 
     /// Opens a stream from the route's shoot to `target` through a live peer whose
@@ -567,7 +631,12 @@ impl Tunnels {
                 s.flush(now, &mut io);
                 if let Some(tx) = &self.inner.accepts {
                     for a in s.take_accepts() {
-                        let _ = tx.send((cell.clone(), a));
+                        // More connections waiting for their dial than the agent takes on,
+                        // or the agent draining: refused (reset) at once.
+                        if tx.try_send((cell.clone(), a)).is_err() {
+                            io.dropped(Drop::Busy);
+                            s.accepted(now, &a, Dialed::Refused, &mut io);
+                        }
                     }
                 }
             }

@@ -13,6 +13,10 @@ use crate::route::{Net, WgKey};
 
 /// How long a session is usable after its handshake (WireGuard's REJECT_AFTER_TIME).
 pub(crate) const REJECT_AFTER: Duration = Duration::from_secs(180);
+/// When an initiator starts its next handshake (WireGuard's REKEY_AFTER_TIME). boringtun
+/// rekeys only a session that carries data; the agent rekeys an idle one too, so its tunnel
+/// never lapses between keepalives.
+pub(crate) const REKEY_AFTER: Duration = Duration::from_secs(120);
 
 /// One peer.
 pub(crate) struct Peer {
@@ -28,6 +32,9 @@ pub(crate) struct Peer {
     pub(crate) handshake_at: Option<Instant>,
     /// When a recovery handshake was last sent to it.
     pub(crate) recovery_at: Option<Instant>,
+    /// Where that recovery handshake went (the source of the orphan packet): boringtun's own
+    /// retries of it go there too while the endpoint is not known.
+    pub(crate) recovery_to: Option<SocketAddr>,
 }
 
 impl std::fmt::Debug for Peer {
@@ -64,6 +71,7 @@ impl Peer {
             endpoint: None,
             handshake_at: None,
             recovery_at: None,
+            recovery_to: None,
         }
     }
 

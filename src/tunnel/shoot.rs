@@ -18,7 +18,7 @@ use boringtun::noise::{Tunn, TunnResult};
 use smoltcp::iface::SocketHandle;
 use smoltcp::wire::{IpProtocol, Ipv4Packet, Ipv6Packet, TcpPacket};
 
-use super::peer::Peer;
+use super::peer::{Peer, REKEY_AFTER};
 use super::stack::Stack;
 use crate::route::{Net, WgKey};
 
@@ -151,6 +151,27 @@ impl std::fmt::Debug for Shoot {
     }
 }
 
+/// How often an initiator starts over (WireGuard's REKEY_TIMEOUT).
+const RETRY: Duration = Duration::from_secs(5);
+
+/// Sends a handshake initiation of `p` to `to`.
+fn initiate_peer(
+    p: &mut Peer,
+    buf: &mut [u8],
+    now: Instant,
+    to: Option<SocketAddr>,
+    force: bool,
+    io: &mut impl Io,
+) {
+    if let TunnResult::WriteToNetwork(out) = p.tunn.format_handshake_initiation(buf, force) {
+        match to {
+            Some(to) => io.send(to, out),
+            None => io.dropped(Drop::NoEndpoint),
+        }
+    }
+    p.recovery_at = Some(now);
+}
+
 /// The TCP ends and flags of an IP packet, if it is TCP: (source, destination, SYN, ACK).
 fn tcp_ends(packet: &[u8]) -> Option<(SocketAddr, SocketAddr, bool, bool)> {
     let (src, dst, proto, payload): (IpAddr, IpAddr, IpProtocol, &[u8]) = match packet.first()? >> 4
@@ -274,6 +295,7 @@ impl Shoot {
         if kind == 1 || kind == 2 {
             p.handshake_at = Some(now);
             p.recovery_at = None;
+            p.recovery_to = None;
             io.handshake(&name, &p.key);
         }
         if let Some((len, src)) = inner {
@@ -324,7 +346,13 @@ impl Shoot {
                     target,
                     client,
                 });
-                true
+                // The stack takes this SYN now, before another listener for the same target
+                // (a second client's SYN in the same batch) could be handed it.
+                if !self.stack.push(packet) {
+                    io.dropped(Drop::Busy);
+                }
+                self.flush(now, io);
+                false
             }
             Err(_) => false,
         }
@@ -345,7 +373,7 @@ impl Shoot {
     ) {
         match dialed {
             Dialed::Connected => self.stack.release_synack(accept.handle),
-            Dialed::Refused => self.stack.release(accept.handle, true),
+            Dialed::Refused => self.stack.release(accept.handle, true, now),
             Dialed::Silent => {
                 self.stack.forget(accept.handle);
                 self.silent
@@ -362,7 +390,7 @@ impl Shoot {
         for packet in sent {
             self.send_packet(now, &packet, io);
         }
-        self.stack.reap();
+        self.stack.reap(now);
     }
 
     /// The peer a packet from the stack goes to.
@@ -405,23 +433,48 @@ impl Shoot {
 
     /// Runs the peers' timers (handshake retries, rekeys, keepalives) and the stack's.
     pub(crate) fn tick(&mut self, now: Instant, io: &mut impl Io) {
+        let initiator = matches!(self.mode, Mode::Agent { .. });
         let Shoot { peers, buf, .. } = self;
         for p in peers.iter_mut() {
+            let to = p.endpoint.or(p.recovery_to);
             match p.tunn.update_timers(buf) {
-                TunnResult::WriteToNetwork(out) => match p.endpoint {
+                TunnResult::WriteToNetwork(out) => match to {
                     Some(to) => io.send(to, out),
                     None => io.dropped(Drop::NoEndpoint),
                 },
-                TunnResult::Err(WireGuardError::ConnectionExpired) => p.handshake_at = None,
-                _ => {}
+                TunnResult::Err(WireGuardError::ConnectionExpired) => {
+                    p.handshake_at = None;
+                    // boringtun gives up after 90 s of unanswered initiations and stays
+                    // expired; the initiator starts over (a fresh handshake every 5 s, the
+                    // retry period, through boringtun's own retries of it).
+                    if initiator
+                        && p.recovery_at
+                            .is_none_or(|at| now.saturating_duration_since(at) >= RETRY)
+                    {
+                        initiate_peer(p, buf, now, to, true, io);
+                    }
+                }
+                _ => {
+                    // An idle session is not rekeyed by boringtun (keepalives are not
+                    // data): the initiator rekeys it before it lapses.
+                    if initiator
+                        && p.handshake_at
+                            .is_some_and(|at| now.saturating_duration_since(at) >= REKEY_AFTER)
+                        && p.recovery_at
+                            .is_none_or(|at| now.saturating_duration_since(at) >= RETRY)
+                    {
+                        initiate_peer(p, buf, now, to, false, io);
+                    }
+                }
             }
         }
         self.silent.retain(|_, until| *until > now);
         self.flush(now, io);
     }
 
-    /// Starts a handshake with peer `peer` (the agent's first, and a restarted gateway's
-    /// recovery towards `to`).
+    /// Starts a handshake with peer `peer`: the agent's first, and a restarted gateway's
+    /// recovery towards `to` (forced: an initiation still in progress from an earlier
+    /// attempt, whose packets may be lost, does not hold it back).
     pub(crate) fn initiate(
         &mut self,
         now: Instant,
@@ -429,20 +482,16 @@ impl Shoot {
         to: Option<SocketAddr>,
         io: &mut impl Io,
     ) {
+        let recovery = to.is_some();
         let Shoot { peers, buf, .. } = self;
         let Some(p) = peers.get_mut(peer) else {
             return;
         };
-        if let TunnResult::WriteToNetwork(out) = p.tunn.format_handshake_initiation(buf, false) {
-            if to.is_some() {
-                io.recovery(&self.name);
-            }
-            match to.or(p.endpoint) {
-                Some(to) => io.send(to, out),
-                None => io.dropped(Drop::NoEndpoint),
-            }
+        if recovery {
+            p.recovery_to = to;
+            io.recovery(&self.name);
         }
-        p.recovery_at = Some(now);
+        initiate_peer(p, buf, now, to.or(p.endpoint), recovery, io);
     }
 
     /// When the stack next needs a poll without new packets.

@@ -27,6 +27,9 @@ pub(crate) const RX_BUFFER: usize = 64 * 1024;
 pub(crate) const TX_BUFFER: usize = 64 * 1024;
 /// Inbound packets queued for one poll at most; more are dropped (counted `busy`).
 pub(crate) const RX_QUEUE: usize = 4096;
+/// How long a socket whose stream is gone may take to close (a FIN never acknowledged, a
+/// peer that went away): then it is reset and removed.
+pub(crate) const LINGER: Duration = Duration::from_secs(30);
 /// Local ports for dials from this stack.
 const EPHEMERAL: std::ops::RangeInclusive<u16> = 49152..=65535;
 
@@ -102,8 +105,8 @@ pub(crate) struct Flow {
     /// The peer whose tunnel carries it (the gateway pins a flow to the peer it was dialed
     /// through; the agent has one peer).
     pub(crate) peer: Option<WgKey>,
-    /// Its stream is gone; the socket is removed once closed.
-    pub(crate) released: bool,
+    /// When its stream went away; the socket is removed once closed, or after [`LINGER`].
+    pub(crate) released: Option<Instant>,
     /// Ended by a table change (its peer or route went away).
     pub(crate) killed: bool,
 }
@@ -279,7 +282,7 @@ impl Stack {
                 local,
                 remote,
                 peer,
-                released: false,
+                released: None,
                 killed: false,
             },
         );
@@ -327,21 +330,19 @@ impl Stack {
         self.flows.len()
     }
 
-    /// The stream of a socket is gone: a connection still open is reset (its relay ended
-    /// without a clean close), a closing one finishes; the socket is removed once closed.
-    pub(crate) fn release(&mut self, h: SocketHandle, reset: bool) {
+    /// The stream of a socket is gone: a connection its relay did not close cleanly
+    /// (`reset`) is reset, a closing one may finish; the socket is removed once closed or
+    /// after [`LINGER`].
+    pub(crate) fn release(&mut self, h: SocketHandle, reset: bool, now: Instant) {
         if let Some(f) = self.flows.get_mut(&h) {
-            f.released = true;
+            f.released = Some(now);
         }
         let s = self.sockets.get_mut::<tcp::Socket>(h);
-        if reset {
-            s.abort();
-        } else {
-            match s.state() {
-                tcp::State::Listen | tcp::State::SynSent | tcp::State::SynReceived => s.abort(),
-                tcp::State::Established | tcp::State::CloseWait => s.close(),
-                _ => {}
-            }
+        match s.state() {
+            tcp::State::Listen | tcp::State::SynSent | tcp::State::SynReceived => s.abort(),
+            tcp::State::Established | tcp::State::CloseWait if reset => s.abort(),
+            tcp::State::Established | tcp::State::CloseWait => s.close(),
+            _ => {}
         }
     }
 
@@ -353,17 +354,20 @@ impl Stack {
         self.sockets.remove(h);
     }
 
-    /// Removes released sockets that have closed (and, after `linger`, closing ones).
-    pub(crate) fn reap(&mut self) {
-        let closed: Vec<SocketHandle> = self
-            .flows
-            .iter()
-            .filter(|(h, f)| {
-                f.released && self.sockets.get::<tcp::Socket>(**h).state() == tcp::State::Closed
-            })
-            .map(|(h, _)| *h)
-            .collect();
-        for h in closed {
+    /// Removes released sockets that have closed; resets those released longer than
+    /// [`LINGER`] ago (removed on the next call, once the reset is out).
+    pub(crate) fn reap(&mut self, now: Instant) {
+        let mut gone = Vec::new();
+        for (h, f) in &self.flows {
+            let Some(at) = f.released else { continue };
+            let s = self.sockets.get_mut::<tcp::Socket>(*h);
+            if s.state() == tcp::State::Closed {
+                gone.push(*h);
+            } else if now.saturating_duration_since(at) >= LINGER {
+                s.abort();
+            }
+        }
+        for h in gone {
             self.forget(h);
         }
     }

@@ -182,7 +182,10 @@ impl Drop for TunnelStream {
     fn drop(&mut self) {
         self.metrics.active.dec();
         let mut s = lock(&self.shoot);
-        s.stack.release(self.handle, false);
-        s.flush(Instant::now(), &mut self.inner.io());
+        let now = Instant::now();
+        // Not shut down by the relay: it ended on an error, a timeout or a drain, and the
+        // shoot side is told with a reset rather than a clean FIN.
+        s.stack.release(self.handle, !self.shut, now);
+        s.flush(now, &mut self.inner.io());
     }
 }
