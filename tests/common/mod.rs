@@ -217,7 +217,8 @@ impl Gateway {
 
     /// Starts with the given listeners: (name, protocol, extra listener fields as YAML lines
     /// indented by two spaces). `tls` is the first listener's address. A listener whose
-    /// name starts with `v6` listens on `[::1]`, every other one on `127.0.0.1`.
+    /// name starts with `v6` listens on `[::1]`, one whose name starts with `any` on
+    /// `0.0.0.0` (reached from other network namespaces), every other one on `127.0.0.1`.
     pub(crate) fn start_listeners(
         routes: &str,
         listeners: &[(&str, &str, &str)],
@@ -283,6 +284,8 @@ impl Gateway {
             let mut addr = next_addr();
             if name.starts_with("v6") {
                 addr.set_ip(std::net::Ipv6Addr::LOCALHOST.into());
+            } else if name.starts_with("any") {
+                addr.set_ip(std::net::Ipv4Addr::UNSPECIFIED.into());
             }
             listeners_yaml +=
                 &format!("- name: {name}\n  address: \"{addr}\"\n  protocol: {protocol}\n{more}\n");
@@ -338,6 +341,25 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             std::thread::sleep(Duration::from_millis(20));
         }
         false
+    }
+
+    /// Kills the gateway (SIGKILL: no drain, nothing saved) and starts it again on the same
+    /// configuration, table, files and ports; returns once it is ready. The log starts
+    /// afresh (the earlier one is kept beside it as `gateway-killed.log`).
+    pub(crate) fn kill_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = self.log_dir.path("gateway.log");
+        let _ = std::fs::rename(&log, self.log_dir.path("gateway-killed.log"));
+        self.child = spawn_gateway(&self.dir, &self.log_dir, None, &[]);
+        assert!(
+            self.wait_ready(),
+            "restarted gateway not ready:\n{}",
+            self.logs()
+        );
+        self.debug = self
+            .logged_address("debug endpoint listening")
+            .unwrap_or_else(|| panic!("no debug endpoint in the log:\n{}", self.logs()));
     }
 
     /// The `address` of the first log line whose message is `message`.
