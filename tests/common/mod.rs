@@ -217,7 +217,8 @@ impl Gateway {
 
     /// Starts with the given listeners: (name, protocol, extra listener fields as YAML lines
     /// indented by two spaces). `tls` is the first listener's address. A listener whose
-    /// name starts with `v6` listens on `[::1]`, every other one on `127.0.0.1`.
+    /// name starts with `v6` listens on `[::1]`, one whose name starts with `any` on
+    /// `0.0.0.0` (reached from other network namespaces), every other one on `127.0.0.1`.
     pub(crate) fn start_listeners(
         routes: &str,
         listeners: &[(&str, &str, &str)],
@@ -283,6 +284,8 @@ impl Gateway {
             let mut addr = next_addr();
             if name.starts_with("v6") {
                 addr.set_ip(std::net::Ipv6Addr::LOCALHOST.into());
+            } else if name.starts_with("any") {
+                addr.set_ip(std::net::Ipv4Addr::UNSPECIFIED.into());
             }
             listeners_yaml +=
                 &format!("- name: {name}\n  address: \"{addr}\"\n  protocol: {protocol}\n{more}\n");
@@ -301,27 +304,7 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
         );
         std::fs::write(dir.path("gateway.yaml"), config).unwrap();
         let log_dir = TestDir::new("gwlog");
-        let log = std::fs::File::create(log_dir.path("gateway.log")).unwrap();
-        let mut command = match nofile {
-            None => Command::new(BIN),
-            Some(n) => {
-                // `ulimit -n` sets the soft and the hard limit: the gateway cannot raise it.
-                let mut c = Command::new("sh");
-                c.args(["-c", &format!("ulimit -n {n} && exec \"$0\" \"$@\""), BIN]);
-                c
-            }
-        };
-        let child = command
-            .args(["--log-format", "json", "gateway", "--config"])
-            .arg(dir.path("gateway.yaml"))
-            .env("TRELLIS_LOG", "info,trellis=debug")
-            // The zone is the file's unless a test sets it.
-            .env_remove("TRELLIS_ZONE")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
+        let child = spawn_gateway(&dir, &log_dir, nofile, env);
         let mut gw = Gateway {
             child,
             tls: addrs[0].1,
@@ -331,19 +314,7 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             log_dir,
             listeners: addrs,
         };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let mut ready = false;
-        while Instant::now() < deadline {
-            if let Some((200, _)) = http_get(admin, "/ready") {
-                ready = true;
-                break;
-            }
-            if matches!(gw.child.try_wait(), Ok(Some(_))) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        if !ready {
+        if !gw.wait_ready() {
             let _ = gw.child.kill();
             let logs = gw.logs();
             if logs.contains("another process already listens there") {
@@ -355,6 +326,40 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             .logged_address("debug endpoint listening")
             .unwrap_or_else(|| panic!("no debug endpoint in the log:\n{}", gw.logs()));
         Some(gw)
+    }
+
+    /// Waits up to 20 s for `/ready` to answer 200; false if it did not or the process exited.
+    fn wait_ready(&mut self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Some((200, _)) = http_get(self.admin, "/ready") {
+                return true;
+            }
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// Kills the gateway (SIGKILL: no drain, nothing saved) and starts it again on the same
+    /// configuration, table, files and ports; returns once it is ready. The log starts
+    /// afresh (the earlier one is kept beside it as `gateway-killed.log`).
+    pub(crate) fn kill_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = self.log_dir.path("gateway.log");
+        let _ = std::fs::rename(&log, self.log_dir.path("gateway-killed.log"));
+        self.child = spawn_gateway(&self.dir, &self.log_dir, None, &[]);
+        assert!(
+            self.wait_ready(),
+            "restarted gateway not ready:\n{}",
+            self.logs()
+        );
+        self.debug = self
+            .logged_address("debug endpoint listening")
+            .unwrap_or_else(|| panic!("no debug endpoint in the log:\n{}", self.logs()));
     }
 
     /// The `address` of the first log line whose message is `message`.
@@ -450,6 +455,37 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
             .map(|d| d.count())
             .unwrap_or(0)
     }
+}
+
+/// Starts `trellis gateway` on `dir`'s `gateway.yaml`, logging (JSON) to `log_dir`'s
+/// `gateway.log`, under an open-files limit of `nofile` (if any) and with `env` set.
+fn spawn_gateway(
+    dir: &TestDir,
+    log_dir: &TestDir,
+    nofile: Option<u64>,
+    env: &[(&str, &str)],
+) -> Child {
+    let log = std::fs::File::create(log_dir.path("gateway.log")).unwrap();
+    let mut command = match nofile {
+        None => Command::new(BIN),
+        Some(n) => {
+            // `ulimit -n` sets the soft and the hard limit: the gateway cannot raise it.
+            let mut c = Command::new("sh");
+            c.args(["-c", &format!("ulimit -n {n} && exec \"$0\" \"$@\""), BIN]);
+            c
+        }
+    };
+    command
+        .args(["--log-format", "json", "gateway", "--config"])
+        .arg(dir.path("gateway.yaml"))
+        .env("TRELLIS_LOG", "info,trellis=debug")
+        // The zone is the file's unless a test sets it.
+        .env_remove("TRELLIS_ZONE")
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap()
 }
 
 impl Drop for Gateway {
@@ -698,7 +734,18 @@ pub(crate) async fn counting_echo_at(
     ip: &str,
     greeting: &'static [u8],
 ) -> (SocketAddr, Arc<AtomicUsize>) {
-    let listener = TcpListener::bind(format!("{ip}:0")).await.unwrap();
+    counting_echo_on(
+        TcpListener::bind(format!("{ip}:0")).await.unwrap(),
+        greeting,
+    )
+}
+
+/// [`counting_echo_at`] on a listener of the caller's (one bound in another network
+/// namespace, for example).
+pub(crate) fn counting_echo_on(
+    listener: TcpListener,
+    greeting: &'static [u8],
+) -> (SocketAddr, Arc<AtomicUsize>) {
     let addr = listener.local_addr().unwrap();
     let accepted = Arc::new(AtomicUsize::new(0));
     let count = accepted.clone();

@@ -46,6 +46,35 @@ impl Drop for Lab {
     }
 }
 
+/// Runs `f` on a new thread moved into namespace `ns` and returns what it returns (its panic
+/// is the caller's). What `f` opens there stays there: a socket it creates keeps `ns`'s
+/// network wherever it is used later, and the threads and processes it starts (a tokio
+/// runtime's workers, `Command`s) begin in `ns`.
+pub(crate) fn in_ns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
+    use rustix::thread::{LinkNameSpaceType, move_into_link_name_space};
+    use std::os::fd::AsFd;
+    let file = std::fs::File::open(format!("/var/run/netns/{ns}"))
+        .unwrap_or_else(|e| panic!("namespace {ns}: {e}"));
+    std::thread::scope(|scope| {
+        let thread = scope.spawn(move || {
+            move_into_link_name_space(file.as_fd(), Some(LinkNameSpaceType::Network))
+                .unwrap_or_else(|e| panic!("setns {ns}: {e}"));
+            f()
+        });
+        thread
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+/// A TCP listener on `addr` inside namespace `ns`, non-blocking (for tokio's `from_std`).
+pub(crate) fn listen_in(ns: &str, addr: SocketAddr) -> std::net::TcpListener {
+    let listener = in_ns(ns, || std::net::TcpListener::bind(addr))
+        .unwrap_or_else(|e| panic!("listen on {addr} in {ns}: {e}"));
+    listener.set_nonblocking(true).unwrap();
+    listener
+}
+
 /// `ip addr add <cidr> dev <dev>`, with `nodad` for IPv6 (no wait for duplicate address
 /// detection before the address can be used).
 pub(crate) fn add_address<'a>(cidr: &'a str, dev: &'a str) -> Vec<&'a str> {

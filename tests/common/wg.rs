@@ -277,6 +277,11 @@ impl WgGo {
         self.wg(&["set", &self.ifname, "peer", public, "remove"], "");
     }
 
+    /// Replaces the device's private key (its peers know it by the new public key from now).
+    pub(crate) fn set_private_key(&self, private: &str) {
+        self.wg(&["set", &self.ifname, "private-key", "/dev/stdin"], private);
+    }
+
     /// Moves the device to UDP port `port` (the peers see it roam).
     pub(crate) fn set_listen_port(&self, port: u16) {
         self.wg(&["set", &self.ifname, "listen-port", &port.to_string()], "");
