@@ -178,44 +178,40 @@ pub(crate) fn receive(
             maps,
             recovery,
             now,
-            p.receiver_idx,
+            (p.receiver_idx, false),
             from,
             datagram,
-            false,
             io,
         ),
         Packet::PacketCookieReply(p) => by_index(
             maps,
             recovery,
             now,
-            p.receiver_idx,
+            (p.receiver_idx, false),
             from,
             datagram,
-            false,
             io,
         ),
         Packet::PacketData(p) => by_index(
             maps,
             recovery,
             now,
-            p.receiver_idx,
+            (p.receiver_idx, true),
             from,
             datagram,
-            true,
             io,
         ),
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// A message addressed by `receiver` (index, whether it is a data packet).
 fn by_index(
     maps: &Maps,
     recovery: &Recovery,
     now: Instant,
-    receiver: u32,
+    (receiver, data): (u32, bool),
     from: SocketAddr,
     datagram: &[u8],
-    data: bool,
     io: &mut impl Io,
 ) -> Option<ShootCell> {
     let Some(candidates) = maps.by_index.get(&index_peer(receiver)) else {

@@ -233,6 +233,18 @@ impl Pair {
         panic!("the link never went quiet");
     }
 
+    /// A keepalive the agent encrypts on its current session (not sent).
+    fn agent_keepalive(&self) -> Vec<u8> {
+        let mut s = lock(&self.agent.cell);
+        let mut buf = vec![0u8; 256];
+        let boringtun::noise::TunnResult::WriteToNetwork(d) =
+            s.peers[0].tunn.encapsulate(&[], &mut buf)
+        else {
+            panic!("no keepalive");
+        };
+        d.to_vec()
+    }
+
     fn gw_io(&mut self) -> SideIo<'_> {
         SideIo {
             wire: &mut self.wire,
@@ -396,18 +408,9 @@ fn a_replayed_data_packet_is_dropped_and_counted() {
     let mut p = Pair::new();
     p.handshake();
     // A keepalive from the agent, captured and delivered twice.
-    let acell = p.agent.cell.clone();
-    {
-        let mut s = lock(&acell);
-        let mut buf = vec![0u8; 256];
-        let boringtun::noise::TunnResult::WriteToNetwork(d) =
-            s.peers[0].tunn.encapsulate(&[], &mut buf)
-        else {
-            panic!("no keepalive");
-        };
-        p.wire.to_gw.push_back((addr(AGENT), d.to_vec()));
-        p.wire.to_gw.push_back((addr(AGENT), d.to_vec()));
-    }
+    let d = p.agent_keepalive();
+    p.wire.to_gw.push_back((addr(AGENT), d.clone()));
+    p.wire.to_gw.push_back((addr(AGENT), d.clone()));
     p.run();
     assert_eq!(p.wire.drops, vec![Drop::Replay]);
 }
@@ -436,17 +439,8 @@ fn a_restarted_gateway_recovers_a_sending_shoot_with_one_handshake() {
     );
     assert!(!lock(&p.gw.cell).peers[0].live(p.now));
     // The shoot sends a packet on its old session.
-    let acell = p.agent.cell.clone();
-    {
-        let mut s = lock(&acell);
-        let mut buf = vec![0u8; 256];
-        let boringtun::noise::TunnResult::WriteToNetwork(d) =
-            s.peers[0].tunn.encapsulate(&[], &mut buf)
-        else {
-            panic!("no keepalive");
-        };
-        p.wire.to_gw.push_back((addr(AGENT), d.to_vec()));
-    }
+    let d = p.agent_keepalive();
+    p.wire.to_gw.push_back((addr(AGENT), d.clone()));
     p.run();
     assert_eq!(p.wire.recoveries, 1);
     assert!(lock(&p.gw.cell).peers[0].live(p.now), "usable again");
@@ -465,17 +459,8 @@ fn recovery_is_limited_per_peer() {
     p.handshake();
     p.gw = gateway_side(p.gw_key, public(p.agent_key), &["192.168.128.5/32"]);
     // Orphan packets from a forged source: only one handshake goes out in the period.
-    let acell = p.agent.cell.clone();
-    let mut buf = vec![0u8; 256];
     for _ in 0..5 {
-        let mut s = lock(&acell);
-        let boringtun::noise::TunnResult::WriteToNetwork(d) =
-            s.peers[0].tunn.encapsulate(&[], &mut buf)
-        else {
-            panic!("no keepalive");
-        };
-        let d = d.to_vec();
-        drop(s);
+        let d = p.agent_keepalive();
         let now = p.now;
         let mut io = SideIo {
             wire: &mut p.wire,
@@ -568,17 +553,8 @@ fn a_roaming_shoot_is_followed_to_its_new_address() {
     assert_eq!(lock(&p.gw.cell).peers[0].endpoint, Some(addr(AGENT)));
     // The shoot's source port changes (a NAT rebinding); its next packets authenticate.
     p.agent_addr = addr("10.0.0.2:40123");
-    let acell = p.agent.cell.clone();
-    {
-        let mut s = lock(&acell);
-        let mut buf = vec![0u8; 256];
-        let boringtun::noise::TunnResult::WriteToNetwork(d) =
-            s.peers[0].tunn.encapsulate(&[], &mut buf)
-        else {
-            panic!("no keepalive");
-        };
-        p.wire.to_gw.push_back((p.agent_addr, d.to_vec()));
-    }
+    let d = p.agent_keepalive();
+    p.wire.to_gw.push_back((p.agent_addr, d.clone()));
     p.run();
     assert_eq!(
         lock(&p.gw.cell).peers[0].endpoint,
@@ -723,17 +699,8 @@ mod stepped {
             public(p.agent_key),
             &["192.168.128.5/32", "10.250.0.0/16"],
         );
-        let acell = p.agent.cell.clone();
-        {
-            let mut s = lock(&acell);
-            let mut buf = vec![0u8; 256];
-            let boringtun::noise::TunnResult::WriteToNetwork(d) =
-                s.peers[0].tunn.encapsulate(&[], &mut buf)
-            else {
-                panic!("no keepalive");
-            };
-            p.wire.to_gw.push_back((p.agent_addr, d.to_vec()));
-        }
+        let d = p.agent_keepalive();
+        p.wire.to_gw.push_back((p.agent_addr, d.clone()));
         // The gateway's recovery initiation is lost on the way.
         let (_, d) = p.wire.to_gw.pop_front().unwrap();
         let now = p.now;
