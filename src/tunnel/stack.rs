@@ -20,11 +20,13 @@ use crate::route::WgKey;
 
 /// The tunnel MTU (WireGuard's default over IPv4/IPv6 on a 1500-byte path).
 pub(crate) const MTU: usize = 1420;
-/// Receive buffer per tunneled stream: the window a shoot-side sender sees. 64 KiB fills a
-/// path of a few milliseconds' round trip at the rates a kube-apiserver's egress sees.
-pub(crate) const RX_BUFFER: usize = 64 * 1024;
-/// Send buffer per tunneled stream.
-pub(crate) const TX_BUFFER: usize = 64 * 1024;
+/// Receive buffer per tunneled stream: the window a shoot-side sender sees (with window
+/// scaling). At 128 KiB the allocation is at glibc's mmap threshold (set to 128 KiB by the
+/// serving layer), so its pages are the kernel's zero pages until data touches them: an idle
+/// stream holds only the pages its first bytes used, a busy one the whole ring.
+pub(crate) const RX_BUFFER: usize = 128 * 1024;
+/// Send buffer per tunneled stream (same reasoning).
+pub(crate) const TX_BUFFER: usize = 128 * 1024;
 /// Inbound packets queued for one poll at most; more are dropped (counted `busy`).
 pub(crate) const RX_QUEUE: usize = 4096;
 /// How long a socket whose stream is gone may take to close (a FIN never acknowledged, a
