@@ -409,3 +409,47 @@ async fn a_changed_peer_key_ends_its_streams_at_once_as_route_removed() {
         0.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_private_key_file_is_taken_in_and_restarts_the_tunnels() {
+    let lab = Lab::start();
+    let agent = lab.agent("[\"127.0.0.0/8\"]");
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (mut tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    assert_eq!(echo_round(&mut tls, b"old key").await, b"old key");
+
+    // The key file is replaced (a Secret update): the gateway takes the new key in, its
+    // tunnels restart (the open stream ends), and the agent that still trusts the old key
+    // no longer gets through.
+    let fresh = keys();
+    let key_file = lab._dir.path("gateway.key");
+    let tmp = lab._dir.path(".gateway.key.tmp");
+    std::fs::write(&tmp, format!("{}\n", fresh.private)).unwrap();
+    std::fs::rename(&tmp, &key_file).unwrap();
+    let mut buf = [0u8; 16];
+    let ended = tokio::time::timeout(Duration::from_secs(15), tls.read(&mut buf)).await;
+    assert!(
+        matches!(ended, Ok(Ok(0)) | Ok(Err(_))),
+        "the stream did not end: {ended:?}"
+    );
+    let (_, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(status(&answer), 504, "{}", String::from_utf8_lossy(&answer));
+    drop(agent);
+
+    // An agent given the new public key is let in.
+    let agent = Agent::start(
+        &lab.agent_keys,
+        &fresh.public,
+        lab.gw.addr("wireguard"),
+        "[\"127.0.0.0/8\"]",
+    );
+    assert!(
+        agent.wait_ready(Duration::from_secs(15)),
+        "{}",
+        agent.logs()
+    );
+    let (mut tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    assert_eq!(echo_round(&mut tls, b"new key").await, b"new key");
+}
