@@ -123,8 +123,18 @@ pub(crate) enum Dialed {
 
 /// How long a target the agent could not reach stays silent for the same client port.
 const SILENT_FOR: Duration = Duration::from_secs(30);
-/// Datagram scratch size: the largest inner packet plus WireGuard's overhead.
-const SCRATCH: usize = 65_536 + 64;
+/// Scratch for handshake messages and keepalives.
+const SMALL: usize = 256;
+/// Scratch for one packet of the tunnel's MTU, encrypted or not.
+const PACKET: usize = super::stack::MTU + 128;
+
+/// `buf` with at least `n` bytes (grown, never shrunk).
+fn scratch(buf: &mut Vec<u8>, n: usize) -> &mut [u8] {
+    if buf.len() < n {
+        buf.resize(n, 0);
+    }
+    &mut buf[..]
+}
 
 /// One shoot.
 pub(crate) struct Shoot {
@@ -135,7 +145,8 @@ pub(crate) struct Shoot {
     /// Its stack.
     pub(crate) stack: Stack,
     mode: Mode,
-    buf: Box<[u8]>,
+    /// Scratch for one datagram, grown on demand: an idle shoot holds a handshake's worth.
+    buf: Vec<u8>,
     accepts: Vec<Accept>,
     silent: HashMap<(SocketAddr, SocketAddr), Instant>,
     /// Set when the shoot was removed from the table: its streams end (`route_removed`).
@@ -242,7 +253,7 @@ impl Shoot {
             peers,
             stack: Stack::new(addresses, any_ip, now, seed),
             mode,
-            buf: vec![0; SCRATCH].into_boxed_slice(),
+            buf: Vec::new(),
             accepts: Vec::new(),
             silent: HashMap::new(),
             removed: false,
@@ -272,6 +283,7 @@ impl Shoot {
             return Err(WireGuardError::WrongKey);
         };
         let mut inner: Option<(usize, IpAddr)> = None;
+        let buf = scratch(buf, datagram.len().max(PACKET));
         match p.tunn.decapsulate(Some(from.ip()), datagram, buf) {
             TunnResult::Done => {}
             TunnResult::Err(e) => return Err(e),
@@ -421,6 +433,7 @@ impl Shoot {
         };
         let Shoot { peers, buf, .. } = self;
         let p = &mut peers[i];
+        let buf = scratch(buf, (packet.len() + 32).max(SMALL));
         match p.tunn.encapsulate(packet, buf) {
             TunnResult::WriteToNetwork(out) => match p.endpoint {
                 Some(to) => io.send(to, out),
@@ -435,6 +448,8 @@ impl Shoot {
     pub(crate) fn tick(&mut self, now: Instant, io: &mut impl Io) {
         let initiator = matches!(self.mode, Mode::Agent { .. });
         let Shoot { peers, buf, .. } = self;
+        // update_timers may also send a packet boringtun queued while it had no session.
+        let buf = scratch(buf, PACKET);
         for p in peers.iter_mut() {
             let to = p.endpoint.or(p.recovery_to);
             match p.tunn.update_timers(buf) {
@@ -491,7 +506,7 @@ impl Shoot {
             p.recovery_to = to;
             io.recovery(&self.name);
         }
-        initiate_peer(p, buf, now, to.or(p.endpoint), recovery, io);
+        initiate_peer(p, scratch(buf, SMALL), now, to.or(p.endpoint), recovery, io);
     }
 
     /// When the stack next needs a poll without new packets.
