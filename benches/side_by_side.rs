@@ -6,13 +6,17 @@
 //! default 2), `BENCH_PEERS` (default `haproxy,nginx,envoy,floor`; `floor` is a reference, not
 //! a peer: see `floor.rs`; `haproxy-b` adds a second HAProxy, the A/A row), `BENCH_ENVOY` (the
 //! Envoy binary to run), `BENCH_IDLE` (idle connections for the memory figure, default
-//! 5000), `BENCH_JOBS` (default `sni,proxy-destination,http-connect,egress,egress-1000`),
+//! 5000), `BENCH_JOBS` (default
+//! `sni,proxy-destination,http-connect,egress,egress-1000,tunnel`),
 //! `BENCH_ROUNDS` (default 9), `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single
 //! thread), `BENCH_TRELLIS_BIN` (another trellis binary to measure, e.g. a previous build),
 //! `BENCH_FIGURES` (default `throughput,rate,latency,syscalls,storm`: which figures to
 //! measure; rows of figures not measured are left out), `BENCH_STORM` (clients of the reconnect storm,
 //! default 20000), `BENCH_PIN=1` (each proxy on CPU 0, clients and backend on CPU 1, and
-//! the A/A row), `BENCH_SYSCALLS_DETAIL=1` (also a per-syscall breakdown from `strace -c`).
+//! the A/A row), `BENCH_SYSCALLS_DETAIL=1` (also a per-syscall breakdown from `strace -c`),
+//! `BENCH_TUNNEL_MB` (bytes per throughput run of the `tunnel` job, default 200),
+//! `BENCH_TUNNEL_PEERS` (peers of its many-peer part, default 1000; 0 = none),
+//! `BENCH_TUNNEL_PERF` (a directory: `perf record -g` of the gateway in its phases, there).
 //!
 //! The headline figures are what the proxy itself spends, from its own CPU time in
 //! `/proc/PID/stat` (children included): CPU per new connection (and its user-space part),
@@ -40,7 +44,9 @@
 //! compared with `egress`'s one route after the tables). trellis serves the egress jobs from
 //! a process of their own and is skipped, with the reason, while it refuses the
 //! configuration. Envoy runs with one worker, as HAProxy and nginx do, with a configuration
-//! the bench writes for each job on a port chosen at run time.
+//! the bench writes for each job on a port chosen at run time. `tunnel` (root only; SKIP
+//! otherwise) is trellis's WireGuard against a wireguard-go pair in two network namespaces,
+//! with a report of its own after the tables: see `tunnel.rs`.
 //! Backend protocol (port 7001, as the peer configs expect): after the ClientHello record the
 //! client sends one command byte: `U` = upload (frames of a 4-byte big-endian length and that
 //! many bytes; after an empty frame the backend answers the byte count as 8 bytes: a count
@@ -69,6 +75,10 @@ mod egress;
 mod envoy;
 #[path = "side_by_side/floor.rs"]
 mod floor;
+#[path = "side_by_side/lab.rs"]
+mod lab;
+#[path = "side_by_side/tunnel.rs"]
+mod tunnel;
 
 const BACKEND: &str = "127.0.0.1:7001";
 const SNI: &str = "api.alpha.example.com";
@@ -1454,7 +1464,7 @@ fn main() {
     let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,envoy,floor");
     let jobs = env(
         "BENCH_JOBS",
-        "sni,proxy-destination,http-connect,egress,egress-1000",
+        "sni,proxy-destination,http-connect,egress,egress-1000,tunnel",
     );
     let figures = env("BENCH_FIGURES", "throughput,rate,latency,syscalls,storm");
     let want = |f: &str| figures.split(',').any(|g| g == f);
@@ -1472,6 +1482,10 @@ fn main() {
         .build()
         .unwrap();
     let rows = rt.block_on(async {
+        // Only the tunnel job, which brings its own servers and proxies: nothing to start.
+        if jobs.split(',').all(|j| j == "tunnel") {
+            return Vec::new();
+        }
         tokio::spawn(backend());
         // Each starter starts its proxy for one job (most serve every job they can).
         type Starter<'a> = Box<dyn Fn(&str) -> Option<(Proxy, Vec<Target>)> + 'a>;
@@ -1515,7 +1529,7 @@ fn main() {
             starters.push(Box::new(|_| start_floor()));
         }
         let mut rows = Vec::new();
-        for job in jobs.split(',') {
+        for job in jobs.split(',').filter(|j| *j != "tunnel") {
             // Fresh processes per job; memory first, so no figure inherits a heap another
             // one grew. Then the other figures in interleaved rounds, reported as medians,
             // because a 2-core machine shared by client, proxies and backend is noisy.
@@ -1652,8 +1666,14 @@ fn main() {
         }
         rows
     });
+    if !rows.is_empty() {
+        print_table(&rows, secs, rounds, idle, storm_n);
+    }
+    if jobs.split(',').any(|j| j == "tunnel") {
+        drop(rt);
+        tunnel::run(&work, &target_dir.join("bench-keys"));
+    }
     let _ = std::fs::remove_dir_all(&work);
-    print_table(&rows, secs, rounds, idle, storm_n);
 }
 
 fn median(v: &mut [f64]) -> f64 {
