@@ -150,7 +150,7 @@ pub(crate) fn receive(
             return None;
         }
     };
-    match packet {
+    let indexed = match packet {
         Packet::HandshakeInit(init) => {
             let Ok(half) = parse_handshake_anon(&keys.secret, &keys.public, &init) else {
                 io.dropped(Drop::Invalid);
@@ -166,42 +166,19 @@ pub(crate) fn receive(
                 io.dropped(Drop::UnknownPeer);
                 return None;
             };
-            match shoot.receive(now, i, from, datagram, io) {
+            return match shoot.receive(now, i, from, datagram, io) {
                 Ok(()) => Some(cell.clone()),
                 Err(e) => {
                     io.dropped(Drop::from_error(&e));
                     None
                 }
-            }
+            };
         }
-        Packet::HandshakeResponse(p) => by_index(
-            maps,
-            recovery,
-            now,
-            (p.receiver_idx, false),
-            from,
-            datagram,
-            io,
-        ),
-        Packet::PacketCookieReply(p) => by_index(
-            maps,
-            recovery,
-            now,
-            (p.receiver_idx, false),
-            from,
-            datagram,
-            io,
-        ),
-        Packet::PacketData(p) => by_index(
-            maps,
-            recovery,
-            now,
-            (p.receiver_idx, true),
-            from,
-            datagram,
-            io,
-        ),
-    }
+        Packet::HandshakeResponse(p) => (p.receiver_idx, false),
+        Packet::PacketCookieReply(p) => (p.receiver_idx, false),
+        Packet::PacketData(p) => (p.receiver_idx, true),
+    };
+    by_index(maps, recovery, now, indexed, from, datagram, io)
 }
 
 /// A message addressed by `receiver` (index, whether it is a data packet).

@@ -233,6 +233,24 @@ impl Pair {
         panic!("the link never went quiet");
     }
 
+    /// Hands the gateway one datagram from `from`, without running its stack.
+    fn deliver_to_gw(&mut self, from: SocketAddr, datagram: &[u8]) {
+        let now = self.now;
+        let mut io = SideIo {
+            wire: &mut self.wire,
+            from: addr(GW),
+        };
+        device::receive(
+            &self.gw.keys,
+            &self.gw.maps,
+            &self.gw.recovery,
+            now,
+            from,
+            datagram,
+            &mut io,
+        );
+    }
+
     /// A keepalive the agent encrypts on its current session (not sent).
     fn agent_keepalive(&self) -> Vec<u8> {
         let mut s = lock(&self.agent.cell);
@@ -461,20 +479,7 @@ fn recovery_is_limited_per_peer() {
     // Orphan packets from a forged source: only one handshake goes out in the period.
     for _ in 0..5 {
         let d = p.agent_keepalive();
-        let now = p.now;
-        let mut io = SideIo {
-            wire: &mut p.wire,
-            from: addr(GW),
-        };
-        device::receive(
-            &p.gw.keys,
-            &p.gw.maps,
-            &p.gw.recovery,
-            now,
-            addr("10.9.9.9:1"),
-            &d,
-            &mut io,
-        );
+        p.deliver_to_gw(addr("10.9.9.9:1"), &d);
     }
     assert_eq!(p.wire.recoveries, 1);
 }
@@ -581,20 +586,7 @@ fn handshakes_beyond_the_device_limit_get_cookie_replies() {
         };
         let init = init.to_vec();
         drop(s);
-        let now = p.now;
-        let mut io = SideIo {
-            wire: &mut p.wire,
-            from: addr(GW),
-        };
-        device::receive(
-            &p.gw.keys,
-            &p.gw.maps,
-            &p.gw.recovery,
-            now,
-            addr(AGENT),
-            &init,
-            &mut io,
-        );
+        p.deliver_to_gw(addr(AGENT), &init);
         cookies = p.wire.drops.iter().filter(|d| **d == Drop::Cookie).count();
         // Replies go nowhere: this is a flood.
         p.wire.to_agent.clear();
@@ -703,20 +695,7 @@ mod stepped {
         p.wire.to_gw.push_back((p.agent_addr, d.clone()));
         // The gateway's recovery initiation is lost on the way.
         let (_, d) = p.wire.to_gw.pop_front().unwrap();
-        let now = p.now;
-        let mut io = SideIo {
-            wire: &mut p.wire,
-            from: addr(GW),
-        };
-        device::receive(
-            &p.gw.keys,
-            &p.gw.maps,
-            &p.gw.recovery,
-            now,
-            addr(AGENT),
-            &d,
-            &mut io,
-        );
+        p.deliver_to_gw(addr(AGENT), &d);
         assert_eq!(p.wire.recoveries, 1);
         p.wire.to_agent.clear();
         // boringtun retries it after REKEY_TIMEOUT, to where the orphan packet came from.
