@@ -60,6 +60,17 @@ impl Drop for Agent {
 
 impl Agent {
     fn start(keys: &Keys, gateway_public: &str, endpoint: SocketAddr, networks: &str) -> Agent {
+        Agent::start_at(keys, gateway_public, endpoint, networks, "192.168.128.5")
+    }
+
+    /// An agent with this address inside the tunnel.
+    fn start_at(
+        keys: &Keys,
+        gateway_public: &str,
+        endpoint: SocketAddr,
+        networks: &str,
+        address: &str,
+    ) -> Agent {
         let dir = TestDir::new("agent");
         let key: PathBuf = dir.path("agent.key");
         std::fs::write(&key, format!("{}\n", keys.private)).unwrap();
@@ -69,7 +80,7 @@ impl Agent {
 kind: AgentConfiguration
 wireguard:
   privateKeyFile: {key:?}
-  addresses: [192.168.128.5]
+  addresses: [{address}]
   gateway:
     publicKey: \"{gateway_public}\"
     endpoints: [{{udp: \"{endpoint}\"}}]
@@ -452,4 +463,116 @@ async fn a_new_private_key_file_is_taken_in_and_restarts_the_tunnels() {
     let (mut tls, answer) = lab.connect(&target.to_string()).await;
     assert_eq!(answer, OK);
     assert_eq!(echo_round(&mut tls, b"new key").await, b"new key");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_agents_share_new_streams_and_a_killed_one_is_passed_over_and_its_streams_end() {
+    let lab = Lab::start();
+    // A second agent replica: its own key, its own tunnel address, the same networks.
+    let second = keys();
+    let two_peers = format!(
+        "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: RoutingTable
+routes:
+- name: shoot--local--a
+  tunnel:
+    wireguard:
+      peers:
+      - publicKey: \"{}\"
+        allowedIPs: [\"192.168.128.5/32\", \"127.0.0.0/8\"]
+      - publicKey: \"{}\"
+        allowedIPs: [\"192.168.128.6/32\", \"127.0.0.0/8\"]
+      localAddresses: [192.168.128.1]
+  egress:
+    clientSources: [\"127.0.0.1/32\"]
+    tls: {}
+    allowedNetworks: [\"127.0.0.0/8\"]
+",
+        lab.agent_keys.public,
+        second.public,
+        lab.shoot.tls_yaml()
+    );
+    // The second agent becomes ready only once the gateway took this table in.
+    lab.gw.write_routes(&two_peers);
+    let mut first = lab.agent("[\"127.0.0.0/8\"]");
+    let other = Agent::start_at(
+        &second,
+        &lab.gw_keys.public,
+        lab.gw.addr("wireguard"),
+        "[\"127.0.0.0/8\"]",
+        "192.168.128.6",
+    );
+    assert!(
+        other.wait_ready(Duration::from_secs(10)),
+        "{}",
+        other.logs()
+    );
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let target = target.to_string();
+
+    // Held streams are spread over both replicas.
+    let mut held = Vec::new();
+    for i in 0..8u8 {
+        let (mut tls, answer) = lab.connect(&target).await;
+        assert_eq!(answer, OK, "{}", String::from_utf8_lossy(&answer));
+        assert_eq!(echo_round(&mut tls, &[i]).await, [i]);
+        held.push(tls);
+    }
+    let streams = "trellis_tunnel_streams_active{route=\"agent\"}";
+    let on_first = first.metric(streams);
+    assert_eq!(on_first + other.metric(streams), 8.0);
+    assert!(
+        (3.0..=5.0).contains(&on_first),
+        "not spread: {on_first} of 8 on the first agent"
+    );
+
+    // The first replica dies; its session still looks live to the gateway. New CONNECTs
+    // every 100 ms all succeed: at most one waits for the failover.
+    let _ = first.child.kill();
+    let _ = first.child.wait();
+    let mut slowest = Duration::ZERO;
+    let mut slow = 0;
+    for i in 0..20u8 {
+        let t = std::time::Instant::now();
+        let (mut tls, answer) = lab.connect(&target).await;
+        assert_eq!(
+            answer,
+            OK,
+            "connect {i}: {}",
+            String::from_utf8_lossy(&answer)
+        );
+        assert_eq!(echo_round(&mut tls, &[i]).await, [i]);
+        let took = t.elapsed();
+        slowest = slowest.max(took);
+        if took > Duration::from_millis(700) {
+            slow += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("slowest CONNECT after the kill: {slowest:?}");
+    assert!(
+        slow <= 1,
+        "{slow} CONNECTs waited for a failover; slowest {slowest:?}"
+    );
+    assert!(slowest < Duration::from_secs(3), "slowest {slowest:?}");
+
+    // Streams through the dead replica end (keepalive probes go unanswered); the others
+    // go on.
+    let mut ended = 0;
+    let mut alive = 0;
+    for (i, mut tls) in held.into_iter().enumerate() {
+        let byte = [100 + i as u8];
+        let _ = tls.write_all(&byte).await;
+        let mut buf = [0u8; 1];
+        match tokio::time::timeout(Duration::from_secs(120), tls.read(&mut buf)).await {
+            Ok(Ok(1)) if buf == byte => alive += 1,
+            Ok(_) => ended += 1,
+            Err(_) => panic!("stream {i} neither answered nor ended in 120 s"),
+        }
+    }
+    assert_eq!(
+        ended as f64, on_first,
+        "streams of the dead replica that ended"
+    );
+    assert_eq!(alive as f64, 8.0 - on_first);
 }

@@ -34,6 +34,10 @@ const ACCEPT_QUEUE: usize = 1024;
 /// Datagrams handled before each touched shoot's stack runs.
 const RECEIVE_BATCH: usize = 64;
 
+/// How long a dial waits for an answer through one peer before it tries another live
+/// peer of the route (and marks the first suspect).
+const FAILOVER_AFTER: Duration = Duration::from_secs(1);
+
 /// How often every peer's timers run (WireGuard's own resolution is coarser).
 const TIMER_TICK: Duration = Duration::from_millis(250);
 
@@ -187,6 +191,9 @@ pub(crate) struct PeerStatus {
     pub(crate) last_handshake_seconds_ago: Option<u64>,
     /// Whether it has a usable session.
     pub(crate) live: bool,
+    /// A dial through it went unanswered and nothing came from it since: new streams go
+    /// through other peers first.
+    pub(crate) suspect: bool,
     /// Tunneled streams through it (and sockets still closing).
     pub(crate) streams: usize,
 }
@@ -344,6 +351,7 @@ impl Tunnels {
                             .handshake_at
                             .map(|at| now.saturating_duration_since(at).as_secs()),
                         live: p.live(now),
+                        suspect: p.suspect,
                         streams: s.stack.flows_of(&p.key),
                     })
                     .collect();
@@ -519,33 +527,59 @@ impl Tunnels {
                 .cloned()
                 .ok_or(DialError::NoTunnel)?
         };
-        let (handle, label) = {
-            let now = Instant::now();
-            let mut s = lock(&cell);
-            let peer = s
-                .best_peer(now, target.ip())
-                .filter(|i| s.peers[*i].live(now))
-                .ok_or(DialError::NoLivePeer)?;
-            let key = s.peers[peer].key;
-            let label = match s.peers[peer].endpoint {
-                Some(e) => format!("{}@{e}", key.to_base64()),
-                None => key.to_base64(),
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut tried: Vec<usize> = Vec::new();
+        loop {
+            let (peer, handle, label, others) = {
+                let now = Instant::now();
+                let mut s = lock(&cell);
+                let live = |s: &Shoot, tried: &[usize]| {
+                    s.best_peer_except(now, target.ip(), tried)
+                        .filter(|i| s.peers[*i].live(now))
+                };
+                let peer = live(&s, &tried).ok_or(if tried.is_empty() {
+                    DialError::NoLivePeer
+                } else {
+                    DialError::Timeout
+                })?;
+                tried.push(peer);
+                let others = live(&s, &tried).is_some();
+                let key = s.peers[peer].key;
+                let label = match s.peers[peer].endpoint {
+                    Some(e) => format!("{}@{e}", key.to_base64()),
+                    None => key.to_base64(),
+                };
+                let h = s.stack.connect(target, Some(key))?;
+                s.flush(now, &mut self.inner.io());
+                (peer, h, label, others)
             };
-            let h = s.stack.connect(target, Some(key))?;
-            s.flush(now, &mut self.inner.io());
-            (h, label)
-        };
-        self.inner.wake.notify_one();
-        let stream = TunnelStream::new(
-            cell.clone(),
-            handle,
-            self.inner.clone(),
-            self.stream_metrics(route),
-        );
-        match tokio::time::timeout(timeout, stream.established()).await {
-            Ok(Ok(())) => Ok((stream, label)),
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(DialError::Timeout),
+            self.inner.wake.notify_one();
+            let stream = TunnelStream::new(
+                cell.clone(),
+                handle,
+                self.inner.clone(),
+                self.stream_metrics(route),
+            );
+            // With another live peer to try, this one gets a short budget: a replica that
+            // died still looks live until its session expires, and only an unanswered SYN
+            // tells. An answer of any kind (a reset included) ends the dial.
+            let budget_end = if others {
+                deadline.min(tokio::time::Instant::now() + FAILOVER_AFTER)
+            } else {
+                deadline
+            };
+            match tokio::time::timeout_at(budget_end, stream.established()).await {
+                Ok(Ok(())) => return Ok((stream, label)),
+                Ok(Err(e)) => return Err(e),
+                Err(_) if others && tokio::time::Instant::now() < deadline => {
+                    drop(stream);
+                    if let Some(p) = lock(&cell).peers.get_mut(peer) {
+                        p.suspect = true;
+                    }
+                    tracing::debug!(route, peer = %label, "dial unanswered, trying another peer");
+                }
+                Err(_) => return Err(DialError::Timeout),
+            }
         }
     }
 

@@ -35,6 +35,10 @@ pub(crate) struct Peer {
     /// Where that recovery handshake went (the source of the orphan packet): boringtun's own
     /// retries of it go there too while the endpoint is not known.
     pub(crate) recovery_to: Option<SocketAddr>,
+    /// A dial through it went unanswered while another peer could be tried: it is chosen
+    /// last until it sends an authenticated packet again (a replica that died, whose
+    /// session still looks live).
+    pub(crate) suspect: bool,
 }
 
 impl std::fmt::Debug for Peer {
@@ -72,6 +76,7 @@ impl Peer {
             handshake_at: None,
             recovery_at: None,
             recovery_to: None,
+            suspect: false,
         }
     }
 

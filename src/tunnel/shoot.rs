@@ -302,8 +302,9 @@ impl Shoot {
             TunnResult::WriteToTunnelV4(pkt, src) => inner = Some((pkt.len(), IpAddr::V4(src))),
             TunnResult::WriteToTunnelV6(pkt, src) => inner = Some((pkt.len(), IpAddr::V6(src))),
         }
-        // Authenticated: the peer is where this came from (roaming).
+        // Authenticated: the peer is where this came from (roaming), and it is alive.
         p.endpoint = Some(from);
+        p.suspect = false;
         if kind == 1 || kind == 2 {
             p.handshake_at = Some(now);
             p.recovery_at = None;
@@ -418,12 +419,42 @@ impl Shoot {
 
     /// The peer whose `allowedIPs` hold `dst` most specifically, live ones first.
     pub(crate) fn best_peer(&self, now: Instant, dst: IpAddr) -> Option<usize> {
+        self.best_peer_except(now, dst, &[])
+    }
+
+    /// The peer a new connection to `dst` goes through, leaving out `tried`: live before
+    /// not live, then the most specific `allowedIPs`, then not suspect, then the one
+    /// carrying the fewest flows (two agent replicas share the load), then the first.
+    pub(crate) fn best_peer_except(
+        &self,
+        now: Instant,
+        dst: IpAddr,
+        tried: &[usize],
+    ) -> Option<usize> {
         self.peers
             .iter()
             .enumerate()
-            .filter_map(|(i, p)| p.match_len(dst).map(|len| (p.live(now), len, i)))
-            .max_by_key(|(live, len, i)| (*live, *len, std::cmp::Reverse(*i)))
-            .map(|(_, _, i)| i)
+            .filter(|(i, _)| !tried.contains(i))
+            .filter_map(|(i, p)| {
+                let len = p.match_len(dst)?;
+                let flows = if self.peers.len() > 1 {
+                    self.stack.flows_of(&p.key)
+                } else {
+                    0
+                };
+                Some((
+                    (
+                        p.live(now),
+                        len,
+                        !p.suspect,
+                        std::cmp::Reverse(flows),
+                        std::cmp::Reverse(i),
+                    ),
+                    i,
+                ))
+            })
+            .max_by_key(|(rank, _)| *rank)
+            .map(|(_, i)| i)
     }
 
     fn send_packet(&mut self, now: Instant, packet: &[u8], io: &mut impl Io) {

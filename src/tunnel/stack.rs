@@ -29,6 +29,10 @@ pub(crate) const RX_BUFFER: usize = 128 * 1024;
 pub(crate) const TX_BUFFER: usize = 128 * 1024;
 /// Inbound packets queued for one poll at most; more are dropped (counted `busy`).
 pub(crate) const RX_QUEUE: usize = 4096;
+/// An idle flow sends a keepalive probe this often.
+pub(crate) const KEEPALIVE: Duration = Duration::from_secs(20);
+/// A flow that hears nothing from the other end for this long is aborted.
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a socket whose stream is gone may take to close (a FIN never acknowledged, a
 /// peer that went away): then it is reset and removed.
 pub(crate) const LINGER: Duration = Duration::from_secs(30);
@@ -214,6 +218,12 @@ impl Stack {
         let mut s = tcp::Socket::new(rx, tx);
         // The relay writes whole reads; coalescing them only adds latency.
         s.set_nagle_enabled(false);
+        // A peer that died (a killed replica) leaves its flows with nobody to answer: idle
+        // ones probe, and a flow that hears nothing for TIMEOUT ends, so its relay does.
+        s.set_keep_alive(Some(smoltcp::time::Duration::from_secs(
+            KEEPALIVE.as_secs(),
+        )));
+        s.set_timeout(Some(smoltcp::time::Duration::from_secs(TIMEOUT.as_secs())));
         s
     }
 
