@@ -143,9 +143,9 @@ fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
 }
 
 fn workloads(objects: &[Value]) -> impl Iterator<Item = &Value> {
-    objects
-        .iter()
-        .filter(|o| o["kind"] == "Deployment" || o["kind"] == "DaemonSet")
+    objects.iter().filter(|o| {
+        ["Deployment", "DaemonSet", "StatefulSet"].contains(&o["kind"].as_str().unwrap())
+    })
 }
 
 /// Every container of a pod: its init containers (native sidecars among them) and the
@@ -163,40 +163,120 @@ fn container<'a>(pod: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no container {name}"))
 }
 
+/// What a Secret the manifests expect (and never hold) provides, for `trellis check`: the
+/// demo material in `config/` for each file name the pod mounts (certificates, keys and CA
+/// bundles from `config/egress-pki/`, `tls.key` among them; any other `*.key` a WireGuard
+/// key from `config/wireguard/`).
+fn demo_secret_file(name: &str) -> Vec<u8> {
+    let config = repo().join("config");
+    let file = if name.ends_with(".crt") || name == "tls.key" {
+        config.join("egress-pki").join(name)
+    } else if name.ends_with(".key") {
+        config.join("wireguard/agent.key")
+    } else {
+        panic!("no demo material for a Secret's {name:?}")
+    };
+    std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+}
+
+/// The name of pod `ordinal` of a workload: a StatefulSet's `<name>-<ordinal>`, any other's
+/// an example (`<name>-pod`).
+fn pod_name(workload: &Value, ordinal: usize) -> String {
+    let name = workload["metadata"]["name"].as_str().unwrap();
+    if workload["kind"] == "StatefulSet" {
+        format!("{name}-{ordinal}")
+    } else {
+        format!("{name}-pod")
+    }
+}
+
+/// A mount's path inside its volume, as the kubelet expands it for the pod named `pod`:
+/// `subPath`, or `subPathExpr` with `$(VAR)` replaced by the container's environment
+/// variables that name the pod (`fieldRef: metadata.name`); `None` for the whole volume.
+fn sub_path(container: &Value, mount: &Value, pod: &str) -> Option<String> {
+    if let Some(path) = mount["subPath"].as_str() {
+        return Some(path.to_owned());
+    }
+    let mut path = mount["subPathExpr"].as_str()?.to_owned();
+    for env in container["env"].as_array().into_iter().flatten() {
+        if env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" {
+            path = path.replace(&format!("$({})", env["name"].as_str().unwrap()), pod);
+        }
+    }
+    assert!(
+        !path.contains("$("),
+        "{path}: a variable the test does not expand"
+    );
+    Some(path)
+}
+
+/// The files of a volume: a ConfigMap's keys, a Secret's items (demo material, see
+/// [`demo_secret_file`]); `None` for a volume that starts empty (emptyDir) or that the test
+/// does not fill (a projected token).
+fn volume_files(objects: &[Value], volume: &Value) -> Option<Vec<(String, Vec<u8>)>> {
+    if let Some(cm_name) = volume["configMap"]["name"].as_str() {
+        let data = find(objects, "ConfigMap", cm_name)["data"]
+            .as_object()
+            .unwrap();
+        return Some(
+            data.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap().as_bytes().to_vec()))
+                .collect(),
+        );
+    }
+    let items = volume["secret"]["items"].as_array()?;
+    Some(
+        items
+            .iter()
+            .map(|i| {
+                let path = i["path"].as_str().unwrap().to_owned();
+                let data = demo_secret_file(i["key"].as_str().unwrap());
+                (path, data)
+            })
+            .collect(),
+    )
+}
+
 /// A pod as container `name` sees it, under `root/NAME`: every volume it mounts is a
-/// directory at its mount path, with the keys of a ConfigMap written into it (an emptyDir
-/// starts empty; [`share`] copies what one container wrote to the others). Real directories,
-/// not links, so `..` from a mount path leads where it does in the container. Returns the
-/// path inside `root` of the container's `--config` argument.
+/// directory at its mount path, with the keys of a ConfigMap or the items of a Secret (demo
+/// material) written into it, or the one file a `subPath`/`subPathExpr` names (an emptyDir
+/// starts empty; [`share`] copies what one container wrote to the others). Real
+/// directories, not links, so `..` from a mount path leads where it does in the container.
+/// Returns the path inside `root` of the container's `--config` argument.
 fn lay_out(objects: &[Value], workload: &Value, name: &str, root: &Path) -> PathBuf {
-    let pod = &workload["spec"]["template"]["spec"];
-    let container = container(pod, name);
+    lay_out_pod(objects, workload, name, root, &pod_name(workload, 0))
+}
+
+/// [`lay_out`] for the pod named `pod` (a StatefulSet's pods mount files by their names).
+fn lay_out_pod(objects: &[Value], workload: &Value, name: &str, root: &Path, pod: &str) -> PathBuf {
+    let spec = &workload["spec"]["template"]["spec"];
+    let container = container(spec, name);
     let own = root.join(name);
     for mount in container["volumeMounts"].as_array().unwrap() {
         let at = own.join(mount["mountPath"].as_str().unwrap().trim_start_matches('/'));
-        let volume = pod["volumes"]
+        let volume = spec["volumes"]
             .as_array()
             .unwrap()
             .iter()
             .find(|v| v["name"] == mount["name"])
             .unwrap();
-        let Some(cm_name) = volume["configMap"]["name"].as_str() else {
+        let Some(files) = volume_files(objects, volume) else {
             std::fs::create_dir_all(&at).unwrap();
             continue;
         };
-        let data = find(objects, "ConfigMap", cm_name)["data"]
-            .as_object()
-            .unwrap()
-            .clone();
-        match mount["subPath"].as_str() {
+        match sub_path(container, mount, pod) {
             Some(key) => {
+                let (_, data) = files
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .unwrap_or_else(|| panic!("{pod}: no {key:?} in volume {}", volume["name"]));
                 std::fs::create_dir_all(at.parent().unwrap()).unwrap();
-                std::fs::write(&at, data[key].as_str().unwrap()).unwrap();
+                std::fs::write(&at, data).unwrap();
             }
             None => {
                 std::fs::create_dir_all(&at).unwrap();
-                for (key, value) in data {
-                    std::fs::write(at.join(key), value.as_str().unwrap()).unwrap();
+                for (key, data) in files {
+                    std::fs::write(at.join(key), data).unwrap();
                 }
             }
         }
@@ -416,7 +496,7 @@ fn a_broken_manifest_or_config_fails() {
     let objects = render("seed");
     let deployment = objects
         .iter()
-        .position(|o| o["kind"] == "Deployment")
+        .position(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "trellis-gateway")
         .unwrap();
     let mut unknown = objects.clone();
     unknown[deployment]["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] =
@@ -445,7 +525,7 @@ fn a_broken_manifest_or_config_fails() {
 }
 
 /// Each container's config, laid out as its volumes mount it, passes `trellis check`. In the
-/// seed pod the gateway's does only once a routing table is where the gateway looks for it:
+/// seed pods a gateway's does only once a routing table is where the gateway looks for it:
 /// the table `trellis controller render` makes with the controller's config, written where
 /// that config says and shared through the pod's volumes as the kubelet shares them. Its
 /// listeners' default routes are in that table (`check` requires it).
@@ -461,16 +541,25 @@ fn embedded_configs_pass_check_where_the_pods_mount_them() {
     assert!(ok && out.contains("valid NodeConfiguration"), "{out}");
 
     let objects = render("seed");
-    let deployment = find(&objects, "Deployment", "trellis-gateway");
+    check_seed_pod(&objects, "trellis-gateway");
+}
+
+/// The seed Deployment `name`'s controller and gateway configs pass `check`, the gateway's
+/// once the controller's table is where it reads it (and not before).
+fn check_seed_pod(objects: &[Value], name: &str) {
+    let deployment = find(objects, "Deployment", name);
     let root = TestDir::new("deploy-mounts");
-    let controller = lay_out(&objects, deployment, "controller", &root.0);
-    let gateway = lay_out(&objects, deployment, "trellis", &root.0);
+    let controller = lay_out(objects, deployment, "controller", &root.0);
+    let gateway = lay_out(objects, deployment, "trellis", &root.0);
     let (ok, out) = check(&controller);
-    assert!(ok && out.contains("valid ControllerConfiguration"), "{out}");
+    assert!(
+        ok && out.contains("valid ControllerConfiguration"),
+        "{name}: {out}"
+    );
     let (ok, out) = check(&gateway);
     assert!(
         !ok && out.contains("cannot read the routing table"),
-        "the gateway has a table before the controller wrote one: {out}"
+        "{name}: the gateway has a table before the controller wrote one: {out}"
     );
 
     let manifests = root.path("manifests");
@@ -496,7 +585,10 @@ fn embedded_configs_pass_check_where_the_pods_mount_them() {
     std::fs::write(&output, &rendered.stdout).unwrap();
     share(deployment, "controller", &root.0);
     let (ok, out) = check(&gateway);
-    assert!(ok && out.contains("valid GatewayConfiguration"), "{out}");
+    assert!(
+        ok && out.contains("valid GatewayConfiguration"),
+        "{name}: {out}"
+    );
 }
 
 #[test]
@@ -690,10 +782,11 @@ fn mount_at<'a>(container: &'a Value, path: &Path) -> Option<(&'a Value, PathBuf
 /// Where in-cluster clients read the token, the CA and the namespace.
 const TOKEN_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
-/// The seed pod's controller sidecar and what it depends on; `Err` names the first rule
-/// broken. `watched` is what the controller watches (the ClusterRole must grant exactly that).
-fn controller_wiring(objects: &[Value], watched: &[WatchedKind]) -> Result<(), String> {
-    let deployment = find(objects, "Deployment", "trellis-gateway");
+/// The controller sidecar of the seed Deployment `name` and what it depends on; `Err` names
+/// the first rule broken. `watched` is what the controller watches (the ClusterRole must
+/// grant exactly that).
+fn controller_wiring(objects: &[Value], name: &str, watched: &[WatchedKind]) -> Result<(), String> {
+    let deployment = find(objects, "Deployment", name);
     let pod = &deployment["spec"]["template"]["spec"];
     let gateway = &pod["containers"][0];
     let Some(sidecar) = pod["initContainers"]
@@ -931,7 +1024,7 @@ fn controller_wiring(objects: &[Value], watched: &[WatchedKind]) -> Result<(), S
     Ok(())
 }
 
-/// The controller runs beside each gateway as the deploy notes say: see
+/// The controller runs beside the gateway as the deploy notes say: see
 /// [`controller_wiring`].
 #[test]
 fn seed_controller_sidecar_writes_where_the_gateway_reads_with_read_only_access() {
@@ -939,14 +1032,14 @@ fn seed_controller_sidecar_writes_where_the_gateway_reads_with_read_only_access(
         return;
     }
     let objects = render("seed");
-    controller_wiring(&objects, &WATCHED).unwrap();
+    controller_wiring(&objects, "trellis-gateway", &WATCHED).unwrap();
 }
 
 /// The deployment's pod spec, to break.
 fn pod_mut(objects: &mut [Value]) -> &mut Value {
     let d = objects
         .iter_mut()
-        .find(|o| o["kind"] == "Deployment")
+        .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "trellis-gateway")
         .unwrap();
     &mut d["spec"]["template"]["spec"]
 }
@@ -1168,7 +1261,7 @@ fn a_miswired_controller_sidecar_fails() {
     for (what, break_it, message) in breaks {
         let mut broken = objects.clone();
         break_it(&mut broken);
-        match controller_wiring(&broken, &WATCHED) {
+        match controller_wiring(&broken, "trellis-gateway", &WATCHED) {
             Ok(()) => panic!("{what}: passed"),
             Err(e) => assert!(e.contains(message), "{what}: {e}"),
         }
@@ -1181,6 +1274,6 @@ fn a_miswired_controller_sidecar_fails() {
         kind: "TCPRoute",
         plural: "tcproutes",
     });
-    let err = controller_wiring(&objects, &more).unwrap_err();
+    let err = controller_wiring(&objects, "trellis-gateway", &more).unwrap_err();
     assert!(err.contains("the ClusterRole grants"), "{err}");
 }
