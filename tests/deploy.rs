@@ -450,8 +450,9 @@ fn assert_lifecycle(workload: &Value, config: &Value, default_drain_delay: Durat
 }
 
 #[test]
-fn seed_and_shoot_render_and_validate_against_kubernetes_schemas() {
-    let Some(validator) = tools("seed_and_shoot_render_and_validate_against_kubernetes_schemas")
+fn seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas() {
+    let Some(validator) =
+        tools("seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas")
     else {
         return;
     };
@@ -471,6 +472,15 @@ fn seed_and_shoot_render_and_validate_against_kubernetes_schemas() {
             ][..],
         ),
         ("shoot", &["ConfigMap", "DaemonSet"][..]),
+        (
+            "agent",
+            &[
+                "ServiceAccount",
+                "ConfigMap",
+                "StatefulSet",
+                "PodDisruptionBudget",
+            ][..],
+        ),
     ] {
         let objects = render(base);
         for kind in kinds {
@@ -528,7 +538,8 @@ fn a_broken_manifest_or_config_fails() {
 /// seed pods a gateway's does only once a routing table is where the gateway looks for it:
 /// the table `trellis controller render` makes with the controller's config, written where
 /// that config says and shared through the pod's volumes as the kubelet shares them. Its
-/// listeners' default routes are in that table (`check` requires it).
+/// listeners' default routes are in that table (`check` requires it). The Secrets the
+/// manifests name but never hold (the agents' keys) hold the demo material of `config/`. Each agent pod sees its own config.
 #[test]
 fn embedded_configs_pass_check_where_the_pods_mount_them() {
     if !kubectl("embedded_configs_pass_check_where_the_pods_mount_them") {
@@ -542,6 +553,19 @@ fn embedded_configs_pass_check_where_the_pods_mount_them() {
 
     let objects = render("seed");
     check_seed_pod(&objects, "trellis-gateway");
+
+    let objects = render("agent");
+    let statefulset = find(&objects, "StatefulSet", "trellis-agent");
+    for ordinal in 0..statefulset["spec"]["replicas"].as_u64().unwrap() as usize {
+        let root = TestDir::new("deploy-mounts");
+        let pod = pod_name(statefulset, ordinal);
+        let file = lay_out_pod(&objects, statefulset, "trellis", &root.0, &pod);
+        let (ok, out) = check(&file);
+        assert!(
+            ok && out.contains("valid AgentConfiguration"),
+            "{pod}: {out}"
+        );
+    }
 }
 
 /// The seed Deployment `name`'s controller and gateway configs pass `check`, the gateway's
@@ -1276,4 +1300,418 @@ fn a_miswired_controller_sidecar_fails() {
     });
     let err = controller_wiring(&objects, "trellis-gateway", &more).unwrap_err();
     assert!(err.contains("the ClusterRole grants"), "{err}");
+}
+
+fn find_mut<'a>(objects: &'a mut [Value], kind: &str, name: &str) -> &'a mut Value {
+    objects
+        .iter_mut()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// Whether `selector` (a label map, not empty) selects `labels`.
+fn selects(selector: &Value, labels: &Value) -> bool {
+    selector
+        .as_object()
+        .is_some_and(|s| !s.is_empty() && s.iter().all(|(k, v)| &labels[k] == v))
+}
+
+/// A pod that runs as `uid` without privileges: non-root, the `RuntimeDefault` seccomp
+/// profile, and in every container no privilege escalation, a read-only root, every
+/// capability dropped and none added, nothing that overrides the pod's user or profile; no
+/// host network and no host paths.
+fn unprivileged(pod: &Value, uid: u64) -> Result<(), String> {
+    let ps = &pod["securityContext"];
+    ensure!(
+        ps["runAsNonRoot"] == true,
+        "the pod does not require a non-root user (runAsNonRoot): {ps}"
+    );
+    ensure!(
+        ps["runAsUser"] == uid && ps["runAsGroup"] == uid,
+        "the pod does not run as {uid}:{uid}: {ps}"
+    );
+    ensure!(
+        ps["seccompProfile"]["type"] == "RuntimeDefault",
+        "the pod has no RuntimeDefault seccomp profile: {ps}"
+    );
+    for c in all_containers(pod) {
+        let name = &c["name"];
+        let cs = &c["securityContext"];
+        ensure!(
+            cs["allowPrivilegeEscalation"] == false,
+            "container {name} may escalate privileges: {cs}"
+        );
+        ensure!(
+            cs["readOnlyRootFilesystem"] == true,
+            "container {name} has a writable root file system: {cs}"
+        );
+        ensure!(
+            cs["capabilities"]["drop"] == json!(["ALL"]),
+            "container {name} keeps capabilities: {cs}"
+        );
+        ensure!(
+            cs["capabilities"]["add"].is_null() && cs["privileged"] != true,
+            "container {name} adds privileges: {cs}"
+        );
+        ensure!(
+            ["runAsUser", "runAsGroup", "runAsNonRoot", "seccompProfile"]
+                .iter()
+                .all(|k| cs[k].is_null()),
+            "container {name} overrides the pod's user or seccomp profile: {cs}"
+        );
+    }
+    ensure!(
+        pod["hostNetwork"] != true,
+        "the pod uses the node's network"
+    );
+    for v in pod["volumes"].as_array().into_iter().flatten() {
+        ensure!(
+            v["hostPath"].is_null(),
+            "volume {} is a host path",
+            v["name"]
+        );
+    }
+    Ok(())
+}
+
+/// The first main container's readiness (`/ready`) and liveness (`/live`) probes are on the
+/// port of `config`'s admin address, which the kubelet can reach; the grace period covers
+/// the drain.
+fn probes_and_grace(pod: &Value, config: &Value, drain_delay: Duration) -> Result<(), String> {
+    let container = &pod["containers"][0];
+    let admin = config["admin"]["address"].as_str().unwrap();
+    ensure!(
+        !admin.starts_with("127.") && !admin.starts_with("[::1]"),
+        "the kubelet cannot probe {admin}"
+    );
+    for (probe, path) in [("readinessProbe", "/ready"), ("livenessProbe", "/live")] {
+        let get = &container[probe]["httpGet"];
+        ensure!(get["path"] == path, "{probe}: {get}");
+        ensure!(
+            container_port(container, &get["port"]) == port_of(admin),
+            "{probe} is not on the admin port {admin}: {get}"
+        );
+    }
+    let drain = config["timeouts"]["drain"]
+        .as_str()
+        .map_or(Duration::from_secs(30), duration);
+    let drain_delay = config["timeouts"]["drainDelay"]
+        .as_str()
+        .map_or(drain_delay, duration);
+    let grace = Duration::from_secs(pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30));
+    ensure!(
+        grace >= drain_delay + drain + grace_margin(drain),
+        "terminationGracePeriodSeconds {grace:?} does not cover the drain ({drain_delay:?} + {drain:?})"
+    );
+    Ok(())
+}
+
+/// Where `path` (a file in the container) comes from: the Secret's name and the file's path
+/// in it, for the pod named `pod`; `Err` when it is on no Secret volume.
+fn secret_file(
+    pod_spec: &Value,
+    container: &Value,
+    path: &Path,
+    pod: &str,
+) -> Result<(String, PathBuf), String> {
+    let Some((mount, _)) = mount_at(container, path) else {
+        return Err(format!("{path:?} is on no volume"));
+    };
+    let rest = path
+        .strip_prefix(mount["mountPath"].as_str().unwrap())
+        .unwrap();
+    let inside = match sub_path(container, mount, pod) {
+        Some(sub) => Path::new(&sub).join(rest),
+        None => rest.to_path_buf(),
+    };
+    let volume = pod_spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let Some(secret) = volume["secret"]["secretName"].as_str() else {
+        return Err(format!("{path:?} is not from a Secret: {volume}"));
+    };
+    Ok((secret.to_owned(), inside))
+}
+
+/// A file the config at `config_file` (a path in the container) names, as the container
+/// opens it: relative paths are relative to the config's directory.
+fn named_file(config_file: &Path, named: &str) -> PathBuf {
+    normalize(&config_file.parent().unwrap().join(named))
+}
+
+/// The agents in a shoot (`deploy/agent`), as the deploy notes say: two replicas, each a
+/// peer of its own (a config and a private key no other pod mounts, a tunnel address of its
+/// own), unprivileged, spread over nodes, one kept through evictions, probed on the admin
+/// port, the gateway tried over UDP first, then over TCP through the seed's CONNECT port.
+/// `Err` names the first rule broken.
+fn agent_rules(objects: &[Value]) -> Result<(), String> {
+    let statefulset = find(objects, "StatefulSet", "trellis-agent");
+    let spec = &statefulset["spec"];
+    let pod = &spec["template"]["spec"];
+    let labels = &spec["template"]["metadata"]["labels"];
+    let container = &pod["containers"][0];
+    let replicas = spec["replicas"].as_u64().unwrap_or(1);
+    ensure!(
+        replicas == 2,
+        "{replicas} replicas, not two peers of one route"
+    );
+    unprivileged(pod, 65534)?;
+    ensure!(
+        pod["automountServiceAccountToken"] == false,
+        "the pod mounts an API token it never uses"
+    );
+    let anti = &pod["affinity"]["podAntiAffinity"];
+    let required = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+        .as_array()
+        .into_iter()
+        .flatten();
+    let preferred = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| &t["podAffinityTerm"]);
+    ensure!(
+        required.chain(preferred).any(|t| {
+            t["topologyKey"] == "kubernetes.io/hostname"
+                && selects(&t["labelSelector"]["matchLabels"], labels)
+        }),
+        "no pod anti-affinity of the agents on kubernetes.io/hostname"
+    );
+    let budgets: Vec<&Value> = objects
+        .iter()
+        .filter(|o| {
+            o["kind"] == "PodDisruptionBudget"
+                && selects(&o["spec"]["selector"]["matchLabels"], labels)
+        })
+        .collect();
+    ensure!(
+        budgets.len() == 1 && budgets[0]["spec"]["minAvailable"] == 1,
+        "no PodDisruptionBudget keeping one agent (minAvailable: 1): {budgets:?}"
+    );
+    let resources = &container["resources"];
+    ensure!(
+        resources["requests"]["cpu"].is_string()
+            && resources["requests"]["memory"].is_string()
+            && resources["limits"]["memory"].is_string(),
+        "resources: {resources}"
+    );
+
+    let mut keys = std::collections::BTreeSet::new();
+    let mut addresses = std::collections::BTreeSet::new();
+    for ordinal in 0..replicas as usize {
+        let name = pod_name(statefulset, ordinal);
+        let root = TestDir::new("agent-pod");
+        let file = lay_out_pod(objects, statefulset, "trellis", &root.0, &name);
+        let config: Value =
+            serde_saphyr::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        let in_container = Path::new("/").join(file.strip_prefix(root.0.join("trellis")).unwrap());
+        probes_and_grace(pod, &config, Duration::ZERO).map_err(|e| format!("{name}: {e}"))?;
+        let wg = &config["wireguard"];
+        let key = named_file(&in_container, wg["privateKeyFile"].as_str().unwrap());
+        let key =
+            secret_file(pod, container, &key, &name).map_err(|e| format!("{name}: key {e}"))?;
+        ensure!(
+            keys.insert(key.clone()),
+            "{name} mounts the private key {key:?}, another replica's too"
+        );
+        ensure!(
+            addresses.insert(wg["addresses"].to_string()),
+            "{name} has the tunnel addresses {} of another replica",
+            wg["addresses"]
+        );
+        let endpoints = wg["gateway"]["endpoints"].as_array().unwrap();
+        ensure!(
+            endpoints[0]["udp"].is_string(),
+            "{name}: the gateway is not tried over UDP first: {}",
+            endpoints[0]
+        );
+        let Some(connect) = endpoints.iter().find_map(|e| e["connect"].as_object()) else {
+            return Err(format!("{name}: no connect endpoint (WireGuard over TCP)"));
+        };
+        ensure!(
+            port_of(connect["address"].as_str().unwrap()) == 8443,
+            "{name}: the connect endpoint is not the seed's CONNECT port 8443: {connect:?}"
+        );
+        ensure!(
+            connect
+                .get("destinationHeader")
+                .is_none_or(|h| h == "X-Gardener-Destination"),
+            "{name}: {connect:?}"
+        );
+        let destination = connect["destination"].as_str().unwrap();
+        ensure!(
+            destination
+                .strip_prefix("trellis-wireguard-")
+                .and_then(|d| d.strip_suffix(":51820"))
+                .is_some_and(|n| n.parse::<usize>().is_ok()),
+            "{name}: {destination:?} is no tunnel gateway replica's connectDestination"
+        );
+    }
+    Ok(())
+}
+
+/// The agent StatefulSet keeps the rules of [`agent_rules`].
+#[test]
+fn shoot_agents_run_unprivileged_with_a_key_each() {
+    if !kubectl("shoot_agents_run_unprivileged_with_a_key_each") {
+        return;
+    }
+    agent_rules(&render("agent")).unwrap();
+}
+
+fn agent_pod_mut(objects: &mut [Value]) -> &mut Value {
+    &mut find_mut(objects, "StatefulSet", "trellis-agent")["spec"]["template"]["spec"]
+}
+
+/// The control for the test above: each way of weakening the agents fails the rule that
+/// names it.
+#[test]
+fn a_weakened_agent_fails() {
+    if !kubectl("a_weakened_agent_fails") {
+        return;
+    }
+    let objects = render("agent");
+    type Break = fn(&mut Vec<Value>);
+    let breaks: [(&str, Break, &str); 16] = [
+        (
+            "runAsNonRoot dropped",
+            |o| {
+                let sc = &mut agent_pod_mut(o)["securityContext"];
+                sc.as_object_mut().unwrap().remove("runAsNonRoot");
+            },
+            "runAsNonRoot",
+        ),
+        (
+            "root",
+            |o| agent_pod_mut(o)["securityContext"]["runAsUser"] = json!(0),
+            "does not run as 65534",
+        ),
+        (
+            "no seccomp profile",
+            |o| {
+                let sc = &mut agent_pod_mut(o)["securityContext"];
+                sc.as_object_mut().unwrap().remove("seccompProfile");
+            },
+            "seccomp",
+        ),
+        (
+            "privilege escalation",
+            |o| {
+                agent_pod_mut(o)["containers"][0]["securityContext"]["allowPrivilegeEscalation"] =
+                    json!(true)
+            },
+            "escalate",
+        ),
+        (
+            "a writable root",
+            |o| {
+                agent_pod_mut(o)["containers"][0]["securityContext"]["readOnlyRootFilesystem"] =
+                    json!(false)
+            },
+            "writable root",
+        ),
+        (
+            "a capability added",
+            |o| {
+                agent_pod_mut(o)["containers"][0]["securityContext"]["capabilities"]["add"] =
+                    json!(["NET_ADMIN"])
+            },
+            "adds privileges",
+        ),
+        (
+            "capabilities kept",
+            |o| agent_pod_mut(o)["containers"][0]["securityContext"]["capabilities"] = json!({}),
+            "keeps capabilities",
+        ),
+        (
+            "the container as root",
+            |o| agent_pod_mut(o)["containers"][0]["securityContext"]["runAsUser"] = json!(0),
+            "overrides the pod's user",
+        ),
+        (
+            "the node's network",
+            |o| agent_pod_mut(o)["hostNetwork"] = json!(true),
+            "node's network",
+        ),
+        (
+            "one replica",
+            |o| find_mut(o, "StatefulSet", "trellis-agent")["spec"]["replicas"] = json!(1),
+            "not two peers",
+        ),
+        (
+            "both replicas on one key",
+            |o| {
+                let m = agent_pod_mut(o)["containers"][0]["volumeMounts"]
+                    .as_array_mut()
+                    .unwrap()
+                    .iter_mut()
+                    .find(|m| m["name"] == "keys")
+                    .unwrap();
+                m.as_object_mut().unwrap().remove("subPathExpr");
+                m["subPath"] = json!("trellis-agent-0.key");
+            },
+            "another replica's too",
+        ),
+        (
+            "no anti-affinity",
+            |o| {
+                agent_pod_mut(o).as_object_mut().unwrap().remove("affinity");
+            },
+            "anti-affinity",
+        ),
+        (
+            "a budget of none",
+            |o| {
+                find_mut(o, "PodDisruptionBudget", "trellis-agent")["spec"]["minAvailable"] =
+                    json!(0)
+            },
+            "PodDisruptionBudget",
+        ),
+        (
+            "readiness on another port",
+            |o| {
+                agent_pod_mut(o)["containers"][0]["readinessProbe"]["httpGet"]["port"] =
+                    json!(16912)
+            },
+            "not on the admin port",
+        ),
+        (
+            "TCP before UDP",
+            |o| {
+                let cm = o.iter_mut().find(|o| o["kind"] == "ConfigMap").unwrap();
+                for v in cm["data"].as_object_mut().unwrap().values_mut() {
+                    // The udp endpoint moved after the connect one.
+                    let mut lines: Vec<&str> = v.as_str().unwrap().lines().collect();
+                    let udp = lines
+                        .iter()
+                        .position(|l| l.starts_with("    - udp:"))
+                        .unwrap();
+                    let line = lines.remove(udp);
+                    let end = lines
+                        .iter()
+                        .position(|l| l.starts_with("    persistentKeepalive:"))
+                        .unwrap();
+                    lines.insert(end, line);
+                    *v = Value::String(lines.join("\n"));
+                }
+            },
+            "not tried over UDP first",
+        ),
+        (
+            "an API token",
+            |o| agent_pod_mut(o)["automountServiceAccountToken"] = json!(true),
+            "API token",
+        ),
+    ];
+    for (what, break_it, message) in breaks {
+        let mut broken = objects.clone();
+        break_it(&mut broken);
+        match agent_rules(&broken) {
+            Ok(()) => panic!("{what}: passed"),
+            Err(e) => assert!(e.contains(message), "{what}: {e}"),
+        }
+    }
 }
