@@ -469,6 +469,7 @@ fn seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas() {
                 "Service",
                 "PodDisruptionBudget",
                 "HorizontalPodAutoscaler",
+                "NetworkPolicy",
             ][..],
         ),
         ("shoot", &["ConfigMap", "DaemonSet"][..]),
@@ -539,7 +540,8 @@ fn a_broken_manifest_or_config_fails() {
 /// the table `trellis controller render` makes with the controller's config, written where
 /// that config says and shared through the pod's volumes as the kubelet shares them. Its
 /// listeners' default routes are in that table (`check` requires it). The Secrets the
-/// manifests name but never hold (the agents' keys) hold the demo material of `config/`. Each agent pod sees its own config.
+/// manifests name but never hold (the tunnel gateway's key and certificate, the agents'
+/// keys) hold the demo material of `config/`. Each agent pod sees its own config.
 #[test]
 fn embedded_configs_pass_check_where_the_pods_mount_them() {
     if !kubectl("embedded_configs_pass_check_where_the_pods_mount_them") {
@@ -552,7 +554,9 @@ fn embedded_configs_pass_check_where_the_pods_mount_them() {
     assert!(ok && out.contains("valid NodeConfiguration"), "{out}");
 
     let objects = render("seed");
-    check_seed_pod(&objects, "trellis-gateway");
+    for name in ["trellis-gateway", "trellis-tunnel-0", "trellis-tunnel-1"] {
+        check_seed_pod(&objects, name);
+    }
 
     let objects = render("agent");
     let statefulset = find(&objects, "StatefulSet", "trellis-agent");
@@ -1048,15 +1052,17 @@ fn controller_wiring(objects: &[Value], name: &str, watched: &[WatchedKind]) -> 
     Ok(())
 }
 
-/// The controller runs beside the gateway as the deploy notes say: see
-/// [`controller_wiring`].
+/// The controller runs beside each gateway, the ingress gateway's and each tunnel
+/// replica's, as the deploy notes say: see [`controller_wiring`].
 #[test]
 fn seed_controller_sidecar_writes_where_the_gateway_reads_with_read_only_access() {
     if !kubectl("seed_controller_sidecar_writes_where_the_gateway_reads_with_read_only_access") {
         return;
     }
     let objects = render("seed");
-    controller_wiring(&objects, "trellis-gateway", &WATCHED).unwrap();
+    for name in ["trellis-gateway", "trellis-tunnel-0", "trellis-tunnel-1"] {
+        controller_wiring(&objects, name, &WATCHED).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
 }
 
 /// The deployment's pod spec, to break.
@@ -1710,6 +1716,385 @@ fn a_weakened_agent_fails() {
         let mut broken = objects.clone();
         break_it(&mut broken);
         match agent_rules(&broken) {
+            Ok(()) => panic!("{what}: passed"),
+            Err(e) => assert!(e.contains(message), "{what}: {e}"),
+        }
+    }
+}
+
+/// The listener of `config` with `protocol`, if one.
+fn listener<'a>(config: &'a Value, protocol: &str) -> Option<&'a Value> {
+    config["listeners"]
+        .as_array()?
+        .iter()
+        .find(|l| l["protocol"] == protocol)
+}
+
+/// The tunnel gateway in the seed (`deploy/seed`, Deployments `trellis-tunnel-<N>`), as the
+/// deploy notes say: two replicas of one pod each, unprivileged, that share one WireGuard
+/// key Secret and each have a connectDestination of their own; each reached over UDP
+/// through a load balancer Service of its own (its own port, source addresses kept, a TCP
+/// port on the same number for the health check, leading to the admin port) and over TCP
+/// through a ClusterIP Service of its own on its CONNECT listener; the kube-apiservers'
+/// egress through one Service to both; a NetworkPolicy that admits every listener's port
+/// and the egress port only from kube-apiserver pods of shoot namespaces; one replica kept
+/// through evictions. `Err` names the first rule broken.
+fn tunnel_rules(objects: &[Value]) -> Result<(), String> {
+    let names = ["trellis-tunnel-0", "trellis-tunnel-1"];
+    let services: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "Service").collect();
+    let pods: Vec<&Value> = names
+        .iter()
+        .map(|n| &find(objects, "Deployment", n)["spec"]["template"])
+        .collect();
+    let mut key_secrets = std::collections::BTreeSet::new();
+    let mut destinations = std::collections::BTreeSet::new();
+    let mut udp_ports = std::collections::BTreeSet::new();
+    let mut egress_ports = std::collections::BTreeSet::new();
+    let mut open_ports = Vec::new();
+    for (n, name) in names.iter().enumerate() {
+        let deployment = find(objects, "Deployment", name);
+        ensure!(
+            deployment["spec"]["replicas"] == 1,
+            "{name}: not one pod (its Services address one replica)"
+        );
+        ensure!(
+            deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0,
+            "{name}: a rollout takes the replica away before its successor is ready"
+        );
+        let pod = &pods[n]["spec"];
+        let labels = &pods[n]["metadata"]["labels"];
+        let other = &pods[1 - n]["metadata"]["labels"];
+        let container = &pod["containers"][0];
+        unprivileged(pod, 65532).map_err(|e| format!("{name}: {e}"))?;
+        let (config, file) = config_in(objects, deployment, "trellis");
+        probes_and_grace(pod, &config, Duration::from_secs(5))
+            .map_err(|e| format!("{name}: {e}"))?;
+        let Some(wg) = listener(&config, "wireguard") else {
+            return Err(format!("{name}: no wireguard listener"));
+        };
+        let key = named_file(&file, wg["wireguard"]["privateKeyFile"].as_str().unwrap());
+        let (secret, _) =
+            secret_file(pod, container, &key, name).map_err(|e| format!("{name}: key {e}"))?;
+        key_secrets.insert(secret);
+        let destination = wg["wireguard"]["connectDestination"].as_str().unwrap_or("");
+        ensure!(
+            destinations.insert(destination.to_owned()),
+            "{name}: connectDestination {destination:?} is another replica's too"
+        );
+        let Some(egress) = listener(&config, "egress-connect") else {
+            return Err(format!("{name}: no egress-connect listener"));
+        };
+        let Some(connect) = listener(&config, "http-connect") else {
+            return Err(format!(
+                "{name}: no http-connect listener for WireGuard over TCP"
+            ));
+        };
+        let wg_port = port_of(wg["address"].as_str().unwrap());
+        let egress_port = port_of(egress["address"].as_str().unwrap());
+        let connect_port = port_of(connect["address"].as_str().unwrap());
+        let admin_port = port_of(config["admin"]["address"].as_str().unwrap());
+        egress_ports.insert(egress_port);
+        open_ports.push((wg_port, "UDP"));
+        for p in [egress_port, connect_port, admin_port] {
+            open_ports.push((p, "TCP"));
+        }
+
+        // Its own UDP load balancer: this replica only, sources kept, its own port, a TCP
+        // health check port on the same number that leads to /ready.
+        let lbs: Vec<&&Value> = services
+            .iter()
+            .filter(|s| {
+                s["spec"]["type"] == "LoadBalancer" && selects(&s["spec"]["selector"], labels)
+            })
+            .collect();
+        ensure!(
+            lbs.len() == 1,
+            "{name}: {} load balancer Services lead to it, not one",
+            lbs.len()
+        );
+        let lb = &lbs[0]["spec"];
+        ensure!(
+            !selects(&lb["selector"], other),
+            "{name}: its load balancer leads to the other replica too"
+        );
+        ensure!(
+            lb["externalTrafficPolicy"] == "Local",
+            "{name}: its load balancer does not keep the shoots' addresses (externalTrafficPolicy Local)"
+        );
+        let ports = lb["ports"].as_array().unwrap();
+        let Some(udp) = ports.iter().find(|p| {
+            p["protocol"] == "UDP" && container_port(container, &p["targetPort"]) == wg_port
+        }) else {
+            return Err(format!(
+                "{name}: no UDP port of its load balancer leads to the wireguard listener"
+            ));
+        };
+        let number = udp["port"].as_u64().unwrap();
+        ensure!(
+            udp_ports.insert(number),
+            "{name}: UDP port {number} is the other replica's too (no shared address possible)"
+        );
+        ensure!(
+            ports.iter().any(|p| p["protocol"] == "TCP"
+                && p["port"] == number
+                && container_port(container, &p["targetPort"]) == admin_port),
+            "{name}: no TCP port {number} for the load balancer's health check on the admin port"
+        );
+        // Its CONNECT listener, for the ingress's forwarded WireGuard over TCP.
+        ensure!(
+            services.iter().any(|s| s["spec"]["type"] == "ClusterIP"
+                && selects(&s["spec"]["selector"], labels)
+                && !selects(&s["spec"]["selector"], other)
+                && s["spec"]["ports"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|p| container_port(container, &p["targetPort"]) == connect_port)),
+            "{name}: no Service of its own leads to its http-connect listener"
+        );
+    }
+    ensure!(
+        key_secrets.len() == 1,
+        "the replicas hold different WireGuard keys: {key_secrets:?}"
+    );
+    ensure!(
+        egress_ports.len() == 1,
+        "the replicas' egress ports differ: {egress_ports:?}"
+    );
+    let egress_port = *egress_ports.first().unwrap();
+    let container = &pods[0]["spec"]["containers"][0];
+    ensure!(
+        services.iter().any(|s| s["spec"]["type"] == "ClusterIP"
+            && pods
+                .iter()
+                .all(|p| selects(&s["spec"]["selector"], &p["metadata"]["labels"]))
+            && s["spec"]["ports"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| container_port(container, &p["targetPort"]) == egress_port)),
+        "no Service leads the kube-apiservers' egress to both replicas"
+    );
+
+    // Ingress: every listener's port admitted, the egress port only from kube-apiservers.
+    let policies: Vec<&Value> = objects
+        .iter()
+        .filter(|o| {
+            o["kind"] == "NetworkPolicy"
+                && pods.iter().all(|p| {
+                    selects(
+                        &o["spec"]["podSelector"]["matchLabels"],
+                        &p["metadata"]["labels"],
+                    )
+                })
+        })
+        .collect();
+    ensure!(
+        !policies.is_empty(),
+        "no NetworkPolicy selects the tunnel gateway"
+    );
+    let rules: Vec<&Value> = policies
+        .iter()
+        .flat_map(|p| p["spec"]["ingress"].as_array().into_iter().flatten())
+        .collect();
+    let covers = |rule: &Value, port: u64, protocol: &str| {
+        rule["ports"].as_array().is_some_and(|ps| {
+            ps.iter()
+                .any(|p| p["port"] == port && p["protocol"].as_str().unwrap_or("TCP") == protocol)
+        })
+    };
+    for (port, protocol) in open_ports {
+        ensure!(
+            rules.iter().any(|r| covers(r, port, protocol)),
+            "no NetworkPolicy rule admits {protocol} {port}"
+        );
+    }
+    for rule in rules.iter().filter(|r| covers(r, egress_port, "TCP")) {
+        let from = rule["from"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        ensure!(
+            !from.is_empty()
+                && from.iter().all(|f| {
+                    f["namespaceSelector"]["matchLabels"] == json!({"gardener.cloud/role": "shoot"})
+                        && f["podSelector"]["matchLabels"]
+                            == json!({"app": "kubernetes", "role": "apiserver"})
+                }),
+            "the egress port {egress_port} is open to more than the shoots' kube-apiservers: {rule}"
+        );
+    }
+    let budgets: Vec<&Value> = objects
+        .iter()
+        .filter(|o| {
+            o["kind"] == "PodDisruptionBudget"
+                && pods.iter().all(|p| {
+                    selects(
+                        &o["spec"]["selector"]["matchLabels"],
+                        &p["metadata"]["labels"],
+                    )
+                })
+        })
+        .collect();
+    ensure!(
+        budgets.len() == 1 && budgets[0]["spec"]["minAvailable"] == 1,
+        "no PodDisruptionBudget keeping one tunnel replica (minAvailable: 1): {budgets:?}"
+    );
+    Ok(())
+}
+
+/// The tunnel gateway keeps the rules of [`tunnel_rules`].
+#[test]
+fn seed_tunnel_replicas_share_a_key_and_each_has_its_own_entry() {
+    if !kubectl("seed_tunnel_replicas_share_a_key_and_each_has_its_own_entry") {
+        return;
+    }
+    tunnel_rules(&render("seed")).unwrap();
+}
+
+fn tunnel_pod_mut<'a>(objects: &'a mut [Value], name: &str) -> &'a mut Value {
+    &mut find_mut(objects, "Deployment", name)["spec"]["template"]["spec"]
+}
+
+/// The control for the test above: each way of breaking the tunnel gateway fails the rule
+/// that names it.
+#[test]
+fn a_weakened_tunnel_gateway_fails() {
+    if !kubectl("a_weakened_tunnel_gateway_fails") {
+        return;
+    }
+    let objects = render("seed");
+    type Break = fn(&mut Vec<Value>);
+    let breaks: [(&str, Break, &str); 13] = [
+        (
+            "runAsNonRoot dropped",
+            |o| {
+                let sc = &mut tunnel_pod_mut(o, "trellis-tunnel-1")["securityContext"];
+                sc.as_object_mut().unwrap().remove("runAsNonRoot");
+            },
+            "runAsNonRoot",
+        ),
+        (
+            "a capability added",
+            |o| {
+                tunnel_pod_mut(o, "trellis-tunnel-0")["containers"][0]["securityContext"]["capabilities"]
+                    ["add"] = json!(["NET_ADMIN"])
+            },
+            "adds privileges",
+        ),
+        (
+            "two pods in one replica",
+            |o| find_mut(o, "Deployment", "trellis-tunnel-0")["spec"]["replicas"] = json!(2),
+            "not one pod",
+        ),
+        (
+            "one connectDestination for both",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-tunnel-1-config",
+                    "trellis-wireguard-1:51820",
+                    "trellis-wireguard-0:51820",
+                )
+            },
+            "another replica's too",
+        ),
+        (
+            "a key of its own",
+            |o| {
+                let v = tunnel_pod_mut(o, "trellis-tunnel-1")["volumes"]
+                    .as_array_mut()
+                    .unwrap()
+                    .iter_mut()
+                    .find(|v| v["name"] == "wireguard-key")
+                    .unwrap();
+                v["secret"]["secretName"] = json!("trellis-wireguard-key-1");
+            },
+            "different WireGuard keys",
+        ),
+        (
+            "source addresses lost",
+            |o| {
+                find_mut(o, "Service", "trellis-wireguard-0")["spec"]["externalTrafficPolicy"] =
+                    json!("Cluster")
+            },
+            "externalTrafficPolicy Local",
+        ),
+        (
+            "one load balancer for both",
+            |o| {
+                let s = find_mut(o, "Service", "trellis-wireguard-1");
+                s["spec"]["selector"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("trellis.gardener.cloud/tunnel-replica");
+            },
+            "load balancer Services lead to it",
+        ),
+        (
+            "one UDP port for both",
+            |o| {
+                let s = find_mut(o, "Service", "trellis-wireguard-1");
+                for p in s["spec"]["ports"].as_array_mut().unwrap() {
+                    p["port"] = json!(51820);
+                }
+            },
+            "the other replica's too",
+        ),
+        (
+            "no health check port",
+            |o| {
+                let s = find_mut(o, "Service", "trellis-wireguard-0");
+                s["spec"]["ports"]
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|p| p["protocol"] == "UDP");
+            },
+            "health check",
+        ),
+        (
+            "egress open to all",
+            |o| {
+                let p = find_mut(o, "NetworkPolicy", "trellis-tunnel");
+                p["spec"]["ingress"][1]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("from");
+            },
+            "open to more than",
+        ),
+        (
+            "UDP not admitted",
+            |o| {
+                let p = find_mut(o, "NetworkPolicy", "trellis-tunnel");
+                p["spec"]["ingress"].as_array_mut().unwrap().remove(0);
+            },
+            "admits UDP 51820",
+        ),
+        (
+            "no forwarding Service",
+            |o| {
+                o.retain(|o| {
+                    !(o["kind"] == "Service" && o["metadata"]["name"] == "trellis-tunnel-1")
+                })
+            },
+            "http-connect listener",
+        ),
+        (
+            "no budget",
+            |o| {
+                o.retain(|o| {
+                    !(o["kind"] == "PodDisruptionBudget"
+                        && o["metadata"]["name"] == "trellis-tunnel")
+                })
+            },
+            "PodDisruptionBudget",
+        ),
+    ];
+    for (what, break_it, message) in breaks {
+        let mut broken = objects.clone();
+        break_it(&mut broken);
+        match tunnel_rules(&broken) {
             Ok(()) => panic!("{what}: passed"),
             Err(e) => assert!(e.contains(message), "{what}: {e}"),
         }
