@@ -709,3 +709,79 @@ admin: {{address: \"127.0.0.1:{admin}\"}}
         format!("{f}: kind RoutingTable, but 'trellis agent' needs an AgentConfiguration\n")
     );
 }
+
+/// The configs the Gardener shapes need (`config/gardener/`, one directory per shape) pass
+/// `check` where the pods mount them: their absolute paths (the pods' Secrets and the files
+/// the controller writes) are moved under a scratch root that holds the demo material of
+/// `config/egress-pki/` (certificates, keys and CA bundles by name) and `config/wireguard/`
+/// (any other `*.key`); relative paths stay as they are.
+#[test]
+fn gardener_shape_configs_pass_check_where_the_pods_mount_them() {
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let scratch = TestDir::new("gardener-configs");
+    let root = scratch.path("root");
+    let mut files = Vec::new();
+    for shape in std::fs::read_dir(source.join("gardener")).unwrap() {
+        let shape = shape.unwrap().path();
+        let copy = scratch.path(shape.file_name().unwrap().to_str().unwrap());
+        std::fs::create_dir_all(&copy).unwrap();
+        for file in std::fs::read_dir(&shape).unwrap() {
+            let file = file.unwrap().path();
+            let mut text = std::fs::read_to_string(&file).unwrap();
+            for prefix in ["/etc/trellis/", "/srv/secrets/"] {
+                let mut at = 0;
+                while let Some(found) = text[at..].find(prefix) {
+                    let start = at + found;
+                    let end = text[start..]
+                        .find(|c: char| c.is_whitespace() || "\"',}]".contains(c))
+                        .map_or(text.len(), |e| start + e);
+                    let path = &text[start..end];
+                    let name = path.rsplit('/').next().unwrap();
+                    let demo = if name.ends_with(".crt") || name == "tls.key" {
+                        Some(source.join("egress-pki").join(name))
+                    } else if name.ends_with(".key") {
+                        Some(source.join("wireguard/agent.key"))
+                    } else {
+                        None
+                    };
+                    if let Some(demo) = demo {
+                        let target = root.join(path.trim_start_matches('/'));
+                        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+                        std::fs::copy(&demo, &target).unwrap();
+                    }
+                    at = end;
+                }
+                text = text.replace(prefix, &format!("{}{prefix}", root.display()));
+            }
+            let target = copy.join(file.file_name().unwrap());
+            std::fs::write(&target, text).unwrap();
+            files.push(target);
+        }
+    }
+    let names: Vec<String> = files
+        .iter()
+        .map(|f| f.strip_prefix(&scratch.0).unwrap().display().to_string())
+        .collect();
+    for expected in [
+        "shape-a/gateway.yaml",
+        "shape-a/routes.yaml",
+        "shape-a/agent.yaml",
+        "shape-b/agent.yaml",
+        "shape-b/routes.yaml",
+        "shape-b/ingress-routes.yaml",
+    ] {
+        assert!(
+            names.iter().any(|n| n == expected),
+            "no {expected} in {names:?}"
+        );
+    }
+    let (ok, out) = run(
+        Command::new(BIN).arg("check").args(&files),
+        b"",
+        Duration::from_secs(20),
+    );
+    assert!(ok, "{out}");
+    for f in &files {
+        assert!(out.contains(&format!("{}: valid", f.display())), "{out}");
+    }
+}

@@ -143,9 +143,9 @@ fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
 }
 
 fn workloads(objects: &[Value]) -> impl Iterator<Item = &Value> {
-    objects
-        .iter()
-        .filter(|o| o["kind"] == "Deployment" || o["kind"] == "DaemonSet")
+    objects.iter().filter(|o| {
+        ["Deployment", "DaemonSet", "StatefulSet"].contains(&o["kind"].as_str().unwrap())
+    })
 }
 
 /// Every container of a pod: its init containers (native sidecars among them) and the
@@ -163,40 +163,120 @@ fn container<'a>(pod: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no container {name}"))
 }
 
+/// What a Secret the manifests expect (and never hold) provides, for `trellis check`: the
+/// demo material in `config/` for each file name the pod mounts (certificates, keys and CA
+/// bundles from `config/egress-pki/`, `tls.key` among them; any other `*.key` a WireGuard
+/// key from `config/wireguard/`).
+fn demo_secret_file(name: &str) -> Vec<u8> {
+    let config = repo().join("config");
+    let file = if name.ends_with(".crt") || name == "tls.key" {
+        config.join("egress-pki").join(name)
+    } else if name.ends_with(".key") {
+        config.join("wireguard/agent.key")
+    } else {
+        panic!("no demo material for a Secret's {name:?}")
+    };
+    std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+}
+
+/// The name of pod `ordinal` of a workload: a StatefulSet's `<name>-<ordinal>`, any other's
+/// an example (`<name>-pod`).
+fn pod_name(workload: &Value, ordinal: usize) -> String {
+    let name = workload["metadata"]["name"].as_str().unwrap();
+    if workload["kind"] == "StatefulSet" {
+        format!("{name}-{ordinal}")
+    } else {
+        format!("{name}-pod")
+    }
+}
+
+/// A mount's path inside its volume, as the kubelet expands it for the pod named `pod`:
+/// `subPath`, or `subPathExpr` with `$(VAR)` replaced by the container's environment
+/// variables that name the pod (`fieldRef: metadata.name`); `None` for the whole volume.
+fn sub_path(container: &Value, mount: &Value, pod: &str) -> Option<String> {
+    if let Some(path) = mount["subPath"].as_str() {
+        return Some(path.to_owned());
+    }
+    let mut path = mount["subPathExpr"].as_str()?.to_owned();
+    for env in container["env"].as_array().into_iter().flatten() {
+        if env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" {
+            path = path.replace(&format!("$({})", env["name"].as_str().unwrap()), pod);
+        }
+    }
+    assert!(
+        !path.contains("$("),
+        "{path}: a variable the test does not expand"
+    );
+    Some(path)
+}
+
+/// The files of a volume: a ConfigMap's keys, a Secret's items (demo material, see
+/// [`demo_secret_file`]); `None` for a volume that starts empty (emptyDir) or that the test
+/// does not fill (a projected token).
+fn volume_files(objects: &[Value], volume: &Value) -> Option<Vec<(String, Vec<u8>)>> {
+    if let Some(cm_name) = volume["configMap"]["name"].as_str() {
+        let data = find(objects, "ConfigMap", cm_name)["data"]
+            .as_object()
+            .unwrap();
+        return Some(
+            data.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap().as_bytes().to_vec()))
+                .collect(),
+        );
+    }
+    let items = volume["secret"]["items"].as_array()?;
+    Some(
+        items
+            .iter()
+            .map(|i| {
+                let path = i["path"].as_str().unwrap().to_owned();
+                let data = demo_secret_file(i["key"].as_str().unwrap());
+                (path, data)
+            })
+            .collect(),
+    )
+}
+
 /// A pod as container `name` sees it, under `root/NAME`: every volume it mounts is a
-/// directory at its mount path, with the keys of a ConfigMap written into it (an emptyDir
-/// starts empty; [`share`] copies what one container wrote to the others). Real directories,
-/// not links, so `..` from a mount path leads where it does in the container. Returns the
-/// path inside `root` of the container's `--config` argument.
+/// directory at its mount path, with the keys of a ConfigMap or the items of a Secret (demo
+/// material) written into it, or the one file a `subPath`/`subPathExpr` names (an emptyDir
+/// starts empty; [`share`] copies what one container wrote to the others). Real
+/// directories, not links, so `..` from a mount path leads where it does in the container.
+/// Returns the path inside `root` of the container's `--config` argument.
 fn lay_out(objects: &[Value], workload: &Value, name: &str, root: &Path) -> PathBuf {
-    let pod = &workload["spec"]["template"]["spec"];
-    let container = container(pod, name);
+    lay_out_pod(objects, workload, name, root, &pod_name(workload, 0))
+}
+
+/// [`lay_out`] for the pod named `pod` (a StatefulSet's pods mount files by their names).
+fn lay_out_pod(objects: &[Value], workload: &Value, name: &str, root: &Path, pod: &str) -> PathBuf {
+    let spec = &workload["spec"]["template"]["spec"];
+    let container = container(spec, name);
     let own = root.join(name);
     for mount in container["volumeMounts"].as_array().unwrap() {
         let at = own.join(mount["mountPath"].as_str().unwrap().trim_start_matches('/'));
-        let volume = pod["volumes"]
+        let volume = spec["volumes"]
             .as_array()
             .unwrap()
             .iter()
             .find(|v| v["name"] == mount["name"])
             .unwrap();
-        let Some(cm_name) = volume["configMap"]["name"].as_str() else {
+        let Some(files) = volume_files(objects, volume) else {
             std::fs::create_dir_all(&at).unwrap();
             continue;
         };
-        let data = find(objects, "ConfigMap", cm_name)["data"]
-            .as_object()
-            .unwrap()
-            .clone();
-        match mount["subPath"].as_str() {
+        match sub_path(container, mount, pod) {
             Some(key) => {
+                let (_, data) = files
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .unwrap_or_else(|| panic!("{pod}: no {key:?} in volume {}", volume["name"]));
                 std::fs::create_dir_all(at.parent().unwrap()).unwrap();
-                std::fs::write(&at, data[key].as_str().unwrap()).unwrap();
+                std::fs::write(&at, data).unwrap();
             }
             None => {
                 std::fs::create_dir_all(&at).unwrap();
-                for (key, value) in data {
-                    std::fs::write(at.join(key), value.as_str().unwrap()).unwrap();
+                for (key, data) in files {
+                    std::fs::write(at.join(key), data).unwrap();
                 }
             }
         }
@@ -370,8 +450,9 @@ fn assert_lifecycle(workload: &Value, config: &Value, default_drain_delay: Durat
 }
 
 #[test]
-fn seed_and_shoot_render_and_validate_against_kubernetes_schemas() {
-    let Some(validator) = tools("seed_and_shoot_render_and_validate_against_kubernetes_schemas")
+fn seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas() {
+    let Some(validator) =
+        tools("seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas")
     else {
         return;
     };
@@ -388,9 +469,19 @@ fn seed_and_shoot_render_and_validate_against_kubernetes_schemas() {
                 "Service",
                 "PodDisruptionBudget",
                 "HorizontalPodAutoscaler",
+                "NetworkPolicy",
             ][..],
         ),
         ("shoot", &["ConfigMap", "DaemonSet"][..]),
+        (
+            "agent",
+            &[
+                "ServiceAccount",
+                "ConfigMap",
+                "StatefulSet",
+                "PodDisruptionBudget",
+            ][..],
+        ),
     ] {
         let objects = render(base);
         for kind in kinds {
@@ -416,7 +507,7 @@ fn a_broken_manifest_or_config_fails() {
     let objects = render("seed");
     let deployment = objects
         .iter()
-        .position(|o| o["kind"] == "Deployment")
+        .position(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "trellis-gateway")
         .unwrap();
     let mut unknown = objects.clone();
     unknown[deployment]["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] =
@@ -445,10 +536,12 @@ fn a_broken_manifest_or_config_fails() {
 }
 
 /// Each container's config, laid out as its volumes mount it, passes `trellis check`. In the
-/// seed pod the gateway's does only once a routing table is where the gateway looks for it:
+/// seed pods a gateway's does only once a routing table is where the gateway looks for it:
 /// the table `trellis controller render` makes with the controller's config, written where
 /// that config says and shared through the pod's volumes as the kubelet shares them. Its
-/// listeners' default routes are in that table (`check` requires it).
+/// listeners' default routes are in that table (`check` requires it). The Secrets the
+/// manifests name but never hold (the tunnel gateway's key and certificate, the agents'
+/// keys) hold the demo material of `config/`. Each agent pod sees its own config.
 #[test]
 fn embedded_configs_pass_check_where_the_pods_mount_them() {
     if !kubectl("embedded_configs_pass_check_where_the_pods_mount_them") {
@@ -461,16 +554,40 @@ fn embedded_configs_pass_check_where_the_pods_mount_them() {
     assert!(ok && out.contains("valid NodeConfiguration"), "{out}");
 
     let objects = render("seed");
-    let deployment = find(&objects, "Deployment", "trellis-gateway");
+    for name in ["trellis-gateway", "trellis-tunnel-0", "trellis-tunnel-1"] {
+        check_seed_pod(&objects, name);
+    }
+
+    let objects = render("agent");
+    let statefulset = find(&objects, "StatefulSet", "trellis-agent");
+    for ordinal in 0..statefulset["spec"]["replicas"].as_u64().unwrap() as usize {
+        let root = TestDir::new("deploy-mounts");
+        let pod = pod_name(statefulset, ordinal);
+        let file = lay_out_pod(&objects, statefulset, "trellis", &root.0, &pod);
+        let (ok, out) = check(&file);
+        assert!(
+            ok && out.contains("valid AgentConfiguration"),
+            "{pod}: {out}"
+        );
+    }
+}
+
+/// The seed Deployment `name`'s controller and gateway configs pass `check`, the gateway's
+/// once the controller's table is where it reads it (and not before).
+fn check_seed_pod(objects: &[Value], name: &str) {
+    let deployment = find(objects, "Deployment", name);
     let root = TestDir::new("deploy-mounts");
-    let controller = lay_out(&objects, deployment, "controller", &root.0);
-    let gateway = lay_out(&objects, deployment, "trellis", &root.0);
+    let controller = lay_out(objects, deployment, "controller", &root.0);
+    let gateway = lay_out(objects, deployment, "trellis", &root.0);
     let (ok, out) = check(&controller);
-    assert!(ok && out.contains("valid ControllerConfiguration"), "{out}");
+    assert!(
+        ok && out.contains("valid ControllerConfiguration"),
+        "{name}: {out}"
+    );
     let (ok, out) = check(&gateway);
     assert!(
         !ok && out.contains("cannot read the routing table"),
-        "the gateway has a table before the controller wrote one: {out}"
+        "{name}: the gateway has a table before the controller wrote one: {out}"
     );
 
     let manifests = root.path("manifests");
@@ -496,7 +613,10 @@ fn embedded_configs_pass_check_where_the_pods_mount_them() {
     std::fs::write(&output, &rendered.stdout).unwrap();
     share(deployment, "controller", &root.0);
     let (ok, out) = check(&gateway);
-    assert!(ok && out.contains("valid GatewayConfiguration"), "{out}");
+    assert!(
+        ok && out.contains("valid GatewayConfiguration"),
+        "{name}: {out}"
+    );
 }
 
 #[test]
@@ -690,10 +810,11 @@ fn mount_at<'a>(container: &'a Value, path: &Path) -> Option<(&'a Value, PathBuf
 /// Where in-cluster clients read the token, the CA and the namespace.
 const TOKEN_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
-/// The seed pod's controller sidecar and what it depends on; `Err` names the first rule
-/// broken. `watched` is what the controller watches (the ClusterRole must grant exactly that).
-fn controller_wiring(objects: &[Value], watched: &[WatchedKind]) -> Result<(), String> {
-    let deployment = find(objects, "Deployment", "trellis-gateway");
+/// The controller sidecar of the seed Deployment `name` and what it depends on; `Err` names
+/// the first rule broken. `watched` is what the controller watches (the ClusterRole must
+/// grant exactly that).
+fn controller_wiring(objects: &[Value], name: &str, watched: &[WatchedKind]) -> Result<(), String> {
+    let deployment = find(objects, "Deployment", name);
     let pod = &deployment["spec"]["template"]["spec"];
     let gateway = &pod["containers"][0];
     let Some(sidecar) = pod["initContainers"]
@@ -931,22 +1052,24 @@ fn controller_wiring(objects: &[Value], watched: &[WatchedKind]) -> Result<(), S
     Ok(())
 }
 
-/// The controller runs beside each gateway as the deploy notes say: see
-/// [`controller_wiring`].
+/// The controller runs beside each gateway, the ingress gateway's and each tunnel
+/// replica's, as the deploy notes say: see [`controller_wiring`].
 #[test]
 fn seed_controller_sidecar_writes_where_the_gateway_reads_with_read_only_access() {
     if !kubectl("seed_controller_sidecar_writes_where_the_gateway_reads_with_read_only_access") {
         return;
     }
     let objects = render("seed");
-    controller_wiring(&objects, &WATCHED).unwrap();
+    for name in ["trellis-gateway", "trellis-tunnel-0", "trellis-tunnel-1"] {
+        controller_wiring(&objects, name, &WATCHED).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
 }
 
 /// The deployment's pod spec, to break.
 fn pod_mut(objects: &mut [Value]) -> &mut Value {
     let d = objects
         .iter_mut()
-        .find(|o| o["kind"] == "Deployment")
+        .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "trellis-gateway")
         .unwrap();
     &mut d["spec"]["template"]["spec"]
 }
@@ -1168,7 +1291,7 @@ fn a_miswired_controller_sidecar_fails() {
     for (what, break_it, message) in breaks {
         let mut broken = objects.clone();
         break_it(&mut broken);
-        match controller_wiring(&broken, &WATCHED) {
+        match controller_wiring(&broken, "trellis-gateway", &WATCHED) {
             Ok(()) => panic!("{what}: passed"),
             Err(e) => assert!(e.contains(message), "{what}: {e}"),
         }
@@ -1181,6 +1304,799 @@ fn a_miswired_controller_sidecar_fails() {
         kind: "TCPRoute",
         plural: "tcproutes",
     });
-    let err = controller_wiring(&objects, &more).unwrap_err();
+    let err = controller_wiring(&objects, "trellis-gateway", &more).unwrap_err();
     assert!(err.contains("the ClusterRole grants"), "{err}");
+}
+
+fn find_mut<'a>(objects: &'a mut [Value], kind: &str, name: &str) -> &'a mut Value {
+    objects
+        .iter_mut()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// Whether `selector` (a label map, not empty) selects `labels`.
+fn selects(selector: &Value, labels: &Value) -> bool {
+    selector
+        .as_object()
+        .is_some_and(|s| !s.is_empty() && s.iter().all(|(k, v)| &labels[k] == v))
+}
+
+/// A pod that runs as `uid` without privileges: non-root, the `RuntimeDefault` seccomp
+/// profile, and in every container no privilege escalation, a read-only root, every
+/// capability dropped and none added, nothing that overrides the pod's user or profile; no
+/// host network and no host paths.
+fn unprivileged(pod: &Value, uid: u64) -> Result<(), String> {
+    let ps = &pod["securityContext"];
+    ensure!(
+        ps["runAsNonRoot"] == true,
+        "the pod does not require a non-root user (runAsNonRoot): {ps}"
+    );
+    ensure!(
+        ps["runAsUser"] == uid && ps["runAsGroup"] == uid,
+        "the pod does not run as {uid}:{uid}: {ps}"
+    );
+    ensure!(
+        ps["seccompProfile"]["type"] == "RuntimeDefault",
+        "the pod has no RuntimeDefault seccomp profile: {ps}"
+    );
+    for c in all_containers(pod) {
+        let name = &c["name"];
+        let cs = &c["securityContext"];
+        ensure!(
+            cs["allowPrivilegeEscalation"] == false,
+            "container {name} may escalate privileges: {cs}"
+        );
+        ensure!(
+            cs["readOnlyRootFilesystem"] == true,
+            "container {name} has a writable root file system: {cs}"
+        );
+        ensure!(
+            cs["capabilities"]["drop"] == json!(["ALL"]),
+            "container {name} keeps capabilities: {cs}"
+        );
+        ensure!(
+            cs["capabilities"]["add"].is_null() && cs["privileged"] != true,
+            "container {name} adds privileges: {cs}"
+        );
+        ensure!(
+            ["runAsUser", "runAsGroup", "runAsNonRoot", "seccompProfile"]
+                .iter()
+                .all(|k| cs[k].is_null()),
+            "container {name} overrides the pod's user or seccomp profile: {cs}"
+        );
+    }
+    ensure!(
+        pod["hostNetwork"] != true,
+        "the pod uses the node's network"
+    );
+    for v in pod["volumes"].as_array().into_iter().flatten() {
+        ensure!(
+            v["hostPath"].is_null(),
+            "volume {} is a host path",
+            v["name"]
+        );
+    }
+    Ok(())
+}
+
+/// The first main container's readiness (`/ready`) and liveness (`/live`) probes are on the
+/// port of `config`'s admin address, which the kubelet can reach; the grace period covers
+/// the drain.
+fn probes_and_grace(pod: &Value, config: &Value, drain_delay: Duration) -> Result<(), String> {
+    let container = &pod["containers"][0];
+    let admin = config["admin"]["address"].as_str().unwrap();
+    ensure!(
+        !admin.starts_with("127.") && !admin.starts_with("[::1]"),
+        "the kubelet cannot probe {admin}"
+    );
+    for (probe, path) in [("readinessProbe", "/ready"), ("livenessProbe", "/live")] {
+        let get = &container[probe]["httpGet"];
+        ensure!(get["path"] == path, "{probe}: {get}");
+        ensure!(
+            container_port(container, &get["port"]) == port_of(admin),
+            "{probe} is not on the admin port {admin}: {get}"
+        );
+    }
+    let drain = config["timeouts"]["drain"]
+        .as_str()
+        .map_or(Duration::from_secs(30), duration);
+    let drain_delay = config["timeouts"]["drainDelay"]
+        .as_str()
+        .map_or(drain_delay, duration);
+    let grace = Duration::from_secs(pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30));
+    ensure!(
+        grace >= drain_delay + drain + grace_margin(drain),
+        "terminationGracePeriodSeconds {grace:?} does not cover the drain ({drain_delay:?} + {drain:?})"
+    );
+    Ok(())
+}
+
+/// Where `path` (a file in the container) comes from: the Secret's name and the file's path
+/// in it, for the pod named `pod`; `Err` when it is on no Secret volume.
+fn secret_file(
+    pod_spec: &Value,
+    container: &Value,
+    path: &Path,
+    pod: &str,
+) -> Result<(String, PathBuf), String> {
+    let Some((mount, _)) = mount_at(container, path) else {
+        return Err(format!("{path:?} is on no volume"));
+    };
+    let rest = path
+        .strip_prefix(mount["mountPath"].as_str().unwrap())
+        .unwrap();
+    let inside = match sub_path(container, mount, pod) {
+        Some(sub) => Path::new(&sub).join(rest),
+        None => rest.to_path_buf(),
+    };
+    let volume = pod_spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let Some(secret) = volume["secret"]["secretName"].as_str() else {
+        return Err(format!("{path:?} is not from a Secret: {volume}"));
+    };
+    Ok((secret.to_owned(), inside))
+}
+
+/// A file the config at `config_file` (a path in the container) names, as the container
+/// opens it: relative paths are relative to the config's directory.
+fn named_file(config_file: &Path, named: &str) -> PathBuf {
+    normalize(&config_file.parent().unwrap().join(named))
+}
+
+/// The agents in a shoot (`deploy/agent`), as the deploy notes say: two replicas, each a
+/// peer of its own (a config and a private key no other pod mounts, a tunnel address of its
+/// own), unprivileged, spread over nodes, one kept through evictions, probed on the admin
+/// port, the gateway tried over UDP first, then over TCP through the seed's CONNECT port.
+/// `Err` names the first rule broken.
+fn agent_rules(objects: &[Value]) -> Result<(), String> {
+    let statefulset = find(objects, "StatefulSet", "trellis-agent");
+    let spec = &statefulset["spec"];
+    let pod = &spec["template"]["spec"];
+    let labels = &spec["template"]["metadata"]["labels"];
+    let container = &pod["containers"][0];
+    let replicas = spec["replicas"].as_u64().unwrap_or(1);
+    ensure!(
+        replicas == 2,
+        "{replicas} replicas, not two peers of one route"
+    );
+    unprivileged(pod, 65534)?;
+    ensure!(
+        pod["automountServiceAccountToken"] == false,
+        "the pod mounts an API token it never uses"
+    );
+    let anti = &pod["affinity"]["podAntiAffinity"];
+    let required = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+        .as_array()
+        .into_iter()
+        .flatten();
+    let preferred = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| &t["podAffinityTerm"]);
+    ensure!(
+        required.chain(preferred).any(|t| {
+            t["topologyKey"] == "kubernetes.io/hostname"
+                && selects(&t["labelSelector"]["matchLabels"], labels)
+        }),
+        "no pod anti-affinity of the agents on kubernetes.io/hostname"
+    );
+    let budgets: Vec<&Value> = objects
+        .iter()
+        .filter(|o| {
+            o["kind"] == "PodDisruptionBudget"
+                && selects(&o["spec"]["selector"]["matchLabels"], labels)
+        })
+        .collect();
+    ensure!(
+        budgets.len() == 1 && budgets[0]["spec"]["minAvailable"] == 1,
+        "no PodDisruptionBudget keeping one agent (minAvailable: 1): {budgets:?}"
+    );
+    let resources = &container["resources"];
+    ensure!(
+        resources["requests"]["cpu"].is_string()
+            && resources["requests"]["memory"].is_string()
+            && resources["limits"]["memory"].is_string(),
+        "resources: {resources}"
+    );
+
+    let mut keys = std::collections::BTreeSet::new();
+    let mut addresses = std::collections::BTreeSet::new();
+    for ordinal in 0..replicas as usize {
+        let name = pod_name(statefulset, ordinal);
+        let root = TestDir::new("agent-pod");
+        let file = lay_out_pod(objects, statefulset, "trellis", &root.0, &name);
+        let config: Value =
+            serde_saphyr::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        let in_container = Path::new("/").join(file.strip_prefix(root.0.join("trellis")).unwrap());
+        probes_and_grace(pod, &config, Duration::ZERO).map_err(|e| format!("{name}: {e}"))?;
+        let wg = &config["wireguard"];
+        let key = named_file(&in_container, wg["privateKeyFile"].as_str().unwrap());
+        let key =
+            secret_file(pod, container, &key, &name).map_err(|e| format!("{name}: key {e}"))?;
+        ensure!(
+            keys.insert(key.clone()),
+            "{name} mounts the private key {key:?}, another replica's too"
+        );
+        ensure!(
+            addresses.insert(wg["addresses"].to_string()),
+            "{name} has the tunnel addresses {} of another replica",
+            wg["addresses"]
+        );
+        let endpoints = wg["gateway"]["endpoints"].as_array().unwrap();
+        ensure!(
+            endpoints[0]["udp"].is_string(),
+            "{name}: the gateway is not tried over UDP first: {}",
+            endpoints[0]
+        );
+        let Some(connect) = endpoints.iter().find_map(|e| e["connect"].as_object()) else {
+            return Err(format!("{name}: no connect endpoint (WireGuard over TCP)"));
+        };
+        ensure!(
+            port_of(connect["address"].as_str().unwrap()) == 8443,
+            "{name}: the connect endpoint is not the seed's CONNECT port 8443: {connect:?}"
+        );
+        ensure!(
+            connect
+                .get("destinationHeader")
+                .is_none_or(|h| h == "X-Gardener-Destination"),
+            "{name}: {connect:?}"
+        );
+        let destination = connect["destination"].as_str().unwrap();
+        ensure!(
+            destination
+                .strip_prefix("trellis-wireguard-")
+                .and_then(|d| d.strip_suffix(":51820"))
+                .is_some_and(|n| n.parse::<usize>().is_ok()),
+            "{name}: {destination:?} is no tunnel gateway replica's connectDestination"
+        );
+    }
+    Ok(())
+}
+
+/// The agent StatefulSet keeps the rules of [`agent_rules`].
+#[test]
+fn shoot_agents_run_unprivileged_with_a_key_each() {
+    if !kubectl("shoot_agents_run_unprivileged_with_a_key_each") {
+        return;
+    }
+    agent_rules(&render("agent")).unwrap();
+}
+
+fn agent_pod_mut(objects: &mut [Value]) -> &mut Value {
+    &mut find_mut(objects, "StatefulSet", "trellis-agent")["spec"]["template"]["spec"]
+}
+
+/// The control for the test above: each way of weakening the agents fails the rule that
+/// names it.
+#[test]
+fn a_weakened_agent_fails() {
+    if !kubectl("a_weakened_agent_fails") {
+        return;
+    }
+    let objects = render("agent");
+    type Break = fn(&mut Vec<Value>);
+    let breaks: [(&str, Break, &str); 16] = [
+        (
+            "runAsNonRoot dropped",
+            |o| {
+                let sc = &mut agent_pod_mut(o)["securityContext"];
+                sc.as_object_mut().unwrap().remove("runAsNonRoot");
+            },
+            "runAsNonRoot",
+        ),
+        (
+            "root",
+            |o| agent_pod_mut(o)["securityContext"]["runAsUser"] = json!(0),
+            "does not run as 65534",
+        ),
+        (
+            "no seccomp profile",
+            |o| {
+                let sc = &mut agent_pod_mut(o)["securityContext"];
+                sc.as_object_mut().unwrap().remove("seccompProfile");
+            },
+            "seccomp",
+        ),
+        (
+            "privilege escalation",
+            |o| {
+                agent_pod_mut(o)["containers"][0]["securityContext"]["allowPrivilegeEscalation"] =
+                    json!(true)
+            },
+            "escalate",
+        ),
+        (
+            "a writable root",
+            |o| {
+                agent_pod_mut(o)["containers"][0]["securityContext"]["readOnlyRootFilesystem"] =
+                    json!(false)
+            },
+            "writable root",
+        ),
+        (
+            "a capability added",
+            |o| {
+                agent_pod_mut(o)["containers"][0]["securityContext"]["capabilities"]["add"] =
+                    json!(["NET_ADMIN"])
+            },
+            "adds privileges",
+        ),
+        (
+            "capabilities kept",
+            |o| agent_pod_mut(o)["containers"][0]["securityContext"]["capabilities"] = json!({}),
+            "keeps capabilities",
+        ),
+        (
+            "the container as root",
+            |o| agent_pod_mut(o)["containers"][0]["securityContext"]["runAsUser"] = json!(0),
+            "overrides the pod's user",
+        ),
+        (
+            "the node's network",
+            |o| agent_pod_mut(o)["hostNetwork"] = json!(true),
+            "node's network",
+        ),
+        (
+            "one replica",
+            |o| find_mut(o, "StatefulSet", "trellis-agent")["spec"]["replicas"] = json!(1),
+            "not two peers",
+        ),
+        (
+            "both replicas on one key",
+            |o| {
+                let m = agent_pod_mut(o)["containers"][0]["volumeMounts"]
+                    .as_array_mut()
+                    .unwrap()
+                    .iter_mut()
+                    .find(|m| m["name"] == "keys")
+                    .unwrap();
+                m.as_object_mut().unwrap().remove("subPathExpr");
+                m["subPath"] = json!("trellis-agent-0.key");
+            },
+            "another replica's too",
+        ),
+        (
+            "no anti-affinity",
+            |o| {
+                agent_pod_mut(o).as_object_mut().unwrap().remove("affinity");
+            },
+            "anti-affinity",
+        ),
+        (
+            "a budget of none",
+            |o| {
+                find_mut(o, "PodDisruptionBudget", "trellis-agent")["spec"]["minAvailable"] =
+                    json!(0)
+            },
+            "PodDisruptionBudget",
+        ),
+        (
+            "readiness on another port",
+            |o| {
+                agent_pod_mut(o)["containers"][0]["readinessProbe"]["httpGet"]["port"] =
+                    json!(16912)
+            },
+            "not on the admin port",
+        ),
+        (
+            "TCP before UDP",
+            |o| {
+                let cm = o.iter_mut().find(|o| o["kind"] == "ConfigMap").unwrap();
+                for v in cm["data"].as_object_mut().unwrap().values_mut() {
+                    // The udp endpoint moved after the connect one.
+                    let mut lines: Vec<&str> = v.as_str().unwrap().lines().collect();
+                    let udp = lines
+                        .iter()
+                        .position(|l| l.starts_with("    - udp:"))
+                        .unwrap();
+                    let line = lines.remove(udp);
+                    let end = lines
+                        .iter()
+                        .position(|l| l.starts_with("    persistentKeepalive:"))
+                        .unwrap();
+                    lines.insert(end, line);
+                    *v = Value::String(lines.join("\n"));
+                }
+            },
+            "not tried over UDP first",
+        ),
+        (
+            "an API token",
+            |o| agent_pod_mut(o)["automountServiceAccountToken"] = json!(true),
+            "API token",
+        ),
+    ];
+    for (what, break_it, message) in breaks {
+        let mut broken = objects.clone();
+        break_it(&mut broken);
+        match agent_rules(&broken) {
+            Ok(()) => panic!("{what}: passed"),
+            Err(e) => assert!(e.contains(message), "{what}: {e}"),
+        }
+    }
+}
+
+/// The listener of `config` with `protocol`, if one.
+fn listener<'a>(config: &'a Value, protocol: &str) -> Option<&'a Value> {
+    config["listeners"]
+        .as_array()?
+        .iter()
+        .find(|l| l["protocol"] == protocol)
+}
+
+/// The tunnel gateway in the seed (`deploy/seed`, Deployments `trellis-tunnel-<N>`), as the
+/// deploy notes say: two replicas of one pod each, unprivileged, that share one WireGuard
+/// key Secret and each have a connectDestination of their own; each reached over UDP
+/// through a load balancer Service of its own (its own port, source addresses kept, a TCP
+/// port on the same number for the health check, leading to the admin port) and over TCP
+/// through a ClusterIP Service of its own on its CONNECT listener; the kube-apiservers'
+/// egress through one Service to both; a NetworkPolicy that admits every listener's port
+/// and the egress port only from kube-apiserver pods of shoot namespaces; one replica kept
+/// through evictions. `Err` names the first rule broken.
+fn tunnel_rules(objects: &[Value]) -> Result<(), String> {
+    let names = ["trellis-tunnel-0", "trellis-tunnel-1"];
+    let services: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "Service").collect();
+    let pods: Vec<&Value> = names
+        .iter()
+        .map(|n| &find(objects, "Deployment", n)["spec"]["template"])
+        .collect();
+    let mut key_secrets = std::collections::BTreeSet::new();
+    let mut destinations = std::collections::BTreeSet::new();
+    let mut udp_ports = std::collections::BTreeSet::new();
+    let mut egress_ports = std::collections::BTreeSet::new();
+    let mut open_ports = Vec::new();
+    for (n, name) in names.iter().enumerate() {
+        let deployment = find(objects, "Deployment", name);
+        ensure!(
+            deployment["spec"]["replicas"] == 1,
+            "{name}: not one pod (its Services address one replica)"
+        );
+        ensure!(
+            deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0,
+            "{name}: a rollout takes the replica away before its successor is ready"
+        );
+        let pod = &pods[n]["spec"];
+        let labels = &pods[n]["metadata"]["labels"];
+        let other = &pods[1 - n]["metadata"]["labels"];
+        let container = &pod["containers"][0];
+        unprivileged(pod, 65532).map_err(|e| format!("{name}: {e}"))?;
+        let (config, file) = config_in(objects, deployment, "trellis");
+        probes_and_grace(pod, &config, Duration::from_secs(5))
+            .map_err(|e| format!("{name}: {e}"))?;
+        let Some(wg) = listener(&config, "wireguard") else {
+            return Err(format!("{name}: no wireguard listener"));
+        };
+        let key = named_file(&file, wg["wireguard"]["privateKeyFile"].as_str().unwrap());
+        let (secret, _) =
+            secret_file(pod, container, &key, name).map_err(|e| format!("{name}: key {e}"))?;
+        key_secrets.insert(secret);
+        let destination = wg["wireguard"]["connectDestination"].as_str().unwrap_or("");
+        ensure!(
+            destinations.insert(destination.to_owned()),
+            "{name}: connectDestination {destination:?} is another replica's too"
+        );
+        let Some(egress) = listener(&config, "egress-connect") else {
+            return Err(format!("{name}: no egress-connect listener"));
+        };
+        let Some(connect) = listener(&config, "http-connect") else {
+            return Err(format!(
+                "{name}: no http-connect listener for WireGuard over TCP"
+            ));
+        };
+        let wg_port = port_of(wg["address"].as_str().unwrap());
+        let egress_port = port_of(egress["address"].as_str().unwrap());
+        let connect_port = port_of(connect["address"].as_str().unwrap());
+        let admin_port = port_of(config["admin"]["address"].as_str().unwrap());
+        egress_ports.insert(egress_port);
+        open_ports.push((wg_port, "UDP"));
+        for p in [egress_port, connect_port, admin_port] {
+            open_ports.push((p, "TCP"));
+        }
+
+        // Its own UDP load balancer: this replica only, sources kept, its own port, a TCP
+        // health check port on the same number that leads to /ready.
+        let lbs: Vec<&&Value> = services
+            .iter()
+            .filter(|s| {
+                s["spec"]["type"] == "LoadBalancer" && selects(&s["spec"]["selector"], labels)
+            })
+            .collect();
+        ensure!(
+            lbs.len() == 1,
+            "{name}: {} load balancer Services lead to it, not one",
+            lbs.len()
+        );
+        let lb = &lbs[0]["spec"];
+        ensure!(
+            !selects(&lb["selector"], other),
+            "{name}: its load balancer leads to the other replica too"
+        );
+        ensure!(
+            lb["externalTrafficPolicy"] == "Local",
+            "{name}: its load balancer does not keep the shoots' addresses (externalTrafficPolicy Local)"
+        );
+        let ports = lb["ports"].as_array().unwrap();
+        let Some(udp) = ports.iter().find(|p| {
+            p["protocol"] == "UDP" && container_port(container, &p["targetPort"]) == wg_port
+        }) else {
+            return Err(format!(
+                "{name}: no UDP port of its load balancer leads to the wireguard listener"
+            ));
+        };
+        let number = udp["port"].as_u64().unwrap();
+        ensure!(
+            udp_ports.insert(number),
+            "{name}: UDP port {number} is the other replica's too (no shared address possible)"
+        );
+        ensure!(
+            ports.iter().any(|p| p["protocol"] == "TCP"
+                && p["port"] == number
+                && container_port(container, &p["targetPort"]) == admin_port),
+            "{name}: no TCP port {number} for the load balancer's health check on the admin port"
+        );
+        // Its CONNECT listener, for the ingress's forwarded WireGuard over TCP.
+        ensure!(
+            services.iter().any(|s| s["spec"]["type"] == "ClusterIP"
+                && selects(&s["spec"]["selector"], labels)
+                && !selects(&s["spec"]["selector"], other)
+                && s["spec"]["ports"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|p| container_port(container, &p["targetPort"]) == connect_port)),
+            "{name}: no Service of its own leads to its http-connect listener"
+        );
+    }
+    ensure!(
+        key_secrets.len() == 1,
+        "the replicas hold different WireGuard keys: {key_secrets:?}"
+    );
+    ensure!(
+        egress_ports.len() == 1,
+        "the replicas' egress ports differ: {egress_ports:?}"
+    );
+    let egress_port = *egress_ports.first().unwrap();
+    let container = &pods[0]["spec"]["containers"][0];
+    ensure!(
+        services.iter().any(|s| s["spec"]["type"] == "ClusterIP"
+            && pods
+                .iter()
+                .all(|p| selects(&s["spec"]["selector"], &p["metadata"]["labels"]))
+            && s["spec"]["ports"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| container_port(container, &p["targetPort"]) == egress_port)),
+        "no Service leads the kube-apiservers' egress to both replicas"
+    );
+
+    // Ingress: every listener's port admitted, the egress port only from kube-apiservers.
+    let policies: Vec<&Value> = objects
+        .iter()
+        .filter(|o| {
+            o["kind"] == "NetworkPolicy"
+                && pods.iter().all(|p| {
+                    selects(
+                        &o["spec"]["podSelector"]["matchLabels"],
+                        &p["metadata"]["labels"],
+                    )
+                })
+        })
+        .collect();
+    ensure!(
+        !policies.is_empty(),
+        "no NetworkPolicy selects the tunnel gateway"
+    );
+    let rules: Vec<&Value> = policies
+        .iter()
+        .flat_map(|p| p["spec"]["ingress"].as_array().into_iter().flatten())
+        .collect();
+    let covers = |rule: &Value, port: u64, protocol: &str| {
+        rule["ports"].as_array().is_some_and(|ps| {
+            ps.iter()
+                .any(|p| p["port"] == port && p["protocol"].as_str().unwrap_or("TCP") == protocol)
+        })
+    };
+    for (port, protocol) in open_ports {
+        ensure!(
+            rules.iter().any(|r| covers(r, port, protocol)),
+            "no NetworkPolicy rule admits {protocol} {port}"
+        );
+    }
+    for rule in rules.iter().filter(|r| covers(r, egress_port, "TCP")) {
+        let from = rule["from"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        ensure!(
+            !from.is_empty()
+                && from.iter().all(|f| {
+                    f["namespaceSelector"]["matchLabels"] == json!({"gardener.cloud/role": "shoot"})
+                        && f["podSelector"]["matchLabels"]
+                            == json!({"app": "kubernetes", "role": "apiserver"})
+                }),
+            "the egress port {egress_port} is open to more than the shoots' kube-apiservers: {rule}"
+        );
+    }
+    let budgets: Vec<&Value> = objects
+        .iter()
+        .filter(|o| {
+            o["kind"] == "PodDisruptionBudget"
+                && pods.iter().all(|p| {
+                    selects(
+                        &o["spec"]["selector"]["matchLabels"],
+                        &p["metadata"]["labels"],
+                    )
+                })
+        })
+        .collect();
+    ensure!(
+        budgets.len() == 1 && budgets[0]["spec"]["minAvailable"] == 1,
+        "no PodDisruptionBudget keeping one tunnel replica (minAvailable: 1): {budgets:?}"
+    );
+    Ok(())
+}
+
+/// The tunnel gateway keeps the rules of [`tunnel_rules`].
+#[test]
+fn seed_tunnel_replicas_share_a_key_and_each_has_its_own_entry() {
+    if !kubectl("seed_tunnel_replicas_share_a_key_and_each_has_its_own_entry") {
+        return;
+    }
+    tunnel_rules(&render("seed")).unwrap();
+}
+
+fn tunnel_pod_mut<'a>(objects: &'a mut [Value], name: &str) -> &'a mut Value {
+    &mut find_mut(objects, "Deployment", name)["spec"]["template"]["spec"]
+}
+
+/// The control for the test above: each way of breaking the tunnel gateway fails the rule
+/// that names it.
+#[test]
+fn a_weakened_tunnel_gateway_fails() {
+    if !kubectl("a_weakened_tunnel_gateway_fails") {
+        return;
+    }
+    let objects = render("seed");
+    type Break = fn(&mut Vec<Value>);
+    let breaks: [(&str, Break, &str); 13] = [
+        (
+            "runAsNonRoot dropped",
+            |o| {
+                let sc = &mut tunnel_pod_mut(o, "trellis-tunnel-1")["securityContext"];
+                sc.as_object_mut().unwrap().remove("runAsNonRoot");
+            },
+            "runAsNonRoot",
+        ),
+        (
+            "a capability added",
+            |o| {
+                tunnel_pod_mut(o, "trellis-tunnel-0")["containers"][0]["securityContext"]["capabilities"]
+                    ["add"] = json!(["NET_ADMIN"])
+            },
+            "adds privileges",
+        ),
+        (
+            "two pods in one replica",
+            |o| find_mut(o, "Deployment", "trellis-tunnel-0")["spec"]["replicas"] = json!(2),
+            "not one pod",
+        ),
+        (
+            "one connectDestination for both",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-tunnel-1-config",
+                    "trellis-wireguard-1:51820",
+                    "trellis-wireguard-0:51820",
+                )
+            },
+            "another replica's too",
+        ),
+        (
+            "a key of its own",
+            |o| {
+                let v = tunnel_pod_mut(o, "trellis-tunnel-1")["volumes"]
+                    .as_array_mut()
+                    .unwrap()
+                    .iter_mut()
+                    .find(|v| v["name"] == "wireguard-key")
+                    .unwrap();
+                v["secret"]["secretName"] = json!("trellis-wireguard-key-1");
+            },
+            "different WireGuard keys",
+        ),
+        (
+            "source addresses lost",
+            |o| {
+                find_mut(o, "Service", "trellis-wireguard-0")["spec"]["externalTrafficPolicy"] =
+                    json!("Cluster")
+            },
+            "externalTrafficPolicy Local",
+        ),
+        (
+            "one load balancer for both",
+            |o| {
+                let s = find_mut(o, "Service", "trellis-wireguard-1");
+                s["spec"]["selector"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("trellis.gardener.cloud/tunnel-replica");
+            },
+            "load balancer Services lead to it",
+        ),
+        (
+            "one UDP port for both",
+            |o| {
+                let s = find_mut(o, "Service", "trellis-wireguard-1");
+                for p in s["spec"]["ports"].as_array_mut().unwrap() {
+                    p["port"] = json!(51820);
+                }
+            },
+            "the other replica's too",
+        ),
+        (
+            "no health check port",
+            |o| {
+                let s = find_mut(o, "Service", "trellis-wireguard-0");
+                s["spec"]["ports"]
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|p| p["protocol"] == "UDP");
+            },
+            "health check",
+        ),
+        (
+            "egress open to all",
+            |o| {
+                let p = find_mut(o, "NetworkPolicy", "trellis-tunnel");
+                p["spec"]["ingress"][1]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("from");
+            },
+            "open to more than",
+        ),
+        (
+            "UDP not admitted",
+            |o| {
+                let p = find_mut(o, "NetworkPolicy", "trellis-tunnel");
+                p["spec"]["ingress"].as_array_mut().unwrap().remove(0);
+            },
+            "admits UDP 51820",
+        ),
+        (
+            "no forwarding Service",
+            |o| {
+                o.retain(|o| {
+                    !(o["kind"] == "Service" && o["metadata"]["name"] == "trellis-tunnel-1")
+                })
+            },
+            "http-connect listener",
+        ),
+        (
+            "no budget",
+            |o| {
+                o.retain(|o| {
+                    !(o["kind"] == "PodDisruptionBudget"
+                        && o["metadata"]["name"] == "trellis-tunnel")
+                })
+            },
+            "PodDisruptionBudget",
+        ),
+    ];
+    for (what, break_it, message) in breaks {
+        let mut broken = objects.clone();
+        break_it(&mut broken);
+        match tunnel_rules(&broken) {
+            Ok(()) => panic!("{what}: passed"),
+            Err(e) => assert!(e.contains(message), "{what}: {e}"),
+        }
+    }
 }
