@@ -1733,8 +1733,8 @@ fn listener<'a>(config: &'a Value, protocol: &str) -> Option<&'a Value> {
 /// The tunnel gateway in the seed (`deploy/seed`, Deployments `trellis-tunnel-<N>`), as the
 /// deploy notes say: two replicas of one pod each, unprivileged, that share one WireGuard
 /// key Secret and each have a connectDestination of their own; each reached over UDP
-/// through a load balancer Service of its own (its own port, source addresses kept, a TCP
-/// port on the same number for the health check, leading to the admin port) and over TCP
+/// through a load balancer Service of its own (its own port, source addresses kept, health
+/// checked through the healthCheckNodePort, never the admin port) and over TCP
 /// through a ClusterIP Service of its own on its CONNECT listener; the kube-apiservers'
 /// egress through one Service to both; a NetworkPolicy that admits every listener's port
 /// and the egress port only from kube-apiserver pods of shoot namespaces; one replica kept
@@ -1799,8 +1799,7 @@ fn tunnel_rules(objects: &[Value]) -> Result<(), String> {
             open_ports.push((p, "TCP"));
         }
 
-        // Its own UDP load balancer: this replica only, sources kept, its own port, a TCP
-        // health check port on the same number that leads to /ready.
+        // Its own UDP load balancer: this replica only, sources kept, its own port.
         let lbs: Vec<&&Value> = services
             .iter()
             .filter(|s| {
@@ -1834,11 +1833,13 @@ fn tunnel_rules(objects: &[Value]) -> Result<(), String> {
             udp_ports.insert(number),
             "{name}: UDP port {number} is the other replica's too (no shared address possible)"
         );
+        // Health checks go to the healthCheckNodePort Kubernetes allocates for Local (it
+        // follows the pod's readiness); the admin port never faces the load balancer, whose
+        // /metrics would name every shoot.
         ensure!(
-            ports.iter().any(|p| p["protocol"] == "TCP"
-                && p["port"] == number
+            !ports.iter().any(|p| p["protocol"] == "TCP"
                 && container_port(container, &p["targetPort"]) == admin_port),
-            "{name}: no TCP port {number} for the load balancer's health check on the admin port"
+            "{name}: its load balancer exposes the admin port"
         );
         // Its CONNECT listener, for the ingress's forwarded WireGuard over TCP.
         ensure!(
@@ -2042,15 +2043,15 @@ fn a_weakened_tunnel_gateway_fails() {
             "the other replica's too",
         ),
         (
-            "no health check port",
+            "admin port on the load balancer",
             |o| {
                 let s = find_mut(o, "Service", "trellis-wireguard-0");
                 s["spec"]["ports"]
                     .as_array_mut()
                     .unwrap()
-                    .retain(|p| p["protocol"] == "UDP");
+                    .push(json!({"name": "health", "port": 51820, "targetPort": "admin", "protocol": "TCP"}));
             },
-            "health check",
+            "exposes the admin port",
         ),
         (
             "egress open to all",
