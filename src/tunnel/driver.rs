@@ -154,6 +154,56 @@ impl Inner {
     }
 }
 
+/// Datagrams received together: each is handled at once (decrypted, queued for its shoot's
+/// stack), and [`Batch::finish`] runs every shoot they touched once and hands the agent's
+/// new connections on.
+struct Batch<'a> {
+    tunnels: &'a Tunnels,
+    state: arc_swap::Guard<Arc<State>>,
+    now: Instant,
+    touched: &'a mut Vec<ShootCell>,
+}
+
+impl Batch<'_> {
+    /// Handles one datagram from `from`.
+    fn receive(&mut self, from: SocketAddr, datagram: &[u8]) {
+        let inner = &self.tunnels.inner;
+        if let Some(cell) = device::receive(
+            &self.state.keys,
+            &self.state.maps,
+            &inner.recovery,
+            self.now,
+            from,
+            datagram,
+            &mut inner.io(),
+        ) && !self.touched.iter().any(|c| Arc::ptr_eq(c, &cell))
+        {
+            self.touched.push(cell);
+        }
+    }
+
+    /// Runs the touched shoots' stacks and sends what they produced.
+    fn finish(self) {
+        let inner = &self.tunnels.inner;
+        let mut io = inner.io();
+        for cell in self.touched.drain(..) {
+            let mut s = lock(&cell);
+            s.flush(self.now, &mut io);
+            if let Some(tx) = &inner.accepts {
+                for a in s.take_accepts() {
+                    // More connections waiting for their dial than the agent takes on,
+                    // or the agent draining: refused (reset) at once.
+                    if tx.try_send((cell.clone(), a)).is_err() {
+                        io.dropped(Drop::Busy);
+                        s.accepted(self.now, &a, Dialed::Refused, &mut io);
+                    }
+                }
+            }
+        }
+        inner.wake.notify_one();
+    }
+}
+
 /// The tunnel device of a gateway or an agent.
 #[derive(Clone)]
 pub(crate) struct Tunnels {
@@ -587,6 +637,17 @@ impl Tunnels {
         })
     }
 
+    /// A batch of received datagrams (see [`Batch`]); `touched` is the caller's scratch.
+    fn batch<'a>(&'a self, touched: &'a mut Vec<ShootCell>) -> Batch<'a> {
+        touched.clear();
+        Batch {
+            tunnels: self,
+            state: self.inner.state.load(),
+            now: Instant::now(),
+            touched,
+        }
+    }
+
     async fn receive_loop(self) {
         let mut buf = vec![0u8; 65_536];
         let mut touched: Vec<ShootCell> = Vec::new();
@@ -600,47 +661,19 @@ impl Tunnels {
                     continue;
                 }
             };
-            let state = self.inner.state.load();
-            let mut io = self.inner.io();
-            let now = Instant::now();
             // A batch: whatever else is queued already (up to RECEIVE_BATCH datagrams), each
             // shoot's stack run once for all of its packets.
+            let mut batch = self.batch(&mut touched);
             let mut next = Some(first);
             let mut count = 0;
             while let Some((n, from)) = next.take() {
                 count += 1;
-                let datagram = &buf[..n];
-                if let Some(cell) = device::receive(
-                    &state.keys,
-                    &state.maps,
-                    &self.inner.recovery,
-                    now,
-                    from,
-                    datagram,
-                    &mut io,
-                ) && !touched.iter().any(|c| Arc::ptr_eq(c, &cell))
-                {
-                    touched.push(cell);
-                }
+                batch.receive(from, &buf[..n]);
                 if count < RECEIVE_BATCH {
                     next = self.inner.socket.try_recv_from(&mut buf).ok();
                 }
             }
-            for cell in touched.drain(..) {
-                let mut s = lock(&cell);
-                s.flush(now, &mut io);
-                if let Some(tx) = &self.inner.accepts {
-                    for a in s.take_accepts() {
-                        // More connections waiting for their dial than the agent takes on,
-                        // or the agent draining: refused (reset) at once.
-                        if tx.try_send((cell.clone(), a)).is_err() {
-                            io.dropped(Drop::Busy);
-                            s.accepted(now, &a, Dialed::Refused, &mut io);
-                        }
-                    }
-                }
-            }
-            self.inner.wake.notify_one();
+            batch.finish();
         }
     }
 
