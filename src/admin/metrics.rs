@@ -185,6 +185,9 @@ pub(crate) struct TunnelMetrics {
     pub dial_failures: Family<RouteReasonLabels, Counter>,
     /// `trellis_tunnel_packets_dropped_total`.
     pub dropped: Family<ReasonLabel, Counter>,
+    /// `trellis_tunnel_tcp_endpoints_active`: TCP streams that are endpoints of the device
+    /// (WireGuard over TCP).
+    pub tcp_endpoints: Gauge,
 }
 
 impl TunnelMetrics {
@@ -218,6 +221,11 @@ impl TunnelMetrics {
             "tunnel_packets_dropped",
             "Tunnel packets dropped, by reason",
             self.dropped.clone(),
+        );
+        r.register(
+            "tunnel_tcp_endpoints_active",
+            "TCP streams carrying WireGuard (endpoints of the device) open now",
+            self.tcp_endpoints.clone(),
         );
     }
 }

@@ -18,7 +18,8 @@ use tokio::net::UdpSocket;
 use tokio::sync::{Notify, mpsc};
 
 use super::device::{self, Keys, Maps, Recovery, ShootCell, lock};
-use super::peer::Peer;
+use super::framed::Streams;
+use super::peer::{Endpoint, Peer};
 use super::shoot::{Accept, Dialed, Drop, Io, Mode, Shoot};
 use super::stack::StackError;
 use super::stream::{StreamMetrics, TunnelStream};
@@ -87,15 +88,17 @@ impl DialError {
 /// The device state a table change replaces as a whole.
 pub(crate) struct State {
     keys: Keys,
-    maps: Maps,
+    pub(super) maps: Maps,
 }
 
 /// What every task of the tunnel shares.
 pub(crate) struct Inner {
     socket: Arc<UdpSocket>,
-    state: ArcSwap<State>,
+    pub(super) state: ArcSwap<State>,
     recovery: Recovery,
-    metrics: Arc<TunnelMetrics>,
+    pub(super) metrics: Arc<TunnelMetrics>,
+    /// The TCP streams that are endpoints of the device.
+    pub(super) streams: Streams,
     wake: Notify,
     /// Serializes table changes.
     apply: Mutex<()>,
@@ -110,9 +113,16 @@ pub(crate) struct UdpIo<'a> {
 }
 
 impl Io for UdpIo<'_> {
-    fn send(&mut self, to: SocketAddr, datagram: &[u8]) {
-        if self.inner.socket.try_send_to(datagram, to).is_err() {
-            self.dropped(Drop::Busy);
+    fn send(&mut self, to: Endpoint, datagram: &[u8]) {
+        let sent = match to {
+            Endpoint::Udp(to) => match self.inner.socket.try_send_to(datagram, to) {
+                Ok(_) => Ok(()),
+                Err(_) => Err(Drop::Busy),
+            },
+            Endpoint::Stream { id, .. } => self.inner.streams.send(id, datagram),
+        };
+        if let Err(reason) = sent {
+            self.dropped(reason);
         }
     }
 
@@ -154,10 +164,10 @@ impl Inner {
     }
 }
 
-/// Datagrams received together: each is handled at once (decrypted, queued for its shoot's
-/// stack), and [`Batch::finish`] runs every shoot they touched once and hands the agent's
-/// new connections on.
-struct Batch<'a> {
+/// Datagrams received together, from any endpoint: each is handled at once (decrypted,
+/// queued for its shoot's stack), and [`Batch::finish`] runs every shoot they touched once
+/// and hands the agent's new connections on.
+pub(crate) struct Batch<'a> {
     tunnels: &'a Tunnels,
     state: arc_swap::Guard<Arc<State>>,
     now: Instant,
@@ -166,7 +176,7 @@ struct Batch<'a> {
 
 impl Batch<'_> {
     /// Handles one datagram from `from`.
-    fn receive(&mut self, from: SocketAddr, datagram: &[u8]) {
+    pub(crate) fn receive(&mut self, from: Endpoint, datagram: &[u8]) {
         let inner = &self.tunnels.inner;
         if let Some(cell) = device::receive(
             &self.state.keys,
@@ -183,7 +193,7 @@ impl Batch<'_> {
     }
 
     /// Runs the touched shoots' stacks and sends what they produced.
-    fn finish(self) {
+    pub(crate) fn finish(self) {
         let inner = &self.tunnels.inner;
         let mut io = inner.io();
         for cell in self.touched.drain(..) {
@@ -207,7 +217,13 @@ impl Batch<'_> {
 /// The tunnel device of a gateway or an agent.
 #[derive(Clone)]
 pub(crate) struct Tunnels {
-    inner: Arc<Inner>,
+    pub(super) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Tunnels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tunnels").finish_non_exhaustive()
+    }
 }
 
 /// The agent's side of its one tunnel.
@@ -295,6 +311,7 @@ impl Tunnels {
             }),
             recovery: Recovery::default(),
             metrics,
+            streams: Streams::default(),
             wake: Notify::new(),
             apply: Mutex::new(()),
             accepts,
@@ -332,7 +349,7 @@ impl Tunnels {
             .filter_map(|a| Net::new(a, 0).ok())
             .collect();
             let mut peer = new_peer(&state.keys, side.gateway, &everything, side.keepalive);
-            peer.endpoint = Some(side.endpoint);
+            peer.endpoint = Some(Endpoint::Udp(side.endpoint));
             let shoot = Shoot::new(
                 "agent".into(),
                 vec![peer],
@@ -358,7 +375,7 @@ impl Tunnels {
         let state = self.inner.state.load();
         for cell in state.maps.shoots.values() {
             for p in lock(cell).peers.iter_mut() {
-                p.endpoint = Some(endpoint);
+                p.endpoint = Some(Endpoint::Udp(endpoint));
             }
         }
     }
@@ -638,7 +655,7 @@ impl Tunnels {
     }
 
     /// A batch of received datagrams (see [`Batch`]); `touched` is the caller's scratch.
-    fn batch<'a>(&'a self, touched: &'a mut Vec<ShootCell>) -> Batch<'a> {
+    pub(crate) fn batch<'a>(&'a self, touched: &'a mut Vec<ShootCell>) -> Batch<'a> {
         touched.clear();
         Batch {
             tunnels: self,
@@ -668,7 +685,7 @@ impl Tunnels {
             let mut count = 0;
             while let Some((n, from)) = next.take() {
                 count += 1;
-                batch.receive(from, &buf[..n]);
+                batch.receive(Endpoint::Udp(from), &buf[..n]);
                 if count < RECEIVE_BATCH {
                     next = self.inner.socket.try_recv_from(&mut buf).ok();
                 }
