@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
+use boringtun::noise::TunnResult;
 use thiserror::Error;
 use tokio::net::UdpSocket;
 use tokio::sync::{Notify, mpsc};
@@ -29,8 +30,9 @@ use crate::admin::metrics::{
 };
 use crate::route::{Net, Tunnel, WgKey};
 
-/// Connections the agent accepted and has not started dialing yet, at most.
-const ACCEPT_QUEUE: usize = 1024;
+/// Connections the agent accepted and has not started dialing yet, at most (across its
+/// devices).
+pub(crate) const ACCEPT_QUEUE: usize = 1024;
 
 /// Datagrams handled before each touched shoot's stack runs.
 const RECEIVE_BATCH: usize = 64;
@@ -103,7 +105,7 @@ pub(crate) struct Inner {
     /// Serializes table changes.
     apply: Mutex<()>,
     /// The agent's accepted connections, for its dialer.
-    accepts: Option<mpsc::Sender<(ShootCell, Accept)>>,
+    accepts: Option<mpsc::Sender<Incoming>>,
     mode: Mode,
 }
 
@@ -203,7 +205,12 @@ impl Batch<'_> {
                 for a in s.take_accepts() {
                     // More connections waiting for their dial than the agent takes on,
                     // or the agent draining: refused (reset) at once.
-                    if tx.try_send((cell.clone(), a)).is_err() {
+                    let incoming = Incoming {
+                        tunnels: self.tunnels.clone(),
+                        cell: cell.clone(),
+                        accept: a,
+                    };
+                    if tx.try_send(incoming).is_err() {
                         io.dropped(Drop::Busy);
                         s.accepted(self.now, &a, Dialed::Refused, &mut io);
                     }
@@ -226,13 +233,34 @@ impl std::fmt::Debug for Tunnels {
     }
 }
 
+/// A connection an agent's device opened (its SYN paused), for the agent's dialer.
+#[derive(Debug)]
+pub(crate) struct Incoming {
+    /// The device it arrived on.
+    pub(crate) tunnels: Tunnels,
+    /// Its shoot.
+    pub(crate) cell: ShootCell,
+    /// The paused socket and its ends.
+    pub(crate) accept: Accept,
+}
+
+/// The agent's view of its gateway peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GatewayPeer {
+    /// Where its datagrams go now (the last authenticated packet's source, or where the
+    /// agent pointed it).
+    pub(crate) endpoint: Option<Endpoint>,
+    /// When its last handshake completed.
+    pub(crate) handshake_at: Option<Instant>,
+    /// Whether it has a usable session.
+    pub(crate) live: bool,
+}
+
 /// The agent's side of its one tunnel.
 #[derive(Debug, Clone)]
 pub(crate) struct AgentSide {
     /// The gateway's public key.
     pub(crate) gateway: WgKey,
-    /// Where the gateway is (UDP).
-    pub(crate) endpoint: SocketAddr,
     /// The agent's addresses inside the tunnel.
     pub(crate) addresses: Vec<std::net::IpAddr>,
     /// What the agent dials.
@@ -301,7 +329,7 @@ impl Tunnels {
         private: WgKey,
         metrics: Arc<TunnelMetrics>,
         mode: Mode,
-        accepts: Option<mpsc::Sender<(ShootCell, Accept)>>,
+        accepts: Option<mpsc::Sender<Incoming>>,
     ) -> Tunnels {
         let inner = Arc::new(Inner {
             socket: Arc::new(socket),
@@ -323,19 +351,20 @@ impl Tunnels {
         t
     }
 
-    /// An agent device: one shoot with the gateway as its one peer, initiating towards
-    /// its endpoint; connections the gateway opens arrive on the returned channel.
+    /// An agent device: one shoot with the gateway as its one peer, which has no endpoint
+    /// until [`Tunnels::use_endpoint`] names one; connections the gateway opens arrive on
+    /// `accepts` (which several devices may share).
     pub(crate) fn agent(
         socket: UdpSocket,
         private: WgKey,
         side: AgentSide,
         metrics: Arc<TunnelMetrics>,
-    ) -> (Tunnels, mpsc::Receiver<(ShootCell, Accept)>) {
-        let (tx, rx) = mpsc::channel(ACCEPT_QUEUE);
+        accepts: mpsc::Sender<Incoming>,
+    ) -> Tunnels {
         let mode = Mode::Agent {
             networks: side.networks,
         };
-        let t = Self::new(socket, private, metrics, mode.clone(), Some(tx));
+        let t = Self::new(socket, private, metrics, mode.clone(), Some(accepts));
         let now = Instant::now();
         {
             let state = t.inner.state.load();
@@ -348,8 +377,7 @@ impl Tunnels {
             .into_iter()
             .filter_map(|a| Net::new(a, 0).ok())
             .collect();
-            let mut peer = new_peer(&state.keys, side.gateway, &everything, side.keepalive);
-            peer.endpoint = Some(Endpoint::Udp(side.endpoint));
+            let peer = new_peer(&state.keys, side.gateway, &everything, side.keepalive);
             let shoot = Shoot::new(
                 "agent".into(),
                 vec![peer],
@@ -361,23 +389,64 @@ impl Tunnels {
             let cell: ShootCell = Arc::new(Mutex::new(shoot));
             let mut maps = Maps::default();
             maps.insert(&state.keys, cell.clone());
-            lock(&cell).initiate(now, 0, None, &mut t.inner.io());
             t.inner.state.store(Arc::new(State {
                 keys: state.keys.share(),
                 maps,
             }));
         }
-        (t, rx)
+        t
     }
 
-    /// Points the agent's peer (the gateway) at `endpoint` (its name resolved anew).
-    pub(crate) fn set_endpoint(&self, endpoint: SocketAddr) {
+    /// The agent's gateway peer as it is now (`None` on a gateway device).
+    pub(crate) fn gateway_peer(&self) -> Option<GatewayPeer> {
+        if !matches!(self.inner.mode, Mode::Agent { .. }) {
+            return None;
+        }
+        let now = Instant::now();
         let state = self.inner.state.load();
+        let cell = state.maps.shoots.values().next()?;
+        let s = lock(cell);
+        let p = s.peers.first()?;
+        Some(GatewayPeer {
+            endpoint: p.endpoint,
+            handshake_at: p.handshake_at,
+            live: p.live(now),
+        })
+    }
+
+    /// Points the agent's peer (the gateway) at `endpoint` and starts a handshake there at
+    /// once (one still in progress elsewhere is abandoned).
+    pub(crate) fn use_endpoint(&self, endpoint: Endpoint) {
+        self.initiate_to(endpoint, true);
+    }
+
+    /// Sends the agent's peer a handshake initiation at `to` without pointing it there: if
+    /// the answer comes from there, the peer roams to it (the agent on a `connect` endpoint
+    /// probing UDP). Unanswered, boringtun's retry goes to the peer's endpoint.
+    pub(crate) fn probe(&self, to: Endpoint) {
+        self.initiate_to(to, false);
+    }
+
+    fn initiate_to(&self, to: Endpoint, point: bool) {
+        let now = Instant::now();
+        let state = self.inner.state.load();
+        let mut io = self.inner.io();
+        let mut buf = [0u8; 256];
         for cell in state.maps.shoots.values() {
             for p in lock(cell).peers.iter_mut() {
-                p.endpoint = Some(Endpoint::Udp(endpoint));
+                if point {
+                    p.endpoint = Some(to);
+                }
+                if let TunnResult::WriteToNetwork(out) =
+                    p.tunn.format_handshake_initiation(&mut buf, true)
+                {
+                    io.send(to, out);
+                }
+                // The initiator's retry timer starts from here (see `Shoot::tick`).
+                p.recovery_at = Some(now);
             }
         }
+        self.inner.wake.notify_one();
     }
 
     /// Whether any peer of the (agent's) device has a live session.

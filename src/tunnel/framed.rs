@@ -167,10 +167,26 @@ pub(crate) struct StreamEndpoint {
     tunnels: Tunnels,
 }
 
+/// Ends a carried stream from outside (the agent's lane leaving a `connect` endpoint).
+#[derive(Debug, Clone)]
+pub(crate) struct StreamCloser(Arc<Queue>);
+
+impl StreamCloser {
+    /// Asks the stream to end; its carry returns [`End::BackendClosed`].
+    pub(crate) fn close(&self) {
+        self.0.close();
+    }
+}
+
 impl StreamEndpoint {
     /// The endpoint peers are pointed at.
     pub(crate) fn endpoint(&self) -> Endpoint {
         self.endpoint
+    }
+
+    /// A handle that ends the stream.
+    pub(crate) fn closer(&self) -> StreamCloser {
+        StreamCloser(self.queue.clone())
     }
 }
 
