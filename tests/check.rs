@@ -561,7 +561,7 @@ wireguard:
   addresses: [192.168.128.5, 192.168.128.6]
   gateway:
     publicKey: \"{}\"
-    endpoints: [{{connect: {{address: \"api.example.com:8443\", destination: \"trellis-wireguard:51820\"}}}}]
+    endpoints: []
 networks: [\"10.250.0.0/16\", \"10.0.0.0/40\"]
 admin: {{address: \"127.0.0.1:16911\"}}
 ",
@@ -597,7 +597,7 @@ admin: {{address: \"127.0.0.1:16911\"}}
             "{a}: wireguard.addresses[1]: a second IPv4 address (addresses[0]): at most one per family"
         ),
         format!(
-            "{a}: wireguard.gateway.endpoints: needs at least one udp endpoint (connect endpoints are not supported by this build yet; use udp)"
+            "{a}: wireguard.gateway.endpoints: at least one endpoint is required (udp: HOST:PORT or connect: {{...}})"
         ),
         format!("{a}: networks[1]: invalid prefix length \"40\""),
     ];

@@ -1,6 +1,8 @@
 //! WireGuard tunnels with real peers: the gateway's `wireguard` listener and `trellis agent`
 //! on loopback (no root), kube-apiserver's egress (`CONNECT` over mutual TLS) dialing
-//! through them to plain TCP servers the agent reaches with ordinary sockets.
+//! through them to plain TCP servers the agent reaches with ordinary sockets; and WireGuard
+//! over TCP through the gateway's CONNECT port (`connectDestination`, the agent's `connect`
+//! endpoints), with a forwarder the test can cut and a UDP gate it can close in between.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
@@ -71,6 +73,28 @@ impl Agent {
         networks: &str,
         address: &str,
     ) -> Agent {
+        let endpoints = format!("[{{udp: \"{endpoint}\"}}]");
+        Self::start_full(keys, gateway_public, &endpoints, networks, address)
+    }
+
+    /// An agent with `endpoints` (a YAML flow sequence) as its gateway's endpoints.
+    fn start_endpoints(
+        keys: &Keys,
+        gateway_public: &str,
+        endpoints: &str,
+        networks: &str,
+    ) -> Agent {
+        Self::start_full(keys, gateway_public, endpoints, networks, "192.168.128.5")
+    }
+
+    /// An agent with `endpoints` and tunnel address `address`.
+    fn start_full(
+        keys: &Keys,
+        gateway_public: &str,
+        endpoints: &str,
+        networks: &str,
+        address: &str,
+    ) -> Agent {
         let dir = TestDir::new("agent");
         let key: PathBuf = dir.path("agent.key");
         std::fs::write(&key, format!("{}\n", keys.private)).unwrap();
@@ -83,7 +107,7 @@ wireguard:
   addresses: [{address}]
   gateway:
     publicKey: \"{gateway_public}\"
-    endpoints: [{{udp: \"{endpoint}\"}}]
+    endpoints: {endpoints}
     persistentKeepalive: 25s
 networks: {networks}
 admin: {{address: \"{admin}\"}}
@@ -112,6 +136,14 @@ admin: {{address: \"{admin}\"}}
             (http_get(self.admin, "/ready").map(|(s, _)| s) == Some(200)).then_some(())
         })
         .is_some()
+    }
+
+    /// Waits up to 20 s for metric `prefix` to equal `want`.
+    fn wait_metric(&self, prefix: &str, want: f64) {
+        let seen = wait_for(Duration::from_secs(20), || {
+            (self.metric(prefix) == want).then_some(())
+        });
+        assert!(seen.is_some(), "{prefix} is not {want}:\n{}", self.logs());
     }
 
     fn metric(&self, prefix: &str) -> f64 {
@@ -155,8 +187,22 @@ routes:
     )
 }
 
+/// The `wireguard` listener's `connectDestination` in these tests.
+const CONNECT_DESTINATION: &str = "trellis-wireguard:51820";
+
 impl Lab {
     fn start() -> Lab {
+        Self::start_opts(false, "")
+    }
+
+    /// A lab whose gateway also has an `http-connect` listener (`connect`) and whose
+    /// `wireguard` listener takes WireGuard over TCP from it (`CONNECT_DESTINATION`);
+    /// `extra` is gateway configuration (timeouts).
+    fn start_connect(extra: &str) -> Lab {
+        Self::start_opts(true, extra)
+    }
+
+    fn start_opts(connect: bool, extra: &str) -> Lab {
         let dir = TestDir::new("tunnel-lab");
         let shoot = Shoot::new(&dir, "shoot--local--a");
         let (gw_keys, agent_keys) = (keys(), keys());
@@ -168,22 +214,30 @@ impl Lab {
             "[\"192.168.128.5/32\", \"127.0.0.0/8\"]",
             "[\"127.0.0.0/8\"]",
         );
-        let gw = Gateway::start_listeners(
-            &routes,
-            &[
-                (
-                    "egress",
-                    "egress-connect",
-                    &format!("  tls: {}", shoot.tls_yaml()),
-                ),
-                (
-                    "wireguard",
-                    "wireguard",
-                    &format!("  wireguard: {{privateKeyFile: {key:?}}}"),
-                ),
-            ],
-            "",
-        );
+        let destination = if connect {
+            format!(", connectDestination: {CONNECT_DESTINATION:?}")
+        } else {
+            String::new()
+        };
+        let listeners = [
+            (
+                "egress",
+                "egress-connect",
+                format!("  tls: {}", shoot.tls_yaml()),
+            ),
+            (
+                "wireguard",
+                "wireguard",
+                format!("  wireguard: {{privateKeyFile: {key:?}{destination}}}"),
+            ),
+            ("connect", "http-connect", String::new()),
+        ];
+        let count = if connect { 3 } else { 2 };
+        let listeners: Vec<(&str, &str, &str)> = listeners[..count]
+            .iter()
+            .map(|(n, p, e)| (*n, *p, e.as_str()))
+            .collect();
+        let gw = Gateway::start_listeners(&routes, &listeners, extra);
         Lab {
             gw,
             shoot,
@@ -194,14 +248,16 @@ impl Lab {
     }
 
     fn agent(&self, networks: &str) -> Agent {
-        let agent = Agent::start(
-            &self.agent_keys,
-            &self.gw_keys.public,
-            self.gw.addr("wireguard"),
-            networks,
-        );
+        let endpoints = format!("[{{udp: \"{}\"}}]", self.gw.addr("wireguard"));
+        self.agent_with(&endpoints, networks)
+    }
+
+    /// An agent with `endpoints` (a YAML flow sequence), once ready.
+    fn agent_with(&self, endpoints: &str, networks: &str) -> Agent {
+        let agent =
+            Agent::start_endpoints(&self.agent_keys, &self.gw_keys.public, endpoints, networks);
         assert!(
-            agent.wait_ready(Duration::from_secs(10)),
+            agent.wait_ready(Duration::from_secs(20)),
             "agent not ready:\n{}\ngateway:\n{}",
             agent.logs(),
             self.gw.logs()
@@ -575,4 +631,288 @@ routes:
         "streams of the dead replica that ended"
     );
     assert_eq!(alive as f64, 8.0 - on_first);
+}
+
+/// Sends `len` bytes over `s` while reading the echo back, half-closes, and asserts that
+/// exactly the bytes sent came back before the echo closed.
+async fn echo_exact_with_half_close<S: tokio::io::AsyncRead + tokio::io::AsyncWrite>(
+    s: S,
+    len: u32,
+) {
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+    let (mut r, mut w) = tokio::io::split(s);
+    let (_, got) = tokio::join!(
+        async {
+            w.write_all(&data).await.unwrap();
+            w.flush().await.unwrap();
+            w.shutdown().await.unwrap();
+        },
+        async {
+            let mut got = Vec::new();
+            tokio::time::timeout(Duration::from_secs(60), r.read_to_end(&mut got))
+                .await
+                .expect("echo in time")
+                .unwrap();
+            got
+        }
+    );
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "bytes differ");
+}
+
+/// A TCP forwarder on loopback towards `to` whose connections the test can cut at once.
+struct Cutter {
+    addr: SocketAddr,
+    cut: tokio::sync::watch::Sender<u32>,
+    /// Connections forwarded so far.
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Cutter {
+    async fn start(to: SocketAddr) -> Cutter {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (cut, _) = tokio::sync::watch::channel(0u32);
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (cuts, count) = (cut.clone(), accepted.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut down, _)) = listener.accept().await else {
+                    return;
+                };
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut cuts = cuts.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut up) = tokio::net::TcpStream::connect(to).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut down, &mut up) => {}
+                        _ = cuts.changed() => {}
+                    }
+                    // Dropped: both connections close.
+                });
+            }
+        });
+        Cutter {
+            addr,
+            cut,
+            accepted,
+        }
+    }
+
+    /// Ends every connection it forwards now.
+    fn cut(&self) {
+        self.cut.send_modify(|n| *n += 1);
+    }
+}
+
+/// A UDP forwarder on loopback towards `to` that the test opens and closes: closed, every
+/// datagram either way is dropped (as a firewall without UDP would).
+struct UdpGate {
+    addr: SocketAddr,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl UdpGate {
+    async fn start(to: SocketAddr, open: bool) -> UdpGate {
+        use std::sync::atomic::Ordering;
+        let outer = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let inner = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        inner.connect(to).await.unwrap();
+        let addr = outer.local_addr().unwrap();
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(open));
+        let is_open = flag.clone();
+        tokio::spawn(async move {
+            let (mut a, mut b) = (vec![0u8; 65_536], vec![0u8; 65_536]);
+            let mut client: Option<SocketAddr> = None;
+            loop {
+                tokio::select! {
+                    got = outer.recv_from(&mut a) => {
+                        let Ok((n, from)) = got else { continue };
+                        client = Some(from);
+                        if is_open.load(Ordering::SeqCst) {
+                            let _ = inner.send(&a[..n]).await;
+                        }
+                    }
+                    got = inner.recv(&mut b) => {
+                        let Ok(n) = got else { continue };
+                        if let (true, Some(c)) = (is_open.load(Ordering::SeqCst), client) {
+                            let _ = outer.send_to(&b[..n], c).await;
+                        }
+                    }
+                }
+            }
+        });
+        UdpGate { addr, open: flag }
+    }
+
+    fn set_open(&self, open: bool) {
+        self.open.store(open, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The YAML of a `connect` endpoint to `address`.
+fn connect_endpoint(address: SocketAddr) -> String {
+    format!("{{connect: {{address: \"{address}\", destination: \"{CONNECT_DESTINATION}\"}}}}")
+}
+
+/// The agent's `trellis_tunnel_endpoint` series of `kind`.
+fn endpoint_kind(kind: &str) -> String {
+    format!("trellis_tunnel_endpoint{{lane=\"0\",kind=\"{kind}\"}}")
+}
+
+/// WireGuard over TCP end to end: an agent whose only endpoint is the gateway's CONNECT port
+/// brings the tunnel up through it (the gateway's UDP socket never hears from it), and
+/// egress carries 4 MB each way byte-exact with half-close through that stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_with_only_a_connect_endpoint_carries_egress_through_the_connect_port() {
+    let lab = Lab::start_connect("");
+    let endpoints = format!("[{}]", connect_endpoint(lab.gw.addr("connect")));
+    let agent = lab.agent_with(&endpoints, "[\"127.0.0.0/8\"]");
+    agent.wait_metric(&endpoint_kind("connect"), 1.0);
+    assert_eq!(agent.metric(&endpoint_kind("udp")), 0.0);
+    assert_eq!(lab.gw.metric("trellis_tunnel_tcp_endpoints_active"), 1.0);
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK, "{}", String::from_utf8_lossy(&answer));
+    echo_exact_with_half_close(tls, 4_000_000).await;
+    let rx = "trellis_tunnel_bytes_total{route=\"shoot--local--a\",direction=\"rx\"}";
+    assert!(lab.gw.metric(rx) >= 4_000_000.0);
+    // The peer's endpoint is the stream, as /routes shows it.
+    let routes = http_get(lab.gw.debug, "/routes").unwrap().1;
+    assert!(routes.contains("\"tcp:127.0.0.1:"), "{routes}");
+    let routed = "trellis_downstream_connections_total{listener=\"connect\",outcome=\"routed\"}";
+    assert_eq!(lab.gw.metric(routed), 1.0);
+    drop(agent);
+    // The agent is gone: its stream ends, and with it the endpoint.
+    lab.gw
+        .wait_metric("trellis_tunnel_tcp_endpoints_active", |v| v == 0.0);
+    let line = lab
+        .gw
+        .wait_access_log(|l| l["listener"] == "connect" && l["periodic"] == false);
+    assert_eq!(line["backend"], "wireguard:wireguard", "{line}");
+    assert_eq!(line["target_name"], CONNECT_DESTINATION, "{line}");
+    assert!(line["rx_bytes"].as_u64().unwrap() > 4_000_000, "{line}");
+    assert!(line["tx_bytes"].as_u64().unwrap() > 4_000_000, "{line}");
+}
+
+/// The stream under the tunnel is cut: the agent connects again at once, the session goes
+/// on over the new stream (a tunneled connection open across the cut still echoes), and the
+/// gateway logs the old stream's end.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cut_connect_stream_is_reconnected_and_tunneled_connections_survive_it() {
+    let lab = Lab::start_connect("");
+    let cutter = Cutter::start(lab.gw.addr("connect")).await;
+    let endpoints = format!("[{}]", connect_endpoint(cutter.addr));
+    let agent = lab.agent_with(&endpoints, "[\"127.0.0.0/8\"]");
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (mut tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    assert_eq!(
+        echo_round(&mut tls, b"before the cut").await,
+        b"before the cut"
+    );
+
+    cutter.cut();
+    let reconnected = wait_for(Duration::from_secs(20), || {
+        let again = cutter.accepted.load(std::sync::atomic::Ordering::SeqCst) >= 2;
+        (again && agent.metric(&endpoint_kind("connect")) == 1.0).then_some(())
+    });
+    assert!(reconnected.is_some(), "no second stream:\n{}", agent.logs());
+    assert!(
+        agent.wait_ready(Duration::from_secs(20)),
+        "{}",
+        agent.logs()
+    );
+    // The connection opened before the cut carries on over the new stream.
+    let data = vec![0x5a; 200_000];
+    assert_eq!(echo_round(&mut tls, &data).await, data);
+    let changes = "trellis_tunnel_endpoint_changes_total{lane=\"0\",kind=\"connect\"}";
+    agent.wait_metric(changes, 2.0);
+    lab.gw
+        .wait_access_log(|l| l["listener"] == "connect" && l["periodic"] == false);
+    assert_eq!(lab.gw.metric("trellis_tunnel_tcp_endpoints_active"), 1.0);
+    // And new connections go through as well.
+    let (tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    echo_exact_with_half_close(tls, 1_000_000).await;
+}
+
+/// UDP preferred: with UDP blocked the agent falls back to its `connect` endpoint within the
+/// answer bound; once UDP answers again its probes bring it back there and the stream is
+/// closed. A tunneled connection open throughout roams with it both ways.
+#[tokio::test(flavor = "multi_thread")]
+async fn blocked_udp_falls_back_to_the_connect_port_and_comes_back_when_udp_answers() {
+    let lab = Lab::start_connect("");
+    let gate = UdpGate::start(lab.gw.addr("wireguard"), false).await;
+    let endpoints = format!(
+        "[{{udp: \"{}\"}}, {}]",
+        gate.addr,
+        connect_endpoint(lab.gw.addr("connect"))
+    );
+    let started = std::time::Instant::now();
+    let agent = lab.agent_with(&endpoints, "[\"127.0.0.0/8\"]");
+    eprintln!(
+        "up over the CONNECT port {:?} after the start",
+        started.elapsed()
+    );
+    agent.wait_metric(&endpoint_kind("connect"), 1.0);
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (mut tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    assert_eq!(echo_round(&mut tls, b"over tcp").await, b"over tcp");
+
+    gate.set_open(true);
+    let opened = std::time::Instant::now();
+    let back = wait_for(Duration::from_secs(60), || {
+        (agent.metric(&endpoint_kind("udp")) == 1.0).then_some(())
+    });
+    assert!(back.is_some(), "not back on udp:\n{}", agent.logs());
+    assert_eq!(agent.metric(&endpoint_kind("connect")), 0.0);
+    eprintln!("back on udp {:?} after it answered again", opened.elapsed());
+    lab.gw
+        .wait_metric("trellis_tunnel_tcp_endpoints_active", |v| v == 0.0);
+    let routes = http_get(lab.gw.debug, "/routes").unwrap().1;
+    assert!(!routes.contains("\"tcp:"), "{routes}");
+    let data = vec![0xa5; 300_000];
+    assert_eq!(echo_round(&mut tls, &data).await, data);
+    let (tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    echo_exact_with_half_close(tls, 1_000_000).await;
+}
+
+/// A CONNECT to the `connectDestination` is answered with exactly the `200` head; frames
+/// that are no WireGuard message (an empty one, garbage) are dropped and counted, and a
+/// stream that then stays silent ends at the idle timeout, logged as such.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silent_connect_stream_ends_at_the_idle_timeout_and_junk_frames_are_dropped() {
+    let lab = Lab::start_connect("timeouts: {idle: 2s}\n");
+    let mut s = tokio::net::TcpStream::connect(lab.gw.addr("connect"))
+        .await
+        .unwrap();
+    let head = format!(
+        "CONNECT {CONNECT_DESTINATION} HTTP/1.1\r\nHost: x\r\nX-Gardener-Destination: {CONNECT_DESTINATION}\r\n\r\n"
+    );
+    // The head and two frames in one write: the bytes behind the head are the stream's.
+    let mut first = head.into_bytes();
+    first.extend_from_slice(b"\x00\x00\x00\x05junk!");
+    let start = std::time::Instant::now();
+    s.write_all(&first).await.unwrap();
+    let mut answer = vec![0u8; OK.len()];
+    s.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer, OK);
+    let invalid = "trellis_tunnel_packets_dropped_total{reason=\"invalid\"}";
+    lab.gw.wait_metric(invalid, |v| v >= 2.0);
+    assert_eq!(lab.gw.metric("trellis_tunnel_tcp_endpoints_active"), 1.0);
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(matches!(read, Ok(Ok(0))), "{read:?}");
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(1500), "ended after {took:?}");
+    let line = lab
+        .gw
+        .wait_access_log(|l| l["listener"] == "connect" && l["periodic"] == false);
+    assert_eq!(line["reason"], "idle_timeout", "{line}");
+    assert_eq!(lab.gw.metric("trellis_tunnel_tcp_endpoints_active"), 0.0);
 }

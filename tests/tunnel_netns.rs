@@ -6,7 +6,10 @@
 //! (10.250.0.10, fd00:250::10); the seed reaches the shoot over a veth underlay
 //! (10.99.<shoot>.0/24). The test's own thread moves into `seed` (setns), so the egress
 //! client is the Rust client of the other egress tests and every socket it opens is the
-//! seed's. Needs root, wireguard-go, wg, ping, setpriv and /dev/net/tun; skipped otherwise.
+//! seed's. WireGuard over TCP: `trellis agent` through the gateway's CONNECT port with UDP
+//! dropped by nftables (and back on UDP once it is not), and wireguard-go through Debian's
+//! `udptunnel` and a CONNECT relay. Needs root, wireguard-go, wg, ping, setpriv and
+//! /dev/net/tun (and nft, udptunnel for the TCP ones); skipped otherwise.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
@@ -36,7 +39,14 @@ const APPLIED: &str = "trellis_routing_table_reloads_total{result=\"applied\"}";
 
 /// A lab with namespaces `names`, or none (with the reason printed) if it cannot run here.
 fn lab(test: &str, names: &[&str]) -> Option<Lab> {
-    let mut reason = netns::skip_reason(&["wireguard-go", "wg", "ping", "setpriv"]);
+    lab_with(test, names, &[])
+}
+
+/// [`lab`], when the tools `more` are installed too.
+fn lab_with(test: &str, names: &[&str], more: &[&str]) -> Option<Lab> {
+    let mut tools = vec!["wireguard-go", "wg", "ping", "setpriv"];
+    tools.extend_from_slice(more);
+    let mut reason = netns::skip_reason(&tools);
     if reason.is_none() && !Path::new("/dev/net/tun").exists() {
         reason = Some("no /dev/net/tun".into());
     }
@@ -266,8 +276,19 @@ fn route(pki: &Shoot, source: &str, public: &str) -> String {
 /// CONNECTs to `target` as shoot `s`'s kube-apiserver does (from its client address, with
 /// its client certificate); returns the stream, the response head and the bytes after it.
 async fn connect(gw: &Gateway, s: &WgShoot, target: SocketAddr) -> (Tls, Vec<u8>, Vec<u8>) {
-    let source = Some(s.source.parse().unwrap());
-    let client = s.pki.client();
+    connect_as(gw, &s.pki, &s.source, target).await
+}
+
+/// [`connect`] as the kube-apiserver of the shoot with egress PKI `pki` at client address
+/// `source`.
+async fn connect_as(
+    gw: &Gateway,
+    pki: &Shoot,
+    source: &str,
+    target: SocketAddr,
+) -> (Tls, Vec<u8>, Vec<u8>) {
+    let source = Some(source.parse().unwrap());
+    let client = pki.client();
     let mut tls = handshake(gw.addr("egress"), source, "vpn-seed-server", &client, false)
         .await
         .unwrap();
@@ -697,6 +718,385 @@ fn gateway_restart_recovers_a_sending_shoot_needs_root_netns() {
             echoed.unwrap_or_else(|e| panic!("{e}\n{}", w.logs()));
             let recovery = counter("handshakes", "a", "result=\"recovery\"");
             assert!(w.gw.metric(&recovery) >= 1.0, "{}", w.gw.metrics());
+        })
+    });
+}
+
+/// The `connectDestination` of the gateways below.
+const CONNECT_DESTINATION: &str = "trellis-wireguard:51820";
+
+/// A route for `trellis agent` (or any peer) with key `public` in the shoot of `pki`,
+/// selected by client address 127.0.0.2; its networks are the targets' 10.250.0.0/16.
+fn agent_route(pki: &Shoot, public: &str) -> String {
+    table(&[format!(
+        "- name: {}
+  tunnel:
+    wireguard:
+      peers:
+      - publicKey: \"{public}\"
+        allowedIPs: [\"192.168.128.5/32\", \"10.250.0.0/16\"]
+      localAddresses: [192.168.128.1]
+  egress:
+    clientSources: [\"127.0.0.2/32\"]
+    tls: {}
+    allowedNetworks: [\"10.250.0.0/16\"]
+",
+        pki.namespace,
+        pki.tls_yaml()
+    )])
+}
+
+/// A gateway in `seed` (call it from there) with an egress listener, a `wireguard` listener
+/// on every address whose `connectDestination` is [`CONNECT_DESTINATION`], and an
+/// `http-connect` listener (`any-connect`, every address) for it.
+fn connect_gateway(lab: &Lab, pki: &Shoot, agent_public: &str) -> (Gateway, Keypair) {
+    let gw_keys = wg::keypair();
+    let key = lab.dir.path("gateway.key");
+    std::fs::write(&key, format!("{}\n", gw_keys.private)).unwrap();
+    let gw = Gateway::start_listeners(
+        &agent_route(pki, agent_public),
+        &[
+            (
+                "egress",
+                "egress-connect",
+                &format!("  tls: {}", pki.tls_yaml()),
+            ),
+            (
+                "any-wireguard",
+                "wireguard",
+                &format!(
+                    "  wireguard: {{privateKeyFile: {key:?}, connectDestination: {CONNECT_DESTINATION:?}}}"
+                ),
+            ),
+            ("any-connect", "http-connect", ""),
+        ],
+        "",
+    );
+    (gw, gw_keys)
+}
+
+/// Loads nftables `rules` into namespace `ns`.
+fn nft(lab: &Lab, ns: &str, rules: &str) {
+    let file = lab.dir.path(&format!("nft-{}.rules", netns::serial()));
+    std::fs::write(&file, rules).unwrap();
+    let out = lab
+        .exec(ns, &["nft", "-f", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "nft: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `trellis agent` as nobody, its UDP to the gateway dropped by nftables in its namespace:
+/// the tunnel comes up through the gateway's CONNECT port and carries 100 MB each way with
+/// half-close; a refused target is 502 and one nobody answers 504. Once the rules are gone,
+/// the agent's probes bring it back to UDP (metrics and `/routes`).
+#[test]
+fn agent_over_the_connect_port_with_udp_dropped_then_back_on_udp_needs_root_netns() {
+    let name = "agent_over_the_connect_port_with_udp_dropped_then_back_on_udp_needs_root_netns";
+    let Some(mut lab) = lab_with(name, &["seed", "shoot", "targets"], &["nft"]) else {
+        return;
+    };
+    wire_shoot(&lab, (0, 1, 2), 0);
+    let (seed, shoot, targets) = (lab.ns(0), lab.ns(1), lab.ns(2));
+    let agent_keys = wg::keypair();
+    let pki = Shoot::new(&lab.dir, "shoot--local--a");
+    // The gateway runs in `seed`; its process outlives the closure (it is this test's).
+    let (gw, gw_keys) = in_ns(&seed, || connect_gateway(&lab, &pki, &agent_keys.public));
+    let (wg_port, connect_port) = (
+        gw.addr("any-wireguard").port(),
+        gw.addr("any-connect").port(),
+    );
+    nft(
+        &lab,
+        &shoot,
+        &format!(
+            "table inet trellis_no_udp {{
+  chain out {{ type filter hook output priority 0; ip daddr 10.99.0.1 udp dport {wg_port} drop; }}
+  chain in {{ type filter hook input priority 0; ip saddr 10.99.0.1 udp sport {wg_port} drop; }}
+}}
+"
+        ),
+    );
+    let key = lab.dir.path("agent.key");
+    std::fs::write(&key, format!("{}\n", agent_keys.private)).unwrap();
+    let admin = at("127.0.0.1:16911");
+    let config = lab.dir.path("agent.yaml");
+    let yaml = format!(
+        "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: AgentConfiguration
+wireguard:
+  privateKeyFile: {key:?}
+  addresses: [192.168.128.5]
+  gateway:
+    publicKey: \"{}\"
+    endpoints:
+    - udp: \"10.99.0.1:{wg_port}\"
+    - connect: {{address: \"10.99.0.1:{connect_port}\", destination: \"{CONNECT_DESTINATION}\"}}
+    persistentKeepalive: 25s
+networks: [\"10.250.0.0/16\"]
+admin: {{address: \"{admin}\"}}
+",
+        gw_keys.public
+    );
+    std::fs::write(&config, yaml).unwrap();
+    let log = lab.dir.path("agent.log");
+    let nobody = "setpriv --reuid 65534 --regid 65534 --clear-groups --bounding-set=-all \
+                  --inh-caps=-all";
+    let mut args: Vec<&str> = nobody.split_whitespace().collect();
+    args.extend([BIN, "--log-format", "json", "agent", "--config"]);
+    args.push(config.to_str().unwrap());
+    let agent = lab.spawn(&shoot, &args, &log);
+    let logs = || {
+        let agent = std::fs::read_to_string(&log).unwrap_or_default();
+        format!("agent:\n{agent}\ngateway:\n{}", gw.logs())
+    };
+    let get = |path: &str| in_ns(&shoot, || http_get(admin, path)).unwrap_or_default();
+    let kind = |k: &str| {
+        let series = format!("trellis_tunnel_endpoint{{lane=\"0\",kind=\"{k}\"}}");
+        metric_in(&get("/metrics").1, &series)
+    };
+    let ready = wait_for(Duration::from_secs(30), || {
+        (get("/ready").0 == 200).then_some(())
+    });
+    assert!(ready.is_some(), "agent not ready\n{}", logs());
+    assert_eq!(kind("connect"), 1.0, "{}", logs());
+    let proc_status = std::fs::read_to_string(format!("/proc/{}/status", lab.children[agent].id()));
+    let proc_status = proc_status.unwrap();
+    for line in [
+        "Uid:\t65534\t65534\t65534\t65534",
+        "CapEff:\t0000000000000000",
+        "CapBnd:\t0000000000000000",
+    ] {
+        assert!(
+            proc_status.contains(&format!("\n{line}\n")),
+            "{proc_status}"
+        );
+    }
+    // Nothing came over UDP: the rules dropped it.
+    let dropped = lab.output(&shoot, &["nft", "list", "table", "inet", "trellis_no_udp"]);
+    assert!(!dropped.is_empty());
+
+    in_ns(&seed, || {
+        runtime().block_on(async {
+            let target = echo_in(&targets, at("10.250.0.10:0"), b"");
+            let (tls, head, rest) = connect_as(&gw, &pki, "127.0.0.2", target).await;
+            assert_eq!(head, OK, "{}", String::from_utf8_lossy(&head));
+            assert!(rest.is_empty());
+            let took = echo_exact(tls, 100_000_000, None, Duration::from_secs(600)).await;
+            let took = took.unwrap_or_else(|e| panic!("{e}\n{}", logs()));
+            let rate = 100e6 / took.as_secs_f64() / 1e6;
+            eprintln!("100 MB each way over the CONNECT port: {took:?} ({rate:.1} MB/s)");
+            let dropped = |text: &str| -> Vec<String> {
+                let lines = text
+                    .lines()
+                    .filter(|l| l.starts_with("trellis_tunnel_packets_dropped"));
+                lines.map(str::to_owned).collect()
+            };
+            eprintln!(
+                "dropped: gateway {:?}, agent {:?}",
+                dropped(&gw.metrics()),
+                dropped(&get("/metrics").1)
+            );
+            assert_eq!(gw.metric("trellis_tunnel_tcp_endpoints_active"), 1.0);
+
+            // Nothing listens on port 9: refused in the shoot, 502. 10.250.7.7 is inside the
+            // agent's networks but the shoot has no route there: nobody answers, 504.
+            for (to, code) in [(at("10.250.0.10:9"), 502), (at("10.250.7.7:80"), 504)] {
+                let (_, head, _) = connect_as(&gw, &pki, "127.0.0.2", to).await;
+                assert_eq!(
+                    status(&head),
+                    code,
+                    "{to}: {}",
+                    String::from_utf8_lossy(&head)
+                );
+            }
+        })
+    });
+
+    // UDP allowed again: the agent's probes find it.
+    assert!(lab.sh(
+        &shoot,
+        &["nft", "delete", "table", "inet", "trellis_no_udp"]
+    ));
+    let back = wait_for(Duration::from_secs(90), || {
+        (kind("udp") == 1.0).then_some(())
+    });
+    assert!(back.is_some(), "not back on udp\n{}", logs());
+    let udp_endpoint = wait_for(Duration::from_secs(10), || {
+        let routes = in_ns(&seed, || http_get(gw.debug, "/routes"))?.1;
+        routes.contains("\"10.99.0.2:").then_some(())
+    });
+    assert!(udp_endpoint.is_some(), "{}", logs());
+    in_ns(&seed, || {
+        // The agent left the stream: it ends, and with it the endpoint.
+        gw.wait_metric("trellis_tunnel_tcp_endpoints_active", |v| v == 0.0);
+        runtime().block_on(async {
+            let target = echo_in(&targets, at("10.250.0.10:0"), b"");
+            let (tls, head, _) = connect_as(&gw, &pki, "127.0.0.2", target).await;
+            assert_eq!(head, OK);
+            let took = echo_exact(tls, 1_000_000, None, Duration::from_secs(60)).await;
+            took.unwrap_or_else(|e| panic!("{e}\n{}", logs()));
+        })
+    });
+}
+
+/// Kills a process started by the test when dropped.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A relay in front of the gateway's CONNECT port for clients that speak only the framing:
+/// each connection to its address is CONNECTed to `to` with the destination header, and once
+/// answered `200`, relayed both ways. Returns its address.
+async fn connect_relay(to: SocketAddr) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut down, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut up = tokio::net::TcpStream::connect(to).await.unwrap();
+                let head = format!(
+                    "CONNECT {to} HTTP/1.1\r\nHost: {to}\r\nX-Gardener-Destination: {CONNECT_DESTINATION}\r\n\r\n"
+                );
+                up.write_all(head.as_bytes()).await.unwrap();
+                let mut got = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let n = up.read(&mut buf).await.unwrap();
+                    assert!(n > 0, "closed before answering");
+                    got.extend_from_slice(&buf[..n]);
+                }
+                let end = got.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+                assert_eq!(&got[..end], OK);
+                down.write_all(&got[end..]).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Interop of the framing: a wireguard-go shoot reaches the gateway through Debian's
+/// `udptunnel` (which frames each datagram with a 16-bit big-endian length) and a relay that
+/// puts a CONNECT in front: handshakes, pings and an egress exchange go through, each
+/// datagram decoded by the other side. `udptunnel` sends from an ephemeral port but reads
+/// only its bound one, while WireGuard answers whatever address a packet came from: an
+/// nftables rule in the seed rewrites its source port to the bound one (stateless), as an
+/// RTP-style peer would send. And its reader (`tcp_to_udp`) sends one datagram per `read()`
+/// and keeps the rest of what that read returned until the next one (a full buffer ends it):
+/// under load it falls behind and exits, whoever frames the stream. So the exchange keeps
+/// about one datagram in flight towards it: pings one at a time, a small request and its
+/// echo at a time (a datagram left behind goes out with the next one, or the inner
+/// connection's retransmission).
+#[test]
+fn wireguard_go_through_udptunnel_reaches_the_connect_port_needs_root_netns() {
+    let name = "wireguard_go_through_udptunnel_reaches_the_connect_port_needs_root_netns";
+    let Some(lab) = lab_with(name, &["seed", "shoot", "targets"], &["nft", "udptunnel"]) else {
+        return;
+    };
+    wire_shoot(&lab, (0, 1, 2), 0);
+    let (seed, shoot, targets) = (lab.ns(0), lab.ns(1), lab.ns(2));
+    let shoot_keys = wg::keypair();
+    let pki = Shoot::new(&lab.dir, "shoot--local--a");
+    // udptunnel's UDP port in the seed and wireguard-go's in the shoot.
+    let port: u16 = 51999;
+    nft(
+        &lab,
+        &seed,
+        &format!(
+            "table ip trellis_udptunnel {{
+  chain out {{ type filter hook output priority -300; ip daddr 10.99.0.2 udp dport {port} udp sport != {port} udp sport set {port}; }}
+}}
+"
+        ),
+    );
+    in_ns(&seed, || {
+        runtime().block_on(async {
+            let (gw, gw_keys) = connect_gateway(&lab, &pki, &shoot_keys.public);
+            let relay = connect_relay(gw.addr("any-connect")).await;
+            let ut_log = std::fs::File::create(lab.dir.path("udptunnel.log")).unwrap();
+            let udptunnel = std::process::Command::new("udptunnel")
+                .args(["-c", &format!("127.0.0.1/{}", relay.port()), "-v"])
+                .arg(format!("10.99.0.2/{port}"))
+                .stdout(ut_log.try_clone().unwrap())
+                .stderr(ut_log)
+                .spawn()
+                .unwrap();
+            let _udptunnel = Killed(udptunnel);
+            gw.wait_metric("trellis_tunnel_tcp_endpoints_active", |v| v == 1.0);
+            let device = WgGo::start(
+                &lab,
+                &shoot,
+                &WgConfig {
+                    private: shoot_keys.private.clone(),
+                    listen_port: Some(port),
+                    addresses: strings(&["192.168.128.5/32"]),
+                    peers: vec![WgPeer {
+                        public: gw_keys.public.clone(),
+                        allowed_ips: strings(&["192.168.128.1/32"]),
+                        endpoint: Some(format!("10.99.0.1:{port}")),
+                        keepalive: Some(25),
+                    }],
+                    routes: strings(&["192.168.128.1/32"]),
+                },
+            );
+            let logs = || {
+                let ut = std::fs::read_to_string(lab.dir.path("udptunnel.log"));
+                let metrics: Vec<String> = gw
+                    .metrics()
+                    .lines()
+                    .filter(|l| l.starts_with("trellis_tunnel"))
+                    .map(str::to_owned)
+                    .collect();
+                format!(
+                    "gateway:\n{}\n{}\nwireguard-go:\n{}\n{:?}\nudptunnel:\n{}",
+                    gw.logs(),
+                    metrics.join("\n"),
+                    device.log(),
+                    device.show(),
+                    ut.unwrap_or_default()
+                )
+            };
+            assert!(
+                ping_within(&lab, &shoot, "192.168.128.1", Duration::from_secs(20)),
+                "ping through udptunnel\n{}",
+                logs()
+            );
+            for _ in 0..3 {
+                let args = ["ping", "-n", "-c", "1", "-W", "5", "192.168.128.1"];
+                assert!(lab.sh(&shoot, &args), "ping\n{}", logs());
+            }
+            let routes = http_get(gw.debug, "/routes").unwrap().1;
+            assert!(routes.contains("\"tcp:127.0.0.1:"), "{routes}");
+            let target = echo_in(&targets, at("10.250.0.10:0"), b"");
+            let (mut tls, head, _) = connect_as(&gw, &pki, "127.0.0.2", target).await;
+            assert_eq!(head, OK, "{}\n{}", String::from_utf8_lossy(&head), logs());
+            for round in 0..3u8 {
+                let data = vec![round; 1000];
+                tls.write_all(&data).await.unwrap();
+                let mut got = vec![0u8; data.len()];
+                let read = tokio::time::timeout(Duration::from_secs(30), tls.read_exact(&mut got));
+                let read = read.await;
+                assert!(
+                    matches!(read, Ok(Ok(_))),
+                    "round {round}: {read:?}\n{}",
+                    logs()
+                );
+                assert_eq!(got, data);
+            }
+            let invalid = "trellis_tunnel_packets_dropped_total{reason=\"invalid\"}";
+            assert_eq!(gw.metric(invalid), 0.0, "{}", logs());
+            let received = device.show().peers[0].rx;
+            assert!(received >= 3000, "{received}");
         })
     });
 }

@@ -10,6 +10,9 @@
 //!   peers) → the server;
 //! - (c) ceiling: the same egress client → the gateway → `trellis agent` in the shoot
 //!   namespace, which dials the server with an ordinary socket;
+//! - (d) the same as (c) with WireGuard over TCP: a second `trellis agent` whose only
+//!   endpoint is the gateway's CONNECT port (`connect`, the datagrams framed with a 16-bit
+//!   length on one TCP stream);
 //! - direct: the same egress client → the gateway → a server in the seed namespace
 //!   (`via: direct`), to tell the tunnel's own share of a figure from the egress leg's.
 //!
@@ -51,6 +54,10 @@ const DIRECT_TARGET: &str = "127.0.0.1:7002";
 const GATEWAY_WG: &str = "10.99.0.1:51820";
 /// The gateway's egress listener (seed namespace).
 const EGRESS: &str = "127.0.0.1:9443";
+/// The gateway's CONNECT port (an `http-connect` listener), reached from the shoot.
+const GATEWAY_CONNECT: &str = "10.99.0.1:8443";
+/// The `wireguard` listener's `connectDestination`.
+const CONNECT_DESTINATION: &str = "trellis-wireguard:51820";
 /// The gateway's admin listener (seed namespace).
 const ADMIN: &str = "127.0.0.1:15024";
 /// The gateway's wireguard listener in the 1,000-peer part (seed namespace).
@@ -77,6 +84,8 @@ enum Via {
     Trellis,
     /// Egress → trellis gateway → tunnel → trellis agent.
     Agent,
+    /// The same, the tunnel over TCP through the gateway's CONNECT port.
+    AgentTcp,
     /// Egress → trellis gateway → a server in the seed namespace.
     Direct,
 }
@@ -88,6 +97,7 @@ impl Via {
             Via::Anchor | Via::Trellis => Ipv4Addr::new(127, 0, 0, 1),
             Via::Agent => Ipv4Addr::new(127, 0, 0, 2),
             Via::Direct => Ipv4Addr::new(127, 0, 0, 3),
+            Via::AgentTcp => Ipv4Addr::new(127, 0, 0, 4),
         }
         .into()
     }
@@ -352,6 +362,8 @@ struct Sample {
 struct Procs {
     gateway: Proc,
     agent: Proc,
+    /// The agent whose tunnel runs over TCP.
+    agent_tcp: Proc,
     seed_wg: WgGo,
     shoot_wg: WgGo,
     /// The shoot device's interface name.
@@ -381,18 +393,26 @@ fn wg_transfer(lab: &Lab, ns: &str, ifname: &str) -> Vec<(String, u64, u64)> {
 struct Setup {
     gateway_config: std::path::PathBuf,
     agent_config: std::path::PathBuf,
+    agent_tcp_config: std::path::PathBuf,
     workers: String,
 }
 
 /// Writes the keys, the routing table, the gateway's and the agent's configurations into
 /// `dir` (the egress listener presents route 0 of the PKI at `pki`).
-fn write_configs(dir: &Path, pki: &Path, gw: &Keypair, shoot: &Keypair, agent: &Keypair) -> Setup {
+fn write_configs(
+    dir: &Path,
+    pki: &Path,
+    gw: &Keypair,
+    shoot: &Keypair,
+    (agent, agent_tcp): (&Keypair, &Keypair),
+) -> Setup {
     let key = |name: &str, k: &Keypair| {
         let p = dir.join(name);
         std::fs::write(&p, format!("{}\n", k.private)).unwrap();
         p
     };
     let (gw_key, agent_key) = (key("gateway.key", gw), key("agent.key", agent));
+    let agent_tcp_key = key("agent-tcp.key", agent_tcp);
     let routes = dir.join("routes.yaml");
     std::fs::write(
         &routes,
@@ -426,8 +446,18 @@ routes:
     allowedNetworks: []
     directNetworks: [\"127.0.0.0/8\"]
     via: direct
+- name: shoot--bench--agent-tcp
+  tunnel:
+    wireguard:
+      peers:
+      - publicKey: \"{}\"
+        allowedIPs: [\"192.168.132.5/32\", \"100.64.0.0/13\"]
+      localAddresses: [192.168.132.1]
+  egress:
+    clientSources: [\"127.0.0.4/32\"]
+    allowedNetworks: [\"100.64.0.0/13\"]
 ",
-            shoot.public, agent.public
+            shoot.public, agent.public, agent_tcp.public
         ),
     )
     .unwrap();
@@ -446,7 +476,10 @@ listeners:
 - name: wireguard
   address: \"{GATEWAY_WG}\"
   protocol: wireguard
-  wireguard: {{privateKeyFile: \"{}\"}}
+  wireguard: {{privateKeyFile: \"{}\", connectDestination: \"{CONNECT_DESTINATION}\"}}
+- name: connect
+  address: \"{GATEWAY_CONNECT}\"
+  protocol: http-connect
 - name: egress
   address: \"{EGRESS}\"
   protocol: egress-connect
@@ -485,9 +518,31 @@ admin: {{address: \"127.0.0.1:16911\"}}
         ),
     )
     .unwrap();
+    let agent_tcp_config = dir.join("agent-tcp.yaml");
+    std::fs::write(
+        &agent_tcp_config,
+        format!(
+            "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: AgentConfiguration
+wireguard:
+  privateKeyFile: \"{}\"
+  addresses: [192.168.132.5]
+  gateway:
+    publicKey: \"{}\"
+    endpoints: [{{connect: {{address: \"{GATEWAY_CONNECT}\", destination: \"{CONNECT_DESTINATION}\"}}}}]
+    persistentKeepalive: 25s
+networks: [\"100.64.0.0/13\"]
+admin: {{address: \"127.0.0.1:16912\"}}
+",
+            agent_tcp_key.display(),
+            gw.public
+        ),
+    )
+    .unwrap();
     Setup {
         gateway_config,
         agent_config,
+        agent_tcp_config,
         workers,
     }
 }
@@ -541,13 +596,20 @@ pub fn run(work: &Path, cache: &Path) {
         return;
     }
     let tls = Arc::new(egress::Client::load(&pki, 1).unwrap());
-    let (gw_keys, shoot_keys, seed_keys, agent_keys) = (
+    let (gw_keys, shoot_keys, seed_keys, agent_keys, agent_tcp_keys) = (
+        lab::keypair(),
         lab::keypair(),
         lab::keypair(),
         lab::keypair(),
         lab::keypair(),
     );
-    let setup = write_configs(&dir, &pki, &gw_keys, &shoot_keys, &agent_keys);
+    let setup = write_configs(
+        &dir,
+        &pki,
+        &gw_keys,
+        &shoot_keys,
+        (&agent_keys, &agent_tcp_keys),
+    );
     let seed_rt = lab::runtime_in(&seed_ns, 1);
     let shoot_rt = lab::runtime_in(&shoot_ns, 1);
     let ctl = tokio::runtime::Builder::new_current_thread()
@@ -577,6 +639,17 @@ pub fn run(work: &Path, cache: &Path) {
             setup.agent_config.to_str().unwrap(),
         ],
         &dir.join("agent.log"),
+    );
+    let agent_tcp = lab::spawn(
+        &lab,
+        &shoot_ns,
+        &[
+            &crate::trellis_bin(),
+            "agent",
+            "--config",
+            setup.agent_tcp_config.to_str().unwrap(),
+        ],
+        &dir.join("agent-tcp.log"),
     );
     let id = std::process::id() % 100_000;
     let seed_wg = WgGo::start(
@@ -625,6 +698,7 @@ pub fn run(work: &Path, cache: &Path) {
     let mut procs = Procs {
         gateway,
         agent,
+        agent_tcp,
         seed_wg,
         shoot_wg,
         shoot_if: format!("tbS{id}"),
@@ -649,7 +723,7 @@ pub fn run(work: &Path, cache: &Path) {
         Ok(r) => print!("{r}"),
         Err(e) => {
             println!("\ntunnel: {e}");
-            for log in ["gateway.log", "agent.log"] {
+            for log in ["gateway.log", "agent.log", "agent-tcp.log"] {
                 let text = std::fs::read_to_string(dir.join(log)).unwrap_or_default();
                 let lines: Vec<&str> = text.lines().collect();
                 for line in &lines[lines.len().saturating_sub(8)..] {
@@ -692,7 +766,13 @@ async fn measure(
             &["ping", "-n", "-c", "3", "-i", "0.2", GATEWAY_INNER],
         )
         .output();
-    for via in [Via::Anchor, Via::Trellis, Via::Agent, Via::Direct] {
+    for via in [
+        Via::Anchor,
+        Via::Trellis,
+        Via::Agent,
+        Via::AgentTcp,
+        Via::Direct,
+    ] {
         if !wait_path(seed, via, tls, Duration::from_secs(20)).await {
             return Err(format!("{via:?} path does not carry an echo"));
         }
@@ -810,11 +890,19 @@ async fn measure(
         per_stream - per_direct,
     );
 
-    // Single-stream throughput, interleaved runs.
+    // Single-stream throughput, interleaved runs; the agents found the restarted gateway
+    // again (the one over TCP through a new stream).
+    for via in [Via::Agent, Via::AgentTcp] {
+        if !wait_path(seed, via, tls, Duration::from_secs(30)).await {
+            return Err(format!(
+                "{via:?} path does not carry an echo after the restarts"
+            ));
+        }
+    }
     let n = mb * 1_000_000;
-    let paths = [Via::Anchor, Via::Trellis, Via::Agent];
+    let paths = [Via::Anchor, Via::Trellis, Via::Agent, Via::AgentTcp];
     // [dir][path] → one sample per run.
-    let mut samples: Vec<Vec<Vec<Sample>>> = vec![vec![Vec::new(); 3]; 2];
+    let mut samples: Vec<Vec<Vec<Sample>>> = vec![vec![Vec::new(); paths.len()]; 2];
     // [dir][anchor, trellis] → the shoot device's bytes per GB against the direction.
     let mut reverse: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); 2]; 2];
     for run in 0..RUNS {
@@ -823,6 +911,7 @@ async fn measure(
                 let (seed_pid, shoot_pid) = match via {
                     Via::Anchor => (procs.seed_wg.pid(), procs.shoot_wg.pid()),
                     Via::Trellis => (procs.gateway.pid(), procs.shoot_wg.pid()),
+                    Via::AgentTcp => (procs.gateway.pid(), procs.agent_tcp.pid()),
                     _ => (procs.gateway.pid(), procs.agent.pid()),
                 };
                 let way = if dir == Dir::Up { "up" } else { "down" };
@@ -834,7 +923,7 @@ async fn measure(
                 let r = on(seed, async move { transfer(via, dir, n, &tls2).await }).await;
                 let (a1, b1, c1) = (cpu(seed_pid), cpu(shoot_pid), own_cpu());
                 let w1 = wg_transfer(lab, &shoot_ns, &procs.shoot_if);
-                if via != Via::Agent {
+                if matches!(via, Via::Anchor | Via::Trellis) {
                     // The shoot device's bytes against the transfer's direction (ACKs,
                     // with WireGuard's overhead) towards this path's seed side.
                     let key = if via == Via::Anchor {
@@ -884,14 +973,21 @@ async fn measure(
         "(a) anchor: kernel TCP, wireguard-go ↔ wireguard-go",
         "(b) trellis: egress (TLS) → gateway → wireguard-go",
         "(c) ceiling: egress (TLS) → gateway → trellis agent",
+        "(d) as (c), WireGuard over TCP (CONNECT port)",
     ]
     .iter()
     .enumerate()
     {
         let _ = writeln!(out, "  {label:52} {:9.2} {:11.2}", m(0, p, 0), m(1, p, 0));
     }
-    for (p, label) in [(1, "(b)/(a)"), (2, "(c)/(a)")] {
-        let (up, down) = (m(0, p, 0) / m(0, 0, 0), m(1, p, 0) / m(1, 0, 0));
+    for (p, label) in [
+        (1, "(b)/(a)"),
+        (2, "(c)/(a)"),
+        (3, "(d)/(a)"),
+        (3, "(d)/(c)"),
+    ] {
+        let base = if label == "(d)/(c)" { 2 } else { 0 };
+        let (up, down) = (m(0, p, 0) / m(0, base, 0), m(1, p, 0) / m(1, base, 0));
         let target = if p == 1 {
             format!(
                 " (target ≥ 0.90 each way: {})",
@@ -914,6 +1010,11 @@ async fn measure(
             "(b) shoot wireguard-go",
         ),
         (2, "(c) trellis gateway (incl. TLS)", "(c) trellis agent"),
+        (
+            3,
+            "(d) trellis gateway (incl. TLS), TCP framing",
+            "(d) trellis agent, TCP framing",
+        ),
     ] {
         let _ = writeln!(
             out,
@@ -927,8 +1028,8 @@ async fn measure(
             m(0, p, 2),
             m(1, p, 2)
         );
-        let bench = ["(a)", "(b)", "(c)"][p];
-        let bench = format!("{bench} the bench: client (TLS for (b), (c)) and server");
+        let bench = ["(a)", "(b)", "(c)", "(d)"][p];
+        let bench = format!("{bench} the bench: client (TLS for (b)-(d)) and server");
         let _ = writeln!(out, "  {bench:52} {:9.2} {:11.2}", m(0, p, 3), m(1, p, 3));
     }
     let _ = writeln!(
@@ -950,6 +1051,7 @@ async fn measure(
     // are stopped first.
     procs.gateway.stop();
     procs.agent.stop();
+    procs.agent_tcp.stop();
     if peers > 0 {
         match many_peers(lab, seed, peers, gw_keys, &setup.workers).await {
             Ok(text) => out += &text,

@@ -185,6 +185,23 @@ pub(crate) struct TunnelMetrics {
     pub dial_failures: Family<RouteReasonLabels, Counter>,
     /// `trellis_tunnel_packets_dropped_total`.
     pub dropped: Family<ReasonLabel, Counter>,
+    /// `trellis_tunnel_tcp_endpoints_active`: TCP streams that are endpoints of the device
+    /// (WireGuard over TCP).
+    pub tcp_endpoints: Gauge,
+    /// `trellis_tunnel_endpoint`: the agent's current endpoint kind per lane (1 for the kind
+    /// in use, 0 for the other).
+    pub endpoint: Family<LaneKindLabels, Gauge>,
+    /// `trellis_tunnel_endpoint_changes_total`: the agent's switches to an endpoint kind.
+    pub endpoint_changes: Family<LaneKindLabels, Counter>,
+}
+
+/// `lane`, `kind` labels (the agent's endpoints).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct LaneKindLabels {
+    /// The lane (one session with one gateway), by position.
+    pub lane: String,
+    /// `udp` or `connect`.
+    pub kind: &'static str,
 }
 
 impl TunnelMetrics {
@@ -218,6 +235,21 @@ impl TunnelMetrics {
             "tunnel_packets_dropped",
             "Tunnel packets dropped, by reason",
             self.dropped.clone(),
+        );
+        r.register(
+            "tunnel_tcp_endpoints_active",
+            "TCP streams carrying WireGuard (endpoints of the device) open now",
+            self.tcp_endpoints.clone(),
+        );
+        r.register(
+            "tunnel_endpoint",
+            "The agent's endpoint kind in use per lane (1), the other kind (0)",
+            self.endpoint.clone(),
+        );
+        r.register(
+            "tunnel_endpoint_changes",
+            "The agent's switches to an endpoint kind, per lane",
+            self.endpoint_changes.clone(),
         );
     }
 }

@@ -1,12 +1,15 @@
 //! `trellis agent`: the shoot side of the tunnel, a user-space WireGuard peer without a TUN
 //! device, capabilities or root.
 //!
-//! It initiates to the gateway (UDP; persistent keepalive), terminates the inner TCP
-//! connections the gateway opens to any address and port inside its `networks` in its own
-//! stack, and dials each with an ordinary socket from its pod. The SYN is answered only once
-//! that dial succeeded; a refused dial resets the inner connection, a dial with no answer
-//! leaves it unanswered, and targets outside `networks` are reset and counted. `/ready` is
-//! 200 while the tunnel has a live session. Imports no other role.
+//! It initiates to the gateway over the gateway's endpoints in order (UDP preferred, then
+//! WireGuard over TCP through a CONNECT; see [`lane`]), terminates the inner TCP connections
+//! the gateway opens to any address and port inside its `networks` in its own stack, and
+//! dials each with an ordinary socket from its pod. The SYN is answered only once that dial
+//! succeeded; a refused dial resets the inner connection, a dial with no answer leaves it
+//! unanswered, and targets outside `networks` are reset and counted. `/ready` is 200 while a
+//! lane has a live session. Imports no other role.
+
+mod lane;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,20 +17,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use thiserror::Error;
-use tokio::net::{TcpStream, UdpSocket};
+use tokio::net::TcpStream;
 use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
 
 use crate::admin::metrics::{Metrics, Role, RouteReasonLabels};
 use crate::admin::{self, AdminState};
-use crate::config::agent::{AgentConfig, AgentEndpoint};
+use crate::config::agent::AgentConfig;
 use crate::net::relay::{self, Counters, Limits, Stop};
 use crate::route::{KeyFileError, read_key_file};
-use crate::tunnel::device::ShootCell;
-use crate::tunnel::shoot::{Accept, Dialed};
-use crate::tunnel::{AgentSide, Tunnels};
-
-/// How long the tunnel may be down before the gateway's endpoints are resolved again.
-const RESOLVE_AGAIN: Duration = Duration::from_secs(30);
+use crate::tunnel::driver::{ACCEPT_QUEUE, Incoming};
+use crate::tunnel::shoot::Dialed;
+use lane::{Lane, LaneSpec};
 
 /// Why the agent could not start.
 #[derive(Debug, Error)]
@@ -35,14 +36,6 @@ pub enum AgentError {
     /// The private key could not be read.
     #[error("private key: {0}")]
     Key(#[from] KeyFileError),
-    /// No UDP endpoint of the gateway resolved.
-    #[error("gateway endpoint {endpoint}: {detail}")]
-    Endpoint {
-        /// The endpoint as written.
-        endpoint: String,
-        /// What failed.
-        detail: String,
-    },
     /// A socket could not be bound.
     #[error("cannot bind {what} on {address}: {source}")]
     Bind {
@@ -58,50 +51,10 @@ pub enum AgentError {
     Signals(std::io::Error),
 }
 
-/// Resolves the first UDP endpoint that resolves.
-async fn gateway_endpoint(endpoints: &[AgentEndpoint]) -> Result<SocketAddr, AgentError> {
-    let mut last = AgentError::Endpoint {
-        endpoint: String::new(),
-        detail: "no udp endpoint".into(),
-    };
-    for e in endpoints {
-        let AgentEndpoint::Udp { host, port } = e else {
-            continue;
-        };
-        match tokio::net::lookup_host((host.as_str(), *port)).await {
-            Ok(mut addrs) => {
-                if let Some(a) = addrs.next() {
-                    return Ok(a);
-                }
-            }
-            Err(err) => {
-                last = AgentError::Endpoint {
-                    endpoint: format!("{host}:{port}"),
-                    detail: err.to_string(),
-                }
-            }
-        }
-    }
-    Err(last)
-}
-
 /// Runs the agent until SIGTERM/SIGINT and a drain.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let metrics = Arc::new(Metrics::new(Role::Agent));
     let private = read_key_file(&config.private_key_file)?;
-    let endpoint = gateway_endpoint(&config.endpoints).await?;
-    let bind: SocketAddr = if endpoint.is_ipv4() {
-        "0.0.0.0:0".parse().unwrap_or_else(|_| unreachable!())
-    } else {
-        "[::]:0".parse().unwrap_or_else(|_| unreachable!())
-    };
-    let socket = UdpSocket::bind(bind)
-        .await
-        .map_err(|source| AgentError::Bind {
-            what: "tunnel socket",
-            address: bind,
-            source,
-        })?;
     let admin_sock = admin::bind(config.admin).map_err(|source| AgentError::Bind {
         what: "admin",
         address: config.admin,
@@ -120,47 +73,37 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let keepalive = config
         .persistent_keepalive
         .map(|d| d.as_secs().clamp(1, u64::from(u16::MAX)) as u16);
-    let side = AgentSide {
+    // One lane: the gateway of the configuration, over its endpoints.
+    let (tx, mut accepts) = mpsc::channel::<Incoming>(ACCEPT_QUEUE);
+    let spec = LaneSpec {
+        index: 0,
         gateway: config.gateway_public_key,
-        endpoint,
+        endpoints: config.endpoints.clone(),
         addresses: config.addresses.clone(),
         networks: config.networks.clone().into(),
         keepalive,
+        connect: config.timeouts.connect,
+        idle: config.timeouts.idle,
     };
-    let (tunnels, mut accepts) = Tunnels::agent(socket, private, side, metrics.tunnel.clone());
-    tracing::info!(gateway = %endpoint, admin = %config.admin, "agent started");
+    let lanes = vec![Lane::start(spec, private, metrics.tunnel.clone(), tx).await?];
+    let lanes = Arc::new(lanes);
+    tracing::info!(lanes = lanes.len(), admin = %config.admin, "agent started");
     let ready = {
-        let (tunnels, state) = (tunnels.clone(), admin_state.clone());
-        let endpoints = config.endpoints.clone();
+        let (lanes, state) = (lanes.clone(), admin_state.clone());
         tokio::spawn(async move {
             let mut was = false;
-            let mut down_since = tokio::time::Instant::now();
-            let mut current = endpoint;
             loop {
-                let up = tunnels.up();
+                let up = lanes.iter().any(Lane::up);
                 if up != was {
                     tracing::info!(up, "tunnel");
                     was = up;
-                    down_since = tokio::time::Instant::now();
                 }
                 state.set_ready(up);
-                // Down for a while: the gateway's name may point elsewhere now.
-                if !up && down_since.elapsed() >= RESOLVE_AGAIN {
-                    down_since = tokio::time::Instant::now();
-                    if let Ok(fresh) = gateway_endpoint(&endpoints).await
-                        && fresh != current
-                    {
-                        tracing::info!(gateway = %fresh, "gateway endpoint resolved anew");
-                        tunnels.set_endpoint(fresh);
-                        current = fresh;
-                    }
-                }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         })
     };
     let shared = Arc::new(Serving {
-        tunnels: tunnels.clone(),
         metrics: metrics.clone(),
         stop: Stop::default(),
         active: AtomicUsize::new(0),
@@ -175,8 +118,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     loop {
         tokio::select! {
             accepted = accepts.recv() => {
-                let Some((cell, accept)) = accepted else { break };
-                tokio::spawn(serve(shared.clone(), cell, accept));
+                let Some(incoming) = accepted else { break };
+                tokio::spawn(serve(shared.clone(), incoming));
             }
             _ = sigterm.recv() => { tracing::info!("SIGTERM: draining"); break; }
             _ = sigint.recv() => { tracing::info!("SIGINT: draining"); break; }
@@ -197,7 +140,6 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
 
 /// What every accepted connection shares.
 struct Serving {
-    tunnels: Tunnels,
     metrics: Arc<Metrics>,
     stop: Stop,
     active: AtomicUsize,
@@ -206,7 +148,12 @@ struct Serving {
 }
 
 /// Dials one accepted connection's target and relays it.
-async fn serve(shared: Arc<Serving>, cell: ShootCell, accept: Accept) {
+async fn serve(shared: Arc<Serving>, incoming: Incoming) {
+    let Incoming {
+        tunnels,
+        cell,
+        accept,
+    } = incoming;
     let dial = tokio::time::timeout(shared.connect, TcpStream::connect(accept.target)).await;
     // What the seed sees mirrors what the dial met: a refusal is a reset; no route or no
     // answer is silence (the seed's own connect times out); a local failure (descriptors,
@@ -234,8 +181,7 @@ async fn serve(shared: Arc<Serving>, cell: ShootCell, accept: Accept) {
             .inc();
         tracing::debug!(target_addr = %accept.target, reason, "agent dial failed");
     }
-    let (Some(mut tcp), Some(mut stream)) = (tcp, shared.tunnels.accepted(&cell, &accept, dialed))
-    else {
+    let (Some(mut tcp), Some(mut stream)) = (tcp, tunnels.accepted(&cell, &accept, dialed)) else {
         return;
     };
     if tokio::time::timeout(shared.connect, stream.established())

@@ -78,7 +78,8 @@ pub struct RawAgentWireGuard {
 pub struct RawAgentGateway {
     /// The gateway device's public key, base64 as `wg pubkey` prints it.
     pub public_key: String,
-    /// Where the gateway is, tried in order: at least one `udp` endpoint.
+    /// Where the gateway is, tried in order (UDP preferred: while on a `connect` endpoint the
+    /// agent probes the `udp` ones): at least one.
     #[serde(default)]
     pub endpoints: Vec<RawAgentEndpoint>,
     /// How often to send a keepalive when nothing else is sent (default `25s`; `0s` = off):
@@ -94,7 +95,9 @@ pub struct RawAgentEndpoint {
     /// `HOST:PORT` of the gateway's `wireguard` listener (the host resolved by the agent).
     #[serde(default)]
     pub udp: Option<String>,
-    /// WireGuard over TCP through a CONNECT proxy (not used by this build yet).
+    /// WireGuard over TCP through a CONNECT to an `http-connect` listener of the gateway
+    /// (for load balancers without UDP); the agent goes back to a `udp` endpoint as soon as
+    /// one answers again.
     #[serde(default)]
     pub connect: Option<RawConnectEndpoint>,
 }
@@ -136,9 +139,9 @@ pub enum AgentEndpoint {
         /// UDP port.
         port: u16,
     },
-    /// WireGuard over TCP through a CONNECT to an `http-connect` listener, each datagram
-    /// framed with a 16-bit big-endian length. Parsed so that configurations for later
-    /// versions validate; this build dials only `udp` endpoints.
+    /// WireGuard over TCP through a CONNECT to an `http-connect` listener (the destination
+    /// header naming the gateway's `connectDestination`), each datagram framed with a
+    /// 16-bit big-endian length after the `200`.
     Connect {
         /// `HOST:PORT` of the `http-connect` listener.
         address: String,
@@ -171,7 +174,7 @@ pub struct AgentConfig {
     pub addresses: Vec<IpAddr>,
     /// The gateway device's public key.
     pub gateway_public_key: WgKey,
-    /// Where the gateway is, in the order to try: at least one `udp` endpoint.
+    /// Where the gateway is, in the order to try: at least one.
     pub endpoints: Vec<AgentEndpoint>,
     /// Keepalive interval; `None` = off.
     pub persistent_keepalive: Option<Duration>,
@@ -305,8 +308,7 @@ fn addresses(errors: &mut Errors, raw: &[String]) -> Vec<IpAddr> {
     out
 }
 
-/// The gateway's endpoints in order; at least one must be `udp` (the only kind this build
-/// dials).
+/// The gateway's endpoints in order; at least one.
 fn endpoints(errors: &mut Errors, raw: &[RawAgentEndpoint]) -> Vec<AgentEndpoint> {
     let path = "wireguard.gateway.endpoints";
     let mut out = Vec::with_capacity(raw.len());
@@ -350,11 +352,10 @@ fn endpoints(errors: &mut Errors, raw: &[RawAgentEndpoint]) -> Vec<AgentEndpoint
             (None, None) => errors.push(&at_i, "expected udp: HOST:PORT or connect: {...}"),
         }
     }
-    let any_udp = raw.iter().any(|e| e.udp.is_some() && e.connect.is_none());
-    if !any_udp {
+    if raw.is_empty() {
         errors.push(
             path,
-            "needs at least one udp endpoint (connect endpoints are not supported by this build yet; use udp)",
+            "at least one endpoint is required (udp: HOST:PORT or connect: {...})",
         );
     }
     out
@@ -519,25 +520,35 @@ admin: {{address: \"0.0.0.0:16911\"}}
         assert_eq!(c.timeouts.half_close, Duration::from_secs(5));
     }
 
-    /// `connect` endpoints validate and are kept, but without a `udp` endpoint this build
-    /// cannot reach the gateway.
+    /// `connect` endpoints validate and are kept, alone or beside `udp` ones, in order; no
+    /// endpoint at all is an error.
     #[test]
-    fn connect_endpoints_need_a_udp_endpoint_beside_them() {
+    fn connect_endpoints_alone_or_beside_udp_ones() {
         let connect = "    endpoints: [{connect: {address: \"api.example.com:8443\", destination: \"trellis-wireguard:51820\", destinationHeader: Reversed-VPN}}]\n";
-        let err = check(&agent(connect, "")).unwrap_err();
+        let c = check(&agent(connect, "")).unwrap();
         assert_eq!(
-            err,
-            "/etc/trellis/agent.yaml: wireguard.gateway.endpoints: needs at least one udp endpoint (connect endpoints are not supported by this build yet; use udp)"
+            c.endpoints,
+            [AgentEndpoint::Connect {
+                address: "api.example.com:8443".into(),
+                destination: "trellis-wireguard:51820".into(),
+                destination_header: "Reversed-VPN".into(),
+            }]
         );
         let err = check(&agent("    endpoints: []\n", "")).unwrap_err();
-        assert!(err.contains("needs at least one udp endpoint"), "{err}");
+        assert_eq!(
+            err,
+            "/etc/trellis/agent.yaml: wireguard.gateway.endpoints: at least one endpoint is required (udp: HOST:PORT or connect: {...})"
+        );
         let both = connect.replace("}}]", "}}, {udp: \"192.0.2.1:51820\"}]");
         let c = check(&agent(&both, "")).unwrap();
         assert!(matches!(
             &c.endpoints[0],
             AgentEndpoint::Connect { destination_header, .. } if destination_header == "Reversed-VPN"
         ));
-        assert_eq!(c.endpoints.len(), 2);
+        assert!(matches!(
+            &c.endpoints[1],
+            AgentEndpoint::Udp { port: 51820, .. }
+        ));
     }
 
     #[test]

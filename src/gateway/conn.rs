@@ -237,6 +237,14 @@ impl<S> Conn<S> {
         (stream, buf, record, guard, source, destination)
     }
 
+    /// The client stream, the bytes buffered from it, its record and its guard: for a
+    /// connection the gateway serves itself rather than links to a backend.
+    #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
+    pub(super) fn into_stream(self: Box<Self>) -> (S, Vec<u8>, ConnRecord, ConnGuard) {
+        let (stream, buf, record, guard, ..) = self.into_parts();
+        (stream, buf, record, guard)
+    }
+
     /// Rejects the connection before routing: counts `outcome`, logs, closes. `None`, for
     /// a stage's `return`: nothing to relay.
     #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
@@ -429,6 +437,7 @@ admin: {address: \"127.0.0.1:2\"}
             drain: Drain::default(),
             certs: Arc::new(crate::gateway::certs::Certs::new([], metrics_for_certs).unwrap()),
             tunnels: None,
+            connect_destination: None,
         }
     }
 

@@ -17,6 +17,10 @@
 //! the gateway knows — since the proxy behind may route by another header (Envoy's `8132`
 //! takes `X-Gardener-Destination` as well as `Reversed-VPN`), or the same header repeated,
 //! to a destination the gateway never matched: otherwise `403`, counted `no_route`.
+//!
+//! A CONNECT whose destination is the `wireguard` listener's `connectDestination` reaches no
+//! route: it is answered `200` and its stream carries WireGuard to the device
+//! ([`super::tunnel::carry`]).
 
 use tokio::net::TcpStream;
 
@@ -96,6 +100,14 @@ pub(super) async fn handle(
         return conn.reject(Outcome::BadRequest, "conflicting destination headers");
     }
     conn.record.target = destination.clone();
+    if let (Some(tunnels), Some((wanted, listener))) =
+        (&shared.tunnels, &shared.connect_destination)
+        && destination.as_deref() == Some(wanted.as_str())
+    {
+        conn.consume(consumed);
+        super::tunnel::carry(conn, tunnels, listener, shared).await;
+        return None;
+    }
 
     let pick = super::pick_route(shared, config, conn.source.ip(), |t| {
         destination.as_deref().and_then(|d| t.by_destination(d))

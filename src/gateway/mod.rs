@@ -110,6 +110,9 @@ pub(crate) struct Shared {
     pub certs: Arc<certs::Certs>,
     /// The `wireguard` listener's device, if the gateway has one.
     pub tunnels: Option<crate::tunnel::Tunnels>,
+    /// The destination header value whose CONNECTs carry WireGuard over TCP to the device
+    /// (the `wireguard` listener's `connectDestination`), with that listener's name.
+    pub connect_destination: Option<(String, String)>,
 }
 
 /// Runs the gateway until SIGTERM/SIGINT and a completed drain.
@@ -124,6 +127,12 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             .filter_map(|l| Some((l.name.clone(), l.default_route.clone()?)))
             .collect(),
     );
+    tables.reserve_destinations(
+        tunnel::connect_destination(&config.listeners)
+            .map(|(d, listener)| (listener, d))
+            .into_iter()
+            .collect(),
+    )?;
     let tables = Arc::new(tables);
     let listener_tls = config.listeners.iter().filter_map(|l| match &l.kind {
         ListenerKind::EgressConnect { tls } => Some(tls.clone()),
@@ -260,7 +269,9 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         family: IpFamily::Any,
     };
     let destination_headers = connect::known_destination_headers(&config.listeners);
+    let connect_destination = tunnel::connect_destination(&config.listeners);
     let shared = Arc::new(Shared {
+        connect_destination,
         destination_headers,
         config,
         metrics: metrics.clone(),
@@ -307,6 +318,11 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     // let connections finish until the deadline, cut the rest spread over a window.
     admin_state.set_ready(false);
     shared.drain.run(drain_times).await;
+    // The tunneled streams have ended: the streams carrying their tunnels end now.
+    if let Some(t) = &shared.tunnels {
+        t.close_streams();
+        let _ = tokio::time::timeout(STREAMS_GRACE, shared.drain.tracker.wait_empty()).await;
+    }
     let _ = exit_tx.send(true);
     let _ = tokio::task::spawn_blocking(move || {
         for t in threads {
@@ -385,6 +401,10 @@ fn worker(
     // process past its drain.
     runtime.shutdown_timeout(SHUTDOWN_GRACE);
 }
+
+/// How long the streams carrying tunnels get to end (and write their records) once the drain
+/// is over.
+const STREAMS_GRACE: Duration = Duration::from_secs(2);
 
 /// How long a stopping event loop waits for its blocking tasks (name lookups).
 const SHUTDOWN_GRACE: Duration = Duration::from_millis(500);

@@ -81,6 +81,31 @@ pub(crate) struct Tables {
     /// `(listener, route)` for every listener with a `defaultRoute`: checked against every
     /// table loaded.
     default_routes: Vec<(String, String)>,
+    /// `(listener, destination)`: CONNECT destinations no route may have (the `wireguard`
+    /// listener's `connectDestination`); a table with one is refused.
+    reserved: Vec<(String, String)>,
+}
+
+/// Every route destination of `table` that is in `reserved`, as errors against `file`.
+fn check_reserved(
+    reserved: &[(String, String)],
+    table: &RoutingTable,
+    file: &Path,
+) -> Result<(), ConfigError> {
+    let mut errors = crate::config::Errors::default();
+    for (i, route) in table.routes().iter().enumerate() {
+        for (j, d) in route.destinations().enumerate() {
+            if let Some((listener, _)) = reserved.iter().find(|(_, r)| r == d) {
+                errors.push(
+                    format!("routes[{i}].destinations[{j}]"),
+                    format!(
+                        "{d:?} is the connectDestination of wireguard listener {listener:?} (WireGuard over TCP); no route may have it"
+                    ),
+                );
+            }
+        }
+    }
+    errors.finish(file, ())
 }
 
 /// What the last reload attempt learned about the file.
@@ -140,7 +165,19 @@ impl Tables {
             }),
             reads: 1.into(),
             default_routes: Vec::new(),
+            reserved: Vec::new(),
         })
+    }
+
+    /// Reserves CONNECT destinations (`(listener, destination)`) that no route may have: the
+    /// active table is checked now (an error if it has one: the gateway does not start) and
+    /// every table loaded later is refused if it has one (the last good table stays).
+    pub(crate) fn reserve_destinations(
+        &mut self,
+        reserved: Vec<(String, String)>,
+    ) -> Result<(), ConfigError> {
+        self.reserved = reserved;
+        check_reserved(&self.reserved, self.snapshot().table(), &self.file)
     }
 
     /// Names the listeners' default routes (`(listener, route)`), checks them against the
@@ -286,7 +323,12 @@ impl Tables {
             return Reload::Unchanged;
         }
         // Hashed once: the hash that decided "changed" is the new table's.
-        match routes::parse_hashed(&self.file, &bytes, hash.clone(), &self.registry) {
+        let parsed = routes::parse_hashed(&self.file, &bytes, hash.clone(), &self.registry)
+            .and_then(|loaded| {
+                check_reserved(&self.reserved, &loaded.table, &self.file)?;
+                Ok(loaded)
+            });
+        match parsed {
             Ok(loaded) => {
                 let generation = current.generation + 1;
                 let count = loaded.table.routes().len();
@@ -547,6 +589,48 @@ mod tests {
         quiet();
         assert_eq!(t.reload_if_changed(), Reload::Applied);
         assert_eq!(port(&t), "127.0.0.1:7004");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A route destination equal to the `wireguard` listener's `connectDestination` is a
+    /// clear error at start (the table the gateway would start with) and on every reload
+    /// (refused; the last good table stays), naming the route, the listener and the file.
+    #[test]
+    fn a_route_with_the_connect_destination_is_refused_at_start_and_on_reload() {
+        let dir = std::env::temp_dir().join(format!("trellis-reserved-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("routes.yaml");
+        let with = |destination: &str| {
+            format!(
+                "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes:\n- name: a\n  sni: [a.example.com]\n  backends: [{{address: \"127.0.0.1:1\"}}]\n- name: b\n  destinations: [\"other:1\", \"{destination}\"]\n  backends: [{{address: \"127.0.0.1:2\"}}]\n"
+            )
+        };
+        let reserved = || vec![("wg".to_string(), "trellis-wireguard:51820".to_string())];
+        std::fs::write(&file, with("trellis-wireguard:51820")).unwrap();
+        let mut t = Tables::load(&file, Arc::new(Metrics::gateway())).unwrap();
+        let err = t.reserve_destinations(reserved()).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "{}: routes[1].destinations[1]: \"trellis-wireguard:51820\" is the connectDestination of wireguard listener \"wg\" (WireGuard over TCP); no route may have it",
+                file.display()
+            )
+        );
+
+        std::fs::write(&file, with("vpn:1194")).unwrap();
+        let mut t = Tables::load(&file, Arc::new(Metrics::gateway())).unwrap();
+        t.reserve_destinations(reserved()).unwrap();
+        std::fs::write(&file, with("trellis-wireguard:51820")).unwrap();
+        assert_eq!(t.reload(), Reload::Rejected);
+        assert!(t.snapshot().table().by_destination("vpn:1194").is_some());
+        assert!(
+            t.snapshot()
+                .table()
+                .by_destination("trellis-wireguard:51820")
+                .is_none()
+        );
+        std::fs::write(&file, with("vpn:1195")).unwrap();
+        assert_eq!(t.reload(), Reload::Applied);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

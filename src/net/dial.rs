@@ -510,7 +510,7 @@ where
 
 /// Sends a CONNECT request and waits for `200`; returns the bytes read past the response
 /// head (the tunnel's first bytes).
-async fn connect_tunnel<S: Leg>(
+pub(crate) async fn connect_tunnel<S: Leg>(
     up: &mut S,
     authority: &str,
     header: &str,

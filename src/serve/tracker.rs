@@ -1,5 +1,7 @@
 //! Open connections, globally and per source: admission against the limits, and the wait
-//! for none to be left that a drain needs. It never touches a socket.
+//! for none to be left that a drain needs. A connection that serves others (a TCP stream
+//! carrying a tunnel the other connections go through) can be marked as one the drain does
+//! not wait for: it still counts against the limits. It never touches a socket.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -24,6 +26,8 @@ pub(crate) struct Tracker {
     reached: Notify,
     /// Whether one may be waiting: a release notifies only then.
     waiting: AtomicBool,
+    /// Open connections the drain does not wait for ([`ConnGuard::background`]).
+    background: AtomicUsize,
 }
 
 /// One open connection in the [`Tracker`]; released on drop.
@@ -31,6 +35,7 @@ pub(crate) struct Tracker {
 pub(crate) struct ConnGuard {
     tracker: Arc<Tracker>,
     source: Option<IpAddr>,
+    background: bool,
 }
 
 impl Tracker {
@@ -43,7 +48,7 @@ impl Tracker {
     pub(crate) fn admit(self: &Arc<Self>, max: usize) -> Option<ConnGuard> {
         let before = self.active.fetch_add(1, Ordering::SeqCst);
         if before >= max {
-            self.release(None);
+            self.release(None, false);
             return None;
         }
         if before + 1 == max {
@@ -57,10 +62,16 @@ impl Tracker {
         Some(ConnGuard {
             tracker: self.clone(),
             source: None,
+            background: false,
         })
     }
 
-    fn release(&self, source: Option<IpAddr>) {
+    /// Whether only background connections are open.
+    fn idle(&self) -> bool {
+        self.active() <= self.background.load(Ordering::SeqCst)
+    }
+
+    fn release(&self, source: Option<IpAddr>, background: bool) {
         if let Some(ip) = source {
             let mut map = self.per_source.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(n) = map.get_mut(&ip) {
@@ -70,7 +81,11 @@ impl Tracker {
                 }
             }
         }
-        if self.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+        if background {
+            self.background.fetch_sub(1, Ordering::SeqCst);
+        }
+        let left = self.active.fetch_sub(1, Ordering::SeqCst) - 1;
+        if left <= self.background.load(Ordering::SeqCst) {
             self.idle.notify_waiters();
         }
         // A waiter sets `waiting` before it looks at `active`, and this looks at `waiting`
@@ -112,13 +127,23 @@ impl Tracker {
         )
     }
 
-    /// Waits until no connection is open.
+    /// Waits until no connection is open but background ones (see
+    /// [`ConnGuard::background`]).
     pub(crate) async fn wait_idle(&self) {
+        self.wait_until(Self::idle).await
+    }
+
+    /// Waits until no connection at all is open.
+    pub(crate) async fn wait_empty(&self) {
+        self.wait_until(|t| t.active() == 0).await
+    }
+
+    async fn wait_until(&self, done: impl Fn(&Self) -> bool) {
         loop {
             let notified = self.idle.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.active() == 0 {
+            if done(self) {
                 return;
             }
             notified.await;
@@ -149,9 +174,23 @@ impl ConnGuard {
     }
 }
 
+impl ConnGuard {
+    /// Marks the connection as one the drain does not wait for: it serves the other
+    /// connections (a stream carrying a tunnel) and is ended by its owner once they have.
+    pub(crate) fn background(&mut self) {
+        if std::mem::replace(&mut self.background, true) {
+            return;
+        }
+        self.tracker.background.fetch_add(1, Ordering::SeqCst);
+        if self.tracker.idle() {
+            self.tracker.idle.notify_waiters();
+        }
+    }
+}
+
 impl Drop for ConnGuard {
     fn drop(&mut self) {
-        self.tracker.release(self.source);
+        self.tracker.release(self.source, self.background);
     }
 }
 
@@ -177,6 +216,46 @@ mod tests {
         drop(g2);
         assert_eq!(t.active(), 1);
         assert!(t.admit(0).is_none());
+    }
+
+    /// The drain's wait ends when only background connections are left (and when one
+    /// becomes background); waiting for none at all also waits for those.
+    #[tokio::test(start_paused = true)]
+    async fn background_connections_are_not_waited_for_by_the_drain() {
+        let t = Arc::new(Tracker::default());
+        let relay = t.admit(3).unwrap();
+        let mut stream = t.admit(3).unwrap();
+        stream.background();
+        let mut late = t.admit(3).unwrap();
+        let idle = tokio::spawn({
+            let t = t.clone();
+            async move { t.wait_idle().await }
+        });
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+        assert!(!idle.is_finished(), "woke with a relay open");
+        drop(relay);
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        assert!(!idle.is_finished(), "woke with a second relay open");
+        late.background();
+        tokio::time::timeout(std::time::Duration::from_secs(1), idle)
+            .await
+            .expect("woken once only background connections are left")
+            .unwrap();
+        assert_eq!(t.active(), 2, "background connections still count");
+        assert!(t.admit(2).is_none(), "and against the limit");
+        let empty = tokio::spawn({
+            let t = t.clone();
+            async move { t.wait_empty().await }
+        });
+        drop(stream);
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        assert!(!empty.is_finished());
+        drop(late);
+        tokio::time::timeout(std::time::Duration::from_secs(1), empty)
+            .await
+            .expect("woken when the last connection ends")
+            .unwrap();
+        t.wait_idle().await;
     }
 
     /// A waiter wakes when a connection ends, not before; with none open it does not wait.

@@ -11,7 +11,6 @@
 //! its own timers. Sans-IO; the maps are replaced as a whole on every table change.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -23,6 +22,7 @@ use boringtun::x25519::{PublicKey, StaticSecret};
 use super::index::{
     Bucket, RECOVERY_BURST, RECOVERY_PER_PEER, RECOVERY_RATE, index_peer, peer_index,
 };
+use super::peer::Endpoint;
 use super::shoot::{Drop, Io, Shoot};
 use crate::route::WgKey;
 
@@ -130,7 +130,7 @@ pub(crate) fn receive(
     maps: &Maps,
     recovery: &Recovery,
     now: Instant,
-    from: SocketAddr,
+    from: Endpoint,
     datagram: &[u8],
     io: &mut impl Io,
 ) -> Option<ShootCell> {
@@ -187,7 +187,7 @@ fn by_index(
     recovery: &Recovery,
     now: Instant,
     (receiver, data): (u32, bool),
-    from: SocketAddr,
+    from: Endpoint,
     datagram: &[u8],
     io: &mut impl Io,
 ) -> Option<ShootCell> {

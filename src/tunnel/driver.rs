@@ -13,12 +13,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
+use boringtun::noise::TunnResult;
 use thiserror::Error;
 use tokio::net::UdpSocket;
 use tokio::sync::{Notify, mpsc};
 
 use super::device::{self, Keys, Maps, Recovery, ShootCell, lock};
-use super::peer::Peer;
+use super::framed::Streams;
+use super::peer::{Endpoint, Peer};
 use super::shoot::{Accept, Dialed, Drop, Io, Mode, Shoot};
 use super::stack::StackError;
 use super::stream::{StreamMetrics, TunnelStream};
@@ -28,8 +30,9 @@ use crate::admin::metrics::{
 };
 use crate::route::{Net, Tunnel, WgKey};
 
-/// Connections the agent accepted and has not started dialing yet, at most.
-const ACCEPT_QUEUE: usize = 1024;
+/// Connections the agent accepted and has not started dialing yet, at most (across its
+/// devices).
+pub(crate) const ACCEPT_QUEUE: usize = 1024;
 
 /// Datagrams handled before each touched shoot's stack runs.
 const RECEIVE_BATCH: usize = 64;
@@ -91,20 +94,22 @@ impl DialError {
 /// The device state a table change replaces as a whole.
 pub(crate) struct State {
     keys: Keys,
-    maps: Maps,
+    pub(super) maps: Maps,
 }
 
 /// What every task of the tunnel shares.
 pub(crate) struct Inner {
     socket: Arc<UdpSocket>,
-    state: ArcSwap<State>,
+    pub(super) state: ArcSwap<State>,
     recovery: Recovery,
-    metrics: Arc<TunnelMetrics>,
+    pub(super) metrics: Arc<TunnelMetrics>,
+    /// The TCP streams that are endpoints of the device.
+    pub(super) streams: Streams,
     wake: Notify,
     /// Serializes table changes.
     apply: Mutex<()>,
     /// The agent's accepted connections, for its dialer.
-    accepts: Option<mpsc::Sender<(ShootCell, Accept)>>,
+    accepts: Option<mpsc::Sender<Incoming>>,
     mode: Mode,
 }
 
@@ -114,9 +119,16 @@ pub(crate) struct UdpIo<'a> {
 }
 
 impl Io for UdpIo<'_> {
-    fn send(&mut self, to: SocketAddr, datagram: &[u8]) {
-        if self.inner.socket.try_send_to(datagram, to).is_err() {
-            self.dropped(Drop::Busy);
+    fn send(&mut self, to: Endpoint, datagram: &[u8]) {
+        let sent = match to {
+            Endpoint::Udp(to) => match self.inner.socket.try_send_to(datagram, to) {
+                Ok(_) => Ok(()),
+                Err(_) => Err(Drop::Busy),
+            },
+            Endpoint::Stream { id, .. } => self.inner.streams.send(id, datagram),
+        };
+        if let Err(reason) = sent {
+            self.dropped(reason);
         }
     }
 
@@ -158,10 +170,94 @@ impl Inner {
     }
 }
 
+/// Datagrams received together, from any endpoint: each is handled at once (decrypted,
+/// queued for its shoot's stack), and [`Batch::finish`] runs every shoot they touched once
+/// and hands the agent's new connections on.
+pub(crate) struct Batch<'a> {
+    tunnels: &'a Tunnels,
+    state: arc_swap::Guard<Arc<State>>,
+    now: Instant,
+    touched: &'a mut Vec<ShootCell>,
+}
+
+impl Batch<'_> {
+    /// Handles one datagram from `from`.
+    pub(crate) fn receive(&mut self, from: Endpoint, datagram: &[u8]) {
+        let inner = &self.tunnels.inner;
+        if let Some(cell) = device::receive(
+            &self.state.keys,
+            &self.state.maps,
+            &inner.recovery,
+            self.now,
+            from,
+            datagram,
+            &mut inner.io(),
+        ) && !self.touched.iter().any(|c| Arc::ptr_eq(c, &cell))
+        {
+            self.touched.push(cell);
+        }
+    }
+
+    /// Runs the touched shoots' stacks and sends what they produced.
+    pub(crate) fn finish(self) {
+        let inner = &self.tunnels.inner;
+        let mut io = inner.io();
+        for cell in self.touched.drain(..) {
+            let mut s = lock(&cell);
+            s.flush(self.now, &mut io);
+            if let Some(tx) = &inner.accepts {
+                for a in s.take_accepts() {
+                    // More connections waiting for their dial than the agent takes on,
+                    // or the agent draining: refused (reset) at once.
+                    let incoming = Incoming {
+                        tunnels: self.tunnels.clone(),
+                        cell: cell.clone(),
+                        accept: a,
+                    };
+                    if tx.try_send(incoming).is_err() {
+                        io.dropped(Drop::Busy);
+                        s.accepted(self.now, &a, Dialed::Refused, &mut io);
+                    }
+                }
+            }
+        }
+        inner.wake.notify_one();
+    }
+}
+
 /// The tunnel device of a gateway or an agent.
 #[derive(Clone)]
 pub(crate) struct Tunnels {
-    inner: Arc<Inner>,
+    pub(super) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Tunnels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tunnels").finish_non_exhaustive()
+    }
+}
+
+/// A connection an agent's device opened (its SYN paused), for the agent's dialer.
+#[derive(Debug)]
+pub(crate) struct Incoming {
+    /// The device it arrived on.
+    pub(crate) tunnels: Tunnels,
+    /// Its shoot.
+    pub(crate) cell: ShootCell,
+    /// The paused socket and its ends.
+    pub(crate) accept: Accept,
+}
+
+/// The agent's view of its gateway peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GatewayPeer {
+    /// Where its datagrams go now (the last authenticated packet's source, or where the
+    /// agent pointed it).
+    pub(crate) endpoint: Option<Endpoint>,
+    /// When its last handshake completed.
+    pub(crate) handshake_at: Option<Instant>,
+    /// Whether it has a usable session.
+    pub(crate) live: bool,
 }
 
 /// The agent's side of its one tunnel.
@@ -169,8 +265,6 @@ pub(crate) struct Tunnels {
 pub(crate) struct AgentSide {
     /// The gateway's public key.
     pub(crate) gateway: WgKey,
-    /// Where the gateway is (UDP).
-    pub(crate) endpoint: SocketAddr,
     /// The agent's addresses inside the tunnel.
     pub(crate) addresses: Vec<std::net::IpAddr>,
     /// What the agent dials.
@@ -242,7 +336,7 @@ impl Tunnels {
         private: WgKey,
         metrics: Arc<TunnelMetrics>,
         mode: Mode,
-        accepts: Option<mpsc::Sender<(ShootCell, Accept)>>,
+        accepts: Option<mpsc::Sender<Incoming>>,
     ) -> Tunnels {
         let inner = Arc::new(Inner {
             socket: Arc::new(socket),
@@ -252,6 +346,7 @@ impl Tunnels {
             }),
             recovery: Recovery::default(),
             metrics,
+            streams: Streams::default(),
             wake: Notify::new(),
             apply: Mutex::new(()),
             accepts,
@@ -263,19 +358,20 @@ impl Tunnels {
         t
     }
 
-    /// An agent device: one shoot with the gateway as its one peer, initiating towards
-    /// its endpoint; connections the gateway opens arrive on the returned channel.
+    /// An agent device: one shoot with the gateway as its one peer, which has no endpoint
+    /// until [`Tunnels::use_endpoint`] names one; connections the gateway opens arrive on
+    /// `accepts` (which several devices may share).
     pub(crate) fn agent(
         socket: UdpSocket,
         private: WgKey,
         side: AgentSide,
         metrics: Arc<TunnelMetrics>,
-    ) -> (Tunnels, mpsc::Receiver<(ShootCell, Accept)>) {
-        let (tx, rx) = mpsc::channel(ACCEPT_QUEUE);
+        accepts: mpsc::Sender<Incoming>,
+    ) -> Tunnels {
         let mode = Mode::Agent {
             networks: side.networks,
         };
-        let t = Self::new(socket, private, metrics, mode.clone(), Some(tx));
+        let t = Self::new(socket, private, metrics, mode.clone(), Some(accepts));
         let now = Instant::now();
         {
             let state = t.inner.state.load();
@@ -288,8 +384,7 @@ impl Tunnels {
             .into_iter()
             .filter_map(|a| Net::new(a, 0).ok())
             .collect();
-            let mut peer = new_peer(&state.keys, side.gateway, &everything, side.keepalive);
-            peer.endpoint = Some(side.endpoint);
+            let peer = new_peer(&state.keys, side.gateway, &everything, side.keepalive);
             let shoot = Shoot::new(
                 "agent".into(),
                 vec![peer],
@@ -301,23 +396,64 @@ impl Tunnels {
             let cell: ShootCell = Arc::new(Mutex::new(shoot));
             let mut maps = Maps::default();
             maps.insert(&state.keys, cell.clone());
-            lock(&cell).initiate(now, 0, None, &mut t.inner.io());
             t.inner.state.store(Arc::new(State {
                 keys: state.keys.share(),
                 maps,
             }));
         }
-        (t, rx)
+        t
     }
 
-    /// Points the agent's peer (the gateway) at `endpoint` (its name resolved anew).
-    pub(crate) fn set_endpoint(&self, endpoint: SocketAddr) {
+    /// The agent's gateway peer as it is now (`None` on a gateway device).
+    pub(crate) fn gateway_peer(&self) -> Option<GatewayPeer> {
+        if !matches!(self.inner.mode, Mode::Agent { .. }) {
+            return None;
+        }
+        let now = Instant::now();
         let state = self.inner.state.load();
+        let cell = state.maps.shoots.values().next()?;
+        let s = lock(cell);
+        let p = s.peers.first()?;
+        Some(GatewayPeer {
+            endpoint: p.endpoint,
+            handshake_at: p.handshake_at,
+            live: p.live(now),
+        })
+    }
+
+    /// Points the agent's peer (the gateway) at `endpoint` and starts a handshake there at
+    /// once (one still in progress elsewhere is abandoned).
+    pub(crate) fn use_endpoint(&self, endpoint: Endpoint) {
+        self.initiate_to(endpoint, true);
+    }
+
+    /// Sends the agent's peer a handshake initiation at `to` without pointing it there: if
+    /// the answer comes from there, the peer roams to it (the agent on a `connect` endpoint
+    /// probing UDP). Unanswered, boringtun's retry goes to the peer's endpoint.
+    pub(crate) fn probe(&self, to: Endpoint) {
+        self.initiate_to(to, false);
+    }
+
+    fn initiate_to(&self, to: Endpoint, point: bool) {
+        let now = Instant::now();
+        let state = self.inner.state.load();
+        let mut io = self.inner.io();
+        let mut buf = [0u8; 256];
         for cell in state.maps.shoots.values() {
             for p in lock(cell).peers.iter_mut() {
-                p.endpoint = Some(endpoint);
+                if point {
+                    p.endpoint = Some(to);
+                }
+                if let TunnResult::WriteToNetwork(out) =
+                    p.tunn.format_handshake_initiation(&mut buf, true)
+                {
+                    io.send(to, out);
+                }
+                // The initiator's retry timer starts from here (see `Shoot::tick`).
+                p.recovery_at = Some(now);
             }
         }
+        self.inner.wake.notify_one();
     }
 
     /// Whether any peer of the (agent's) device has a live session.
@@ -621,6 +757,17 @@ impl Tunnels {
         })
     }
 
+    /// A batch of received datagrams (see [`Batch`]); `touched` is the caller's scratch.
+    pub(crate) fn batch<'a>(&'a self, touched: &'a mut Vec<ShootCell>) -> Batch<'a> {
+        touched.clear();
+        Batch {
+            tunnels: self,
+            state: self.inner.state.load(),
+            now: Instant::now(),
+            touched,
+        }
+    }
+
     async fn receive_loop(self) {
         let mut buf = vec![0u8; 65_536];
         let mut touched: Vec<ShootCell> = Vec::new();
@@ -634,47 +781,19 @@ impl Tunnels {
                     continue;
                 }
             };
-            let state = self.inner.state.load();
-            let mut io = self.inner.io();
-            let now = Instant::now();
             // A batch: whatever else is queued already (up to RECEIVE_BATCH datagrams), each
             // shoot's stack run once for all of its packets.
+            let mut batch = self.batch(&mut touched);
             let mut next = Some(first);
             let mut count = 0;
             while let Some((n, from)) = next.take() {
                 count += 1;
-                let datagram = &buf[..n];
-                if let Some(cell) = device::receive(
-                    &state.keys,
-                    &state.maps,
-                    &self.inner.recovery,
-                    now,
-                    from,
-                    datagram,
-                    &mut io,
-                ) && !touched.iter().any(|c| Arc::ptr_eq(c, &cell))
-                {
-                    touched.push(cell);
-                }
+                batch.receive(Endpoint::Udp(from), &buf[..n]);
                 if count < RECEIVE_BATCH {
                     next = self.inner.socket.try_recv_from(&mut buf).ok();
                 }
             }
-            for cell in touched.drain(..) {
-                let mut s = lock(&cell);
-                s.flush(now, &mut io);
-                if let Some(tx) = &self.inner.accepts {
-                    for a in s.take_accepts() {
-                        // More connections waiting for their dial than the agent takes on,
-                        // or the agent draining: refused (reset) at once.
-                        if tx.try_send((cell.clone(), a)).is_err() {
-                            io.dropped(Drop::Busy);
-                            s.accepted(now, &a, Dialed::Refused, &mut io);
-                        }
-                    }
-                }
-            }
-            self.inner.wake.notify_one();
+            batch.finish();
         }
     }
 

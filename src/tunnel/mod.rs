@@ -10,12 +10,14 @@
 //! a [`shoot::Transmit`]; nothing below [`driver`] and [`stream`] uses tokio.
 //!
 //! [`driver`] is the thin tokio layer: the UDP socket, the one timer, dials from the gateway
-//! (`egress-connect` with `via: tunnel`) and accepted connections on the agent. It never
-//! imports a role or the serving layer.
+//! (`egress-connect` with `via: tunnel`) and accepted connections on the agent; [`framed`]
+//! makes a TCP stream one more endpoint of the device (WireGuard over TCP). Neither imports
+//! a role or the serving layer.
 
 pub(crate) mod device;
 pub(crate) mod dialer;
 pub(crate) mod driver;
+pub(crate) mod framed;
 pub(crate) mod index;
 pub(crate) mod peer;
 pub(crate) mod shoot;

@@ -1,5 +1,6 @@
 //! One WireGuard peer: boringtun's noise session, the endpoint learnt from authenticated
-//! packets (roaming), the inner networks it may send from, and its handshake times.
+//! packets (roaming), the inner networks it may send from, and its handshake times; and
+//! [`Endpoint`], where a peer's datagrams go (a UDP address or a TCP stream carrying them).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -18,6 +19,50 @@ pub(crate) const REJECT_AFTER: Duration = Duration::from_secs(180);
 /// never lapses between keepalives.
 pub(crate) const REKEY_AFTER: Duration = Duration::from_secs(120);
 
+/// Which TCP stream (a WireGuard-over-TCP endpoint of the device) a datagram came on or goes
+/// to: unique for the life of the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct StreamId(pub(crate) u64);
+
+/// Where a peer's datagrams go, and where one came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Endpoint {
+    /// A UDP address (the device's socket sends there).
+    Udp(SocketAddr),
+    /// A TCP stream carrying framed datagrams, from `peer`.
+    Stream {
+        /// The stream.
+        id: StreamId,
+        /// The stream's remote address (the client, or the PROXY source before it).
+        peer: SocketAddr,
+    },
+}
+
+impl Endpoint {
+    /// The address of the other end (the cookie limiter keys on its IP).
+    pub(crate) fn addr(&self) -> SocketAddr {
+        match self {
+            Endpoint::Udp(a) => *a,
+            Endpoint::Stream { peer, .. } => *peer,
+        }
+    }
+
+    /// The IP of the other end.
+    pub(crate) fn ip(&self) -> IpAddr {
+        self.addr().ip()
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    /// A UDP endpoint as its address (`10.0.0.2:51820`), a stream as `tcp:` and its peer.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Udp(a) => write!(f, "{a}"),
+            Endpoint::Stream { peer, .. } => write!(f, "tcp:{peer}"),
+        }
+    }
+}
+
 /// One peer.
 pub(crate) struct Peer {
     /// Its public key.
@@ -27,14 +72,14 @@ pub(crate) struct Peer {
     /// The inner source addresses it may send from (and the targets it is chosen for).
     pub(crate) allowed: Box<[Net]>,
     /// Where its last authenticated packet came from (or the configured endpoint).
-    pub(crate) endpoint: Option<SocketAddr>,
+    pub(crate) endpoint: Option<Endpoint>,
     /// When its last handshake completed.
     pub(crate) handshake_at: Option<Instant>,
     /// When a recovery handshake was last sent to it.
     pub(crate) recovery_at: Option<Instant>,
     /// Where that recovery handshake went (the source of the orphan packet): boringtun's own
     /// retries of it go there too while the endpoint is not known.
-    pub(crate) recovery_to: Option<SocketAddr>,
+    pub(crate) recovery_to: Option<Endpoint>,
     /// A dial through it went unanswered while another peer could be tried: it is chosen
     /// last until it sends an authenticated packet again (a replica that died, whose
     /// session still looks live).

@@ -18,7 +18,7 @@ use boringtun::noise::{Tunn, TunnResult};
 use smoltcp::iface::SocketHandle;
 use smoltcp::wire::{IpProtocol, Ipv4Packet, Ipv6Packet, TcpPacket};
 
-use super::peer::{Peer, REKEY_AFTER};
+use super::peer::{Endpoint, Peer, REKEY_AFTER};
 use super::stack::Stack;
 use crate::route::{Net, WgKey};
 
@@ -35,11 +35,14 @@ pub(crate) enum Drop {
     Cookie,
     /// No room to queue or send it.
     Busy,
+    /// A TCP stream endpoint's queue is full (the stream cannot keep up).
+    StreamFull,
     /// Malformed, or failed authentication.
     Invalid,
     /// A data packet for a session this process does not have.
     NoSession,
-    /// The stack sent a packet to a peer whose endpoint is not known yet.
+    /// The stack sent a packet to a peer whose endpoint is not known yet (or a TCP stream
+    /// endpoint that has ended).
     NoEndpoint,
     /// The stack sent a packet no peer's `allowedIPs` hold.
     NoPeer,
@@ -56,6 +59,7 @@ impl Drop {
             Drop::Replay => "replay",
             Drop::Cookie => "cookie",
             Drop::Busy => "busy",
+            Drop::StreamFull => "stream_full",
             Drop::Invalid => "invalid",
             Drop::NoSession => "no_session",
             Drop::NoEndpoint => "no_endpoint",
@@ -78,7 +82,7 @@ impl Drop {
 /// Where a shoot's datagrams go, and what it reports.
 pub(crate) trait Io {
     /// Sends one datagram (a full socket drops it and reports [`Drop::Busy`] itself).
-    fn send(&mut self, to: SocketAddr, datagram: &[u8]);
+    fn send(&mut self, to: Endpoint, datagram: &[u8]);
     /// A packet was dropped.
     fn dropped(&mut self, reason: Drop);
     /// A handshake of a peer of `route` completed.
@@ -170,7 +174,7 @@ fn initiate_peer(
     p: &mut Peer,
     buf: &mut [u8],
     now: Instant,
-    to: Option<SocketAddr>,
+    to: Option<Endpoint>,
     force: bool,
     io: &mut impl Io,
 ) {
@@ -272,7 +276,7 @@ impl Shoot {
         &mut self,
         now: Instant,
         peer: usize,
-        from: SocketAddr,
+        from: Endpoint,
         datagram: &[u8],
         io: &mut impl Io,
     ) -> Result<(), WireGuardError> {
@@ -525,7 +529,7 @@ impl Shoot {
         &mut self,
         now: Instant,
         peer: usize,
-        to: Option<SocketAddr>,
+        to: Option<Endpoint>,
         io: &mut impl Io,
     ) {
         let recovery = to.is_some();

@@ -10,7 +10,7 @@ use std::time::Instant;
 use smoltcp::socket::tcp;
 
 use super::device::{self, Keys, Maps, Recovery, ShootCell, lock};
-use super::peer::Peer;
+use super::peer::{Endpoint, Peer};
 use super::shoot::{Dialed, Drop, Io, Mode, Shoot};
 use crate::route::{Net, WgKey};
 
@@ -45,9 +45,9 @@ struct SideIo<'a> {
 }
 
 impl Io for SideIo<'_> {
-    fn send(&mut self, to: SocketAddr, datagram: &[u8]) {
+    fn send(&mut self, to: Endpoint, datagram: &[u8]) {
         let item = (self.from, datagram.to_vec());
-        if to == addr(GW) {
+        if to == Endpoint::Udp(addr(GW)) {
             self.wire.sent_to_gw += 1;
             if !self.wire.gw_cut {
                 self.wire.to_gw.push_back(item);
@@ -145,7 +145,7 @@ impl Pair {
             Some(25),
             Some(keys.limiter.clone()),
         );
-        peer.endpoint = Some(addr(GW));
+        peer.endpoint = Some(Endpoint::Udp(addr(GW)));
         let ip: IpAddr = "192.168.128.5".parse().unwrap();
         let mode = Mode::Agent {
             networks: vec![net("10.250.0.0/16")].into(),
@@ -204,7 +204,7 @@ impl Pair {
                     &self.gw.maps,
                     &self.gw.recovery,
                     now,
-                    from,
+                    Endpoint::Udp(from),
                     &d,
                     &mut io,
                 ) {
@@ -220,7 +220,7 @@ impl Pair {
                     &self.agent.maps,
                     &self.agent.recovery,
                     now,
-                    from,
+                    Endpoint::Udp(from),
                     &d,
                     &mut io,
                 ) {
@@ -245,7 +245,7 @@ impl Pair {
             &self.gw.maps,
             &self.gw.recovery,
             now,
-            from,
+            Endpoint::Udp(from),
             datagram,
             &mut io,
         );
@@ -555,7 +555,10 @@ fn a_roaming_shoot_is_followed_to_its_new_address() {
     let mut p = Pair::new();
     p.handshake();
     let h = p.dial("10.250.0.10:443", Dialed::Connected);
-    assert_eq!(lock(&p.gw.cell).peers[0].endpoint, Some(addr(AGENT)));
+    assert_eq!(
+        lock(&p.gw.cell).peers[0].endpoint,
+        Some(Endpoint::Udp(addr(AGENT)))
+    );
     // The shoot's source port changes (a NAT rebinding); its next packets authenticate.
     p.agent_addr = addr("10.0.0.2:40123");
     let d = p.agent_keepalive();
@@ -563,7 +566,7 @@ fn a_roaming_shoot_is_followed_to_its_new_address() {
     p.run();
     assert_eq!(
         lock(&p.gw.cell).peers[0].endpoint,
-        Some(addr("10.0.0.2:40123"))
+        Some(Endpoint::Udp(addr("10.0.0.2:40123")))
     );
     // The stream goes on, towards the new address.
     let data: Vec<u8> = (0..5_000u32).map(|i| i as u8).collect();

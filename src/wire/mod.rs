@@ -1,4 +1,5 @@
-//! Sans-IO codecs for the bytes a client sends before routing: the TLS ClientHello.
+//! Sans-IO codecs for the bytes a client sends before routing (the TLS ClientHello, PROXY
+//! headers, HTTP CONNECT heads) and for WireGuard's datagrams over TCP.
 //!
 //! Every parser here is a pure function over a byte slice: it never reads a socket, never
 //! allocates more than the value it returns, and answers "need more bytes" as a state
@@ -8,6 +9,7 @@
 pub mod http;
 pub mod proxy;
 pub mod tls;
+pub mod udp_over_tcp;
 
 /// The result of feeding a parser the bytes read so far.
 #[derive(Debug, Clone, PartialEq, Eq)]
