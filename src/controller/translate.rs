@@ -49,6 +49,7 @@ use serde::Serialize;
 
 use super::model::{Destination, EndpointSlice, Gateway, Meta, Service, Snapshot};
 use crate::config::controller::ControllerConfig;
+use crate::config::routes::{RawBackend, RawRoute, RawRoutingTable};
 use crate::route::ProxyVersion;
 
 /// Name of the route that takes everything trellis does not route itself by SNI (the `sni`
@@ -159,77 +160,8 @@ impl Target {
     }
 }
 
-/// A routing table document, serialised as the gateway reads it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Table {
-    /// Always `trellis.gardener.cloud/v1alpha1`.
-    pub api_version: &'static str,
-    /// Always `RoutingTable`.
-    pub kind: &'static str,
-    /// Routes, ordered by name.
-    pub routes: Vec<RouteDoc>,
-}
-
-/// One route of a [`Table`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RouteDoc {
-    /// Unique name.
-    pub name: String,
-    /// TLS server names, sorted.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub sni: Vec<String>,
-    /// CONNECT destination header values, sorted.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub destinations: Vec<String>,
-    /// PROXY header destinations, sorted.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub proxy_destinations: Vec<String>,
-    /// Backends, sorted by address.
-    pub backends: Vec<BackendDoc>,
-    /// From the DestinationRule, e.g. `86400s`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_connection_duration: Option<String>,
-    /// From the ACL extension's EnvoyFilters: the only client networks admitted; empty
-    /// admits every client (the gateway rejects an empty list, so it is never written).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub allowed_source_ranges: Vec<String>,
-    /// How connections are handed to the backends (the fallback routes' only).
-    #[serde(flatten)]
-    pub handoff: Handoff,
-}
-
-/// How a route hands connections to its backends: set on the fallback routes, which lead
-/// to another proxy (the Envoy gateway).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Handoff {
-    /// `v1`/`v2`: a PROXY header in front of every backend connection.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub send_proxy_protocol: Option<&'static str>,
-    /// The backends are CONNECT proxies: the CONNECT goes to them as received.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub forward_connect: bool,
-}
-
-impl Handoff {
-    /// Plain relaying: what every route but the fallbacks gets.
-    pub const NONE: Handoff = Handoff {
-        send_proxy_protocol: None,
-        forward_connect: false,
-    };
-}
-
-/// One backend of a [`RouteDoc`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct BackendDoc {
-    /// `IP:port` (`[IPv6]:port`) or `host:port`.
-    pub address: String,
-    /// The endpoint's zone.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub zone: Option<String>,
-}
+/// A routing table as the controller writes it: the gateway's own schema.
+pub type Table = RawRoutingTable;
 
 /// Why something was not routed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -543,7 +475,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
     // Routes with their owner (the oldest object behind them), before key conflicts.
     // Sized once: a route is a few hundred bytes, and growing moves them all.
     let vpn_routes: usize = index.vpn.values().map(Vec::len).sum();
-    let mut built: Vec<(RouteDoc, Age<'_>)> = Vec::with_capacity(1 + sni.len() + vpn_routes);
+    let mut built: Vec<(RawRoute, Age<'_>)> = Vec::with_capacity(1 + sni.len() + vpn_routes);
     let fallback_keys =
         |index: &Index<'_>, ns: &str, keys: &mut (BTreeSet<String>, BTreeSet<String>)| {
             keys.0
@@ -569,10 +501,6 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         report.skip(Reason::L7, format!("Namespace {ns}"), detail);
         fallback_keys(&index, ns, &mut fallback);
     }
-    let handoff = |forward_connect| Handoff {
-        send_proxy_protocol: target.fallback_proxy_protocol.map(ProxyVersion::as_str),
-        forward_connect,
-    };
     let fallbacks = [
         (FALLBACK_ROUTE, &target.fallback, false),
         (FALLBACK_CONNECT_ROUTE, &target.fallback_connect, true),
@@ -585,22 +513,22 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
     for (name, address, forward_connect) in fallbacks {
         let Some(address) = address else { continue };
         built.push((
-            RouteDoc {
+            RawRoute {
                 name: name.to_owned(),
-                sni: Vec::new(),
-                destinations: Vec::new(),
                 proxy_destinations: if forward_connect {
                     Vec::new()
                 } else {
                     std::mem::take(&mut fallback.1).into_iter().collect()
                 },
-                backends: vec![BackendDoc {
+                backends: vec![RawBackend {
                     address: address.clone(),
                     zone: None,
                 }],
-                max_connection_duration: None,
-                allowed_source_ranges: Vec::new(),
-                handoff: handoff(forward_connect),
+                send_proxy_protocol: target
+                    .fallback_proxy_protocol
+                    .map(|v| v.as_str().to_owned()),
+                forward_connect,
+                ..RawRoute::default()
             },
             // The fallback is set up by the operator: it wins every key it holds.
             (false, "", "", "", ""),
@@ -664,15 +592,14 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             (Vec::new(), Vec::new())
         };
         built.push((
-            RouteDoc {
+            RawRoute {
                 name,
                 sni: hosts.into_iter().map(str::to_owned).collect(),
                 destinations,
                 proxy_destinations,
                 backends,
                 max_connection_duration: index.max_connection_duration(key.namespace, key.service),
-                allowed_source_ranges: Vec::new(),
-                handoff: Handoff::NONE,
+                ..RawRoute::default()
             },
             owner.age(),
         ));
@@ -694,15 +621,12 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
                 continue;
             }
             built.push((
-                RouteDoc {
+                RawRoute {
                     name: shoot_route_name([ns, "--", &service.meta.name].concat()),
-                    sni: Vec::new(),
                     destinations: vec![connect_key(&service.meta.name, ns, port.port)],
-                    proxy_destinations: Vec::new(),
                     backends,
                     max_connection_duration: index.max_connection_duration(ns, &service.meta.name),
-                    allowed_source_ranges: Vec::new(),
-                    handoff: Handoff::NONE,
+                    ..RawRoute::default()
                 },
                 service.meta.age(),
             ));
@@ -755,7 +679,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
         kept.push(i);
     }
     kept.sort_by(|&a, &b| built[a].0.name.cmp(&built[b].0.name));
-    let mut built: Vec<Option<RouteDoc>> = built.into_iter().map(|(r, _)| Some(r)).collect();
+    let mut built: Vec<Option<RawRoute>> = built.into_iter().map(|(r, _)| Some(r)).collect();
     // Last first, so that the positions before each are unchanged.
     for (i, position) in lost.into_iter().rev() {
         if let Some(route) = &mut built[i] {
@@ -767,18 +691,11 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
             }
         }
     }
-    let mut routes: Vec<RouteDoc> = Vec::with_capacity(kept.len());
+    let mut routes: Vec<RawRoute> = Vec::with_capacity(kept.len());
     routes.extend(kept.into_iter().filter_map(|i| built[i].take()));
     super::acl::apply(snapshot, target, &fallback.0, &mut routes, &mut report);
     report.routes = routes.len();
-    (
-        Table {
-            api_version: crate::config::API_VERSION,
-            kind: crate::config::routes::KIND,
-            routes,
-        },
-        report,
-    )
+    (RawRoutingTable::new(routes), report)
 }
 
 /// The Istio cluster name a CONNECT client sends.
@@ -938,7 +855,7 @@ impl<'a> Index<'a> {
     }
 
     /// Every ready endpoint of the Service's port named `port_name`, sorted and unique.
-    fn backends(&self, service: &Service, port_name: &str) -> Vec<BackendDoc> {
+    fn backends(&self, service: &Service, port_name: &str) -> Vec<RawBackend> {
         let key = (service.meta.namespace.as_str(), service.meta.name.as_str());
         // Sorted and deduplicated at the end, the first endpoint of an address keeping it.
         let mut out: Vec<(SocketAddr, &Option<String>)> = Vec::new();
@@ -968,7 +885,7 @@ impl<'a> Index<'a> {
         });
         out.dedup_by_key(|(address, _)| *address);
         out.into_iter()
-            .map(|(address, zone)| BackendDoc {
+            .map(|(address, zone)| RawBackend {
                 address: address_text(address),
                 zone: zone.clone(),
             })
@@ -1134,7 +1051,7 @@ mod tests {
         ));
     }
 
-    fn route<'a>(t: &'a Table, name: &str) -> &'a RouteDoc {
+    fn route<'a>(t: &'a Table, name: &str) -> &'a RawRoute {
         t.routes
             .iter()
             .find(|r| r.name == name)
@@ -1145,7 +1062,7 @@ mod tests {
         t.routes.iter().map(|r| r.name.as_str()).collect()
     }
 
-    fn addresses(r: &RouteDoc) -> Vec<&str> {
+    fn addresses(r: &RawRoute) -> Vec<&str> {
         r.backends.iter().map(|b| b.address.as_str()).collect()
     }
 
