@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use serde_json::{Value, json};
 use trellis::config::controller::ControllerConfig;
+use trellis::controller::Reason;
 use trellis::controller::model::Snapshot;
-use trellis::controller::translate::Reason;
 use trellis::controller::{Target, manifest, to_json, translate};
 use trellis::route::BackendAddress;
 

@@ -35,13 +35,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use super::model::{EnvoyFilter, Permission, Principal, Rbac, RbacAt, Snapshot};
-use super::translate::{Reason, Report, Target};
+use super::report::{Reason, Report};
+use super::target::Target;
 use crate::config::routes::{RawBackend, RawRoute};
 use crate::route::Net;
 
 /// The route that claims CONNECT keys a filter restricts which would otherwise reach the
 /// fallback from trellis' own address: it admits nobody. Added after route names are settled,
-/// so its name must be reserved ([`super::translate::is_reserved`]): no shoot's route has it.
+/// so its name must be reserved ([`super::target::is_reserved`]): no shoot's route has it.
 pub const CLOSED_ROUTE: &str = "fallback-closed";
 
 /// The name of the route that takes a restricted server name `host` no route holds to the
@@ -765,7 +766,7 @@ mod tests {
 
     #[test]
     fn the_routes_added_here_have_reserved_names() {
-        assert!(crate::controller::translate::is_reserved(CLOSED_ROUTE));
+        assert!(crate::controller::target::is_reserved(CLOSED_ROUTE));
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //!
 //! [`model`] holds compact projections of the objects translation reads, [`manifest`] fills
 //! them from manifest files (`trellis controller render`), and [`translate`] turns a
-//! snapshot of them into a table for one gateway: a pure function, no I/O, no runtime;
-//! [`acl`] renders the source allow-lists of RBAC EnvoyFilters onto its routes; [`kinds`]
-//! lists the API kinds read.
+//! snapshot of them into a table for one [`target`] gateway, with a [`report`] of what it
+//! left out: a pure function, no I/O, no runtime; [`acl`] renders the source allow-lists of
+//! RBAC EnvoyFilters onto its routes; [`kinds`] lists the API kinds read.
 //! [`watch`] (cargo feature `controller`) is the live path: kube-rs watches feeding the same
 //! projections and translation, the table written to a file.
 
@@ -12,6 +12,8 @@ pub mod acl;
 pub mod kinds;
 pub mod manifest;
 pub mod model;
+pub mod report;
+pub mod target;
 pub mod translate;
 #[cfg(feature = "controller")]
 pub mod watch;
@@ -20,7 +22,9 @@ use std::path::{Path, PathBuf};
 
 use crate::config::controller::ControllerConfig;
 
-pub use translate::{Report, Table, Target, translate};
+pub use report::{Reason, Report};
+pub use target::Target;
+pub use translate::{Table, translate};
 
 /// Reads the manifests in `dir` and renders the table `config` asks for: the table as JSON
 /// (what the gateway loads) and the report.
