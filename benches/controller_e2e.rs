@@ -156,7 +156,12 @@ async fn cold_start() {
             e2e::route_names(t).len() == SHOOTS + 1
         });
         let listed = c.logged("listed");
-        assert_eq!(listed.len(), 8, "{}", c.logs());
+        assert_eq!(
+            listed.len(),
+            trellis::controller::kinds::WATCHED.len(),
+            "{}",
+            c.logs()
+        );
         let last_listed = listed.iter().map(timestamp).fold(f64::MIN, f64::max);
         let written = timestamp(&c.logged("routing table written")[0]);
         synced.push(last_listed - started);

@@ -1122,7 +1122,7 @@ fn a_miswired_controller_sidecar_fails() {
                 rule_mut(o, 1)["resources"]
                     .as_array_mut()
                     .unwrap()
-                    .push(json!("secrets"));
+                    .push(json!("configmaps"));
             },
             "the ClusterRole grants",
         ),
@@ -1180,6 +1180,7 @@ fn a_miswired_controller_sidecar_fails() {
         versions: &["v1alpha2"],
         kind: "TCPRoute",
         plural: "tcproutes",
+        selector: None,
     });
     let err = controller_wiring(&objects, &more).unwrap_err();
     assert!(err.contains("the ClusterRole grants"), "{err}");

@@ -29,6 +29,13 @@ pub enum Reason {
     /// the route admits fewer clients, or the traffic is not routed, or (server names left
     /// to the fallback) not enforced.
     AclUnsupported,
+    /// A shoot without tunnel peers (no peers Secret, or none of its peers usable): no
+    /// tunnel and no egress route.
+    NoTunnelPeers,
+    /// A tunnel peer left out: its key or addresses are not valid.
+    InvalidPeer,
+    /// A shoot whose egress server certificate or client CA bundle is missing: no egress.
+    NoEgressTls,
 }
 
 impl Reason {
@@ -43,6 +50,9 @@ impl Reason {
             Reason::Https => "https",
             Reason::Unsupported => "unsupported",
             Reason::AclUnsupported => "acl_unsupported",
+            Reason::NoTunnelPeers => "no_tunnel_peers",
+            Reason::InvalidPeer => "invalid_peer",
+            Reason::NoEgressTls => "no_egress_tls",
         }
     }
 }

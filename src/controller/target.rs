@@ -3,6 +3,7 @@
 //! translation steps and the ACL code; pure data, no I/O.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 
 use super::model::Gateway;
 use crate::config::controller::ControllerConfig;
@@ -69,6 +70,9 @@ pub struct Target {
     pub fallback_connect_legacy: Option<String>,
     /// The PROXY header the fallback routes send, if any.
     pub fallback_proxy_protocol: Option<ProxyVersion>,
+    /// The gateway's addresses inside every shoot's tunnel (`localAddresses`); none: no
+    /// tunnel routes.
+    pub tunnel_local_addresses: Vec<IpAddr>,
 }
 
 impl Target {
@@ -84,6 +88,7 @@ impl Target {
                 .as_ref()
                 .map(|f| f.to_string()),
             fallback_proxy_protocol: config.fallback_proxy_protocol,
+            tunnel_local_addresses: config.tunnel_local_addresses.clone(),
         }
     }
 

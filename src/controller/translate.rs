@@ -33,13 +33,16 @@
 //!   are looked at, so a restarting pod never hands a name to another namespace.
 //! - **Source allow-lists**: RBAC EnvoyFilters (the ACL extension's) become routes'
 //!   `allowedSourceRanges`, narrowed where not exact (see [`super::acl`]).
+//! - **Tunnels**: a shoot's `Cluster`, tunnel peers Secret, egress certificate Secrets and
+//!   `kube-apiserver` EndpointSlices become its route `<ns>.tunnel` with `tunnel` and
+//!   `egress`, and the egress TLS files beside the table (see [`super::tunnel`]).
 //! - Namespaces being deleted are skipped (`namespace_deleting`); a route without a ready
 //!   endpoint is left out (`no_endpoints`): a route must have a backend, and its server names
 //!   fall through to the fallback, which may still reach it.
 //!
 //! [`translate`] applies these rules one step after the other, each a method of
 //! `Translation`: claims, server names settled, fallback routes, server-name routes, VPN
-//! routes, names and keys settled, then the ACL code. The output is ordered by route name,
+//! routes, names and keys settled, the ACL code, then the tunnel routes. The output is ordered by route name,
 //! each list sorted: the same snapshot gives the same bytes. Nothing here does I/O.
 
 use std::borrow::Cow;
@@ -47,7 +50,7 @@ use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};
 
-use super::model::{Destination, EndpointSlice, Gateway, Meta, Service, Snapshot};
+use super::model::{Cluster, Destination, EndpointSlice, Gateway, Meta, Service, Snapshot};
 use super::report::{Reason, Report};
 use super::target::{
     FALLBACK_CONNECT_LEGACY_ROUTE, FALLBACK_CONNECT_ROUTE, FALLBACK_ROUTE, Target, is_fallback,
@@ -69,6 +72,20 @@ const TLS_TERMINATION_FILTER: &str = "-istio-tls-termination";
 
 /// A routing table as the controller writes it: the gateway's own schema.
 pub type Table = RawRoutingTable;
+
+pub use super::tunnel::Files;
+
+/// What a translation renders: the table, the files beside it that the table names, and
+/// what was left out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    /// The routing table.
+    pub table: Table,
+    /// The egress TLS files the table names, by name relative to the table's directory.
+    pub files: Files,
+    /// What was left out, and why.
+    pub report: Report,
+}
 
 /// A route being built: the Service and port it leads to (names borrowed from the
 /// snapshot).
@@ -98,9 +115,9 @@ type ServerNames<'c, 'a> = BTreeMap<RouteKey<'a>, (Vec<&'c str>, &'a Meta)>;
 /// CONNECT/PROXY keys are settled ([`Translation::settle_keys`]).
 type Built<'a> = Vec<(RawRoute, Age<'a>)>;
 
-/// Renders the routing table for `target` from `snapshot`, one step after the other (each
-/// a method of `Translation`, one rule of the module documentation).
-pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
+/// Renders the routing table for `target` from `snapshot`, and the files it names, one step
+/// after the other (each a method of `Translation`, one rule of the module documentation).
+pub fn translate(snapshot: &Snapshot, target: &Target) -> Rendered {
     let mut t = Translation::new(snapshot, target);
     let (claims, l7) = t.claims();
     let sni = t.settle_server_names(&claims);
@@ -111,10 +128,15 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
     let routed = t.server_name_routes(sni, &mut built);
     t.vpn_routes(&routed, &mut built);
     let mut routes = t.settle_keys(built);
+    super::acl::apply(snapshot, target, &fallback_keys, &mut routes, &mut t.report);
+    let files = t.tunnel_routes(&mut routes);
     let mut report = t.report;
-    super::acl::apply(snapshot, target, &fallback_keys, &mut routes, &mut report);
     report.routes = routes.len();
-    (RawRoutingTable::new(routes), report)
+    Rendered {
+        table: RawRoutingTable::new(routes),
+        files,
+        report,
+    }
 }
 
 /// One translation under way: what it reads, and the report it fills.
@@ -575,6 +597,25 @@ impl<'a> Translation<'a> {
         }
     }
 
+    /// The shoots' tunnel routes (namespaces being deleted left out), into `routes` in name
+    /// order; their files.
+    fn tunnel_routes(&mut self, routes: &mut Vec<RawRoute>) -> Files {
+        let snapshot = self.snapshot;
+        let mut clusters: Vec<&'a Cluster> = Vec::with_capacity(snapshot.clusters.len());
+        for cluster in &snapshot.clusters {
+            if !self.deleting(&cluster.meta.name) {
+                clusters.push(cluster);
+            }
+        }
+        let (tunnels, files) =
+            super::tunnel::routes(snapshot, self.target, &clusters, &mut self.report);
+        if !tunnels.is_empty() {
+            routes.extend(tunnels);
+            routes.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        files
+    }
+
     /// Route names and CONNECT/PROXY keys: the oldest route keeps each, the others lose it
     /// (reported); a route left with no key is dropped. The routes, ordered by name.
     fn settle_keys(&mut self, built: Built<'a>) -> Vec<RawRoute> {
@@ -853,6 +894,12 @@ mod tests {
         TlsRoute, TlsRouteObject, VirtualService,
     };
     use crate::route::ProxyVersion;
+
+    /// The table and report (the files are the tunnel tests' business).
+    fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
+        let rendered = super::translate(snapshot, target);
+        (rendered.table, rendered.report)
+    }
 
     fn meta(ns: &str, name: &str, created: &str) -> Meta {
         Meta {
