@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use serde_json::{Value, json};
 use trellis::config::controller::ControllerConfig;
+use trellis::controller::Reason;
 use trellis::controller::model::Snapshot;
-use trellis::controller::translate::Reason;
 use trellis::controller::{Target, manifest, to_json, translate};
 use trellis::route::BackendAddress;
 
@@ -320,7 +320,7 @@ fn expected(n: usize) -> (usize, usize) {
 }
 
 fn check(snapshot: &Snapshot, target: &Target, n: usize) {
-    let (table, report) = translate(snapshot, target);
+    let trellis::controller::Rendered { table, report, .. } = translate(snapshot, target);
     let (routes, l7) = expected(n);
     assert_eq!(table.routes.len(), routes, "{:?}", report.skipped);
     assert_eq!(
@@ -363,7 +363,7 @@ fn memory_child(n: usize) {
     let s = snapshot(n);
     let with_snapshot = status_kib("VmRSS:");
     let target = Target::from_config(&config());
-    let (table, _) = translate(&s, &target);
+    let table = translate(&s, &target).table;
     let json = to_json(&table);
     let with_table = status_kib("VmRSS:");
     black_box((&s, &table, &json));
@@ -385,7 +385,7 @@ fn render_benches(c: &mut Criterion) {
         });
     }
     let s = snapshot(LARGE);
-    let (table, _) = translate(&s, &target);
+    let table = translate(&s, &target).table;
     g.bench_function(format!("to_json_{LARGE}_shoots"), |b| {
         b.iter(|| to_json(black_box(&table)))
     });
@@ -409,7 +409,7 @@ fn summary() {
         );
     }
     let s = snapshot(LARGE);
-    let (table, _) = translate(&s, &target);
+    let table = translate(&s, &target).table;
     let json = to_json(&table);
     let t = median(51, || {
         black_box(to_json(black_box(&table)));
@@ -464,7 +464,7 @@ fn summary() {
     if keep.is_none() {
         std::fs::remove_dir_all(&dir).unwrap();
     }
-    let (rendered, _) = rendered.unwrap();
+    let rendered = to_json(&rendered.unwrap().table);
     assert_eq!(rendered, json, "the YAML seed renders the same table");
     println!(
         "  render from YAML (manifest reader, translate, JSON), {LARGE} shoots in {LARGE} files ({} MiB): {} (once)",

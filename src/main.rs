@@ -76,6 +76,11 @@ enum ControllerCommand {
         /// ControllerConfiguration file (default: the seed's default gateway, no fallback).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Write the table to this file instead of stdout, and the egress TLS files it names
+        /// beside it, as the controller does (only what changed; egress files it no longer
+        /// names are removed). Without it those files are not written.
+        #[arg(long)]
+        output: Option<PathBuf>,
     },
 }
 
@@ -111,7 +116,11 @@ fn check(files: &[PathBuf]) -> ExitCode {
     }
 }
 
-fn render(manifests: &std::path::Path, config_file: Option<&std::path::Path>) -> ExitCode {
+fn render(
+    manifests: &std::path::Path,
+    config_file: Option<&std::path::Path>,
+    output: Option<&std::path::Path>,
+) -> ExitCode {
     let config = match config_file.map(trellis::config::controller::load) {
         None => trellis::config::controller::ControllerConfig::default(),
         Some(Ok(c)) => c,
@@ -121,10 +130,20 @@ fn render(manifests: &std::path::Path, config_file: Option<&std::path::Path>) ->
         }
     };
     match trellis::controller::render(manifests, &config) {
-        Ok((table, report)) => {
-            print!("{table}");
+        Ok(rendered) => {
+            let table = trellis::controller::to_json(&rendered.table);
+            match output {
+                None => print!("{table}"),
+                Some(file) => {
+                    let mut writer = trellis::controller::output::Writer::new(file.to_owned());
+                    if let Err(e) = writer.write(&table, &rendered.files) {
+                        eprintln!("{e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
             // The report is data for whoever reads it next (a script, a diff): JSON.
-            match serde_json::to_string_pretty(&report) {
+            match serde_json::to_string_pretty(&rendered.report) {
                 Ok(r) => eprintln!("{r}"),
                 Err(e) => eprintln!("report: {e}"),
             }
@@ -260,9 +279,14 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Check { files } => Ok(check(files)),
         Command::Controller {
-            command: Some(ControllerCommand::Render { manifests, config }),
+            command:
+                Some(ControllerCommand::Render {
+                    manifests,
+                    config,
+                    output,
+                }),
             ..
-        } => Ok(render(manifests, config.as_deref())),
+        } => Ok(render(manifests, config.as_deref(), output.as_deref())),
         Command::Controller {
             command: None,
             config,

@@ -347,3 +347,159 @@ async fn shoots_created_and_deleted_leave_other_shoots_connections_untouched() {
         "the churn left routes behind"
     );
 }
+
+/// The first certificate the server presented.
+fn server_leaf(tls: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>) -> Vec<u8> {
+    tls.get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .unwrap()
+}
+
+/// A shoot's tunnel and egress from the controller: an agent's key rotated in its peers
+/// Secret and its egress server certificate renewed by the secrets manager (a second Secret
+/// of that name, newer) reach the running gateway without a restart: `/routes` shows the new
+/// key, a kube-apiserver (a TLS client from its pod address with its egress client
+/// certificate) is shown the new certificate; the first certificate's Secret cleaned up
+/// changes nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_key_and_egress_certificate_rotations_reach_the_running_gateway() {
+    use common::egress::{Ca, Client, handshake, pem_certs};
+    use trellis::route::WgKey;
+    let kube = FakeKube::start().await;
+    let name = "rotating";
+    let ns = namespace(name);
+    // The kube-apiserver pod: its address is the egress client's.
+    let pod: std::net::IpAddr = [127, 0, 0, 7].into();
+    let ca = Ca::new("vpn");
+    let sans = [
+        "vpn-seed-server".to_owned(),
+        format!("vpn-seed-server.{ns}"),
+    ];
+    let first = ca.issue("vpn-seed-server", &sans, true);
+    let second = ca.issue("vpn-seed-server", &sans, true);
+    let (client_cert, client_key) = ca.issue("kube-apiserver-http-proxy", &[], false);
+    let kube_apiserver = Client {
+        trust: ca.pem.clone(),
+        cert: Some((client_cert, client_key)),
+    };
+    let (key1, key2) = (WgKey([1; 32]).to_base64(), WgKey([2; 32]).to_base64());
+    e2e::put_all(
+        &kube,
+        vec![
+            e2e::cluster(name),
+            e2e::endpoint_slice(name, std::net::SocketAddr::new(pod, 443)),
+            e2e::peers_secret(name, &key1),
+            e2e::managed_secret(
+                name,
+                "vpn-seed-server-aaaa",
+                "vpn-seed-server",
+                "2024-03-01T10:00:00Z",
+                &[("tls.crt", &first.0), ("tls.key", &first.1)],
+            ),
+            e2e::managed_secret(
+                name,
+                "ca-vpn-bundle-aaaa",
+                "ca-vpn-bundle",
+                "2024-03-01T10:00:00Z",
+                &[("bundle.crt", &ca.pem)],
+            ),
+        ],
+    );
+    let fallback = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
+    let c = Controller::start(&kube, fallback);
+    let route = format!("{ns}.tunnel");
+    c.wait_table("the shoot's tunnel and egress", LIMIT, |t| {
+        t["routes"].as_array().is_some_and(|rs| {
+            rs.iter()
+                .any(|r| r["name"] == route && r["egress"].is_object())
+        })
+    });
+    for file in ["crt", "key", "ca.crt"] {
+        let path = c.dir.path(&format!("out/egress.{ns}.{file}"));
+        assert!(path.exists(), "{} not written", path.display());
+    }
+    // The listener's own material: another shoot's PKI (the route's own is presented).
+    let listener_dir = common::TestDir::new("egress-listener");
+    let listener = common::egress::Shoot::new(&listener_dir, "listener");
+    let mut gw = common::Gateway::start_listeners_source(
+        "",
+        &[(
+            "egress",
+            "egress-connect",
+            &format!("  tls: {}", listener.tls_yaml()),
+        )],
+        "",
+        &format!(
+            "routes: {{file: {:?}}}",
+            c.table_path().display().to_string()
+        ),
+    );
+    let egress = gw.addr("egress");
+    let shown = |tls: &_| server_leaf(tls);
+    let presented = || async {
+        let tls = handshake(egress, Some(pod), "vpn-seed-server", &kube_apiserver, false).await;
+        tls.map(|t| shown(&t))
+    };
+    assert_eq!(e2e::served_peer_keys(&gw, &route), [key1]);
+    assert_eq!(
+        presented().await.unwrap(),
+        pem_certs(&first.0)[0].to_vec(),
+        "the shoot's vpn-seed-server certificate"
+    );
+
+    // The agent's key rotated: the Secret changes in place.
+    kube.put(e2e::peers_secret(name, &key2));
+    let keys = common::wait_for(LIMIT, || {
+        let keys = e2e::served_peer_keys(&gw, &route);
+        (keys == [key2.clone()]).then_some(keys)
+    });
+    assert!(
+        keys.is_some(),
+        "{:?}\n{}",
+        e2e::served_peer_keys(&gw, &route),
+        c.logs()
+    );
+
+    // The server certificate renewed: a newer Secret of the same name.
+    kube.put(e2e::managed_secret(
+        name,
+        "vpn-seed-server-bbbb",
+        "vpn-seed-server",
+        "2024-03-02T10:00:00Z",
+        &[("tls.crt", &second.0), ("tls.key", &second.1)],
+    ));
+    let new_leaf = pem_certs(&second.0)[0].to_vec();
+    let start = std::time::Instant::now();
+    loop {
+        if presented().await.ok().as_deref() == Some(&new_leaf[..]) {
+            break;
+        }
+        assert!(
+            start.elapsed() < LIMIT,
+            "the new certificate was not presented within {LIMIT:?}\n{}",
+            c.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The old Secret cleaned up: the newer stays in use.
+    kube.delete("v1", "Secret", &ns, "vpn-seed-server-aaaa")
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(presented().await.unwrap(), new_leaf);
+    // One gateway process throughout: the key came with a reloaded table, the certificate
+    // with a re-read file.
+    assert!(matches!(gw.child.try_wait(), Ok(None)), "{}", gw.logs());
+    assert!(
+        gw.metric("trellis_routing_table_reloads_total{result=\"applied\"}") >= 1.0,
+        "{}",
+        gw.metrics()
+    );
+    assert!(
+        gw.metric("trellis_tls_material_loads_total{result=\"loaded\"}") >= 2.0,
+        "{}",
+        gw.metrics()
+    );
+}

@@ -1,7 +1,9 @@
 //! Golden tests of `trellis controller render`: the real binary renders the seed manifests in
 //! `tests/data/controller/seed/` (or the case's own `seed/`) for each case's gateway
-//! (`tests/data/controller/<case>/`, `controller.yaml` when present); the table must equal `expected.json`, the report on
-//! stderr `expected-report.json`, and `trellis check` must accept the table.
+//! (`tests/data/controller/<case>/`, `controller.yaml` when present) into a directory
+//! (`--output`); the table must equal `expected.json`, the files written beside it those in
+//! `expected-files/` (names and bytes; none when it is absent), the report on stderr
+//! `expected-report.json`, and `trellis check` must accept the table with its files.
 //! `TRELLIS_BLESS=1` rewrites the expected files instead (review every change by hand).
 
 #![allow(clippy::unwrap_used)]
@@ -9,7 +11,14 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const CASES: [&str; 5] = ["default", "zonal", "exposure-class", "defaults", "acl"];
+const CASES: [&str; 6] = [
+    "default",
+    "zonal",
+    "exposure-class",
+    "defaults",
+    "acl",
+    "tunnels",
+];
 
 fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/controller")
@@ -67,11 +76,61 @@ fn golden(file: &Path, actual: &str) -> Result<(), String> {
     ))
 }
 
+/// The files in `dir` but `table`, by name.
+fn files_beside(dir: &Path, table: &str) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .map(|e| e.unwrap())
+            .filter(|e| e.file_name() != table)
+            .map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                (name, std::fs::read(e.path()).unwrap())
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    files.sort();
+    files
+}
+
+/// The files `render --output` wrote beside the table equal those in `expected` (names and
+/// bytes).
+fn golden_files(expected: &Path, written: &Path) -> Result<(), String> {
+    let actual = files_beside(written, "routes.json");
+    if std::env::var_os("TRELLIS_BLESS").is_some() {
+        let _ = std::fs::remove_dir_all(expected);
+        if !actual.is_empty() {
+            std::fs::create_dir_all(expected).unwrap();
+        }
+        for (name, bytes) in &actual {
+            std::fs::write(expected.join(name), bytes).unwrap();
+        }
+        return Ok(());
+    }
+    let wanted = files_beside(expected, "");
+    let names = |l: &[(String, Vec<u8>)]| l.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    if names(&wanted) != names(&actual) {
+        return Err(format!(
+            "files written {:?}, expected {:?} (TRELLIS_BLESS=1 rewrites them)",
+            names(&actual),
+            names(&wanted)
+        ));
+    }
+    for ((name, want), (_, got)) in wanted.iter().zip(&actual) {
+        if want != got {
+            return Err(format!(
+                "{name} differs from {}",
+                expected.join(name).display()
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn rendered_tables_match_the_expected_ones_and_pass_check() {
     let mut failures = Vec::new();
     let out = std::env::temp_dir().join(format!("trellis-render-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
     for case in CASES {
         let dir = data().join(case);
         let own = dir.join("seed");
@@ -80,10 +139,15 @@ fn rendered_tables_match_the_expected_ones_and_pass_check() {
         } else {
             data().join("seed")
         };
+        let written = out.join(case);
+        std::fs::create_dir_all(&written).unwrap();
+        let table = written.join("routes.json");
         let mut render = trellis();
         render
             .args(["controller", "render", "--manifests"])
-            .arg(seed);
+            .arg(seed)
+            .arg("--output")
+            .arg(&table);
         let config = dir.join("controller.yaml");
         if config.exists() {
             // The configuration is a file `trellis check` accepts too.
@@ -96,19 +160,24 @@ fn rendered_tables_match_the_expected_ones_and_pass_check() {
             render.arg("--config").arg(&config);
         }
         let output = render.output().unwrap();
-        let stdout = String::from_utf8(output.stdout).unwrap();
         let stderr = String::from_utf8(output.stderr).unwrap();
         assert!(output.status.success(), "{case}: {stderr}");
+        assert!(
+            output.stdout.is_empty(),
+            "{case}: the table went to --output"
+        );
+        let rendered = std::fs::read_to_string(&table).unwrap();
         for (file, actual) in [
-            ("expected.json", &stdout),
+            ("expected.json", &rendered),
             ("expected-report.json", &stderr),
         ] {
             if let Err(e) = golden(&dir.join(file), actual) {
                 failures.push(format!("{case}: {e}"));
             }
         }
-        let table = out.join(format!("{case}.json"));
-        std::fs::write(&table, &stdout).unwrap();
+        if let Err(e) = golden_files(&dir.join("expected-files"), &written) {
+            failures.push(format!("{case}: {e}"));
+        }
         let check = trellis().arg("check").arg(&table).output().unwrap();
         if !check.status.success() {
             failures.push(format!(
@@ -119,6 +188,32 @@ fn rendered_tables_match_the_expected_ones_and_pass_check() {
     }
     std::fs::remove_dir_all(&out).unwrap();
     assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+}
+
+/// Without `--output` the same table goes to stdout (its files are not written).
+#[test]
+fn without_output_the_table_goes_to_stdout() {
+    let case = data().join("tunnels");
+    let out = std::env::temp_dir().join(format!("trellis-render-stdout-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let render = |output: Option<&Path>| {
+        let mut c = trellis();
+        c.args(["controller", "render", "--manifests"])
+            .arg(case.join("seed"))
+            .arg("--config")
+            .arg(case.join("controller.yaml"));
+        if let Some(o) = output {
+            c.arg("--output").arg(o);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let stdout = render(None);
+    render(Some(&out.join("routes.json")));
+    let written = std::fs::read_to_string(out.join("routes.json")).unwrap();
+    std::fs::remove_dir_all(&out).unwrap();
+    assert_eq!(stdout, written);
 }
 
 #[test]

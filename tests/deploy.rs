@@ -1245,7 +1245,7 @@ fn a_miswired_controller_sidecar_fails() {
                 rule_mut(o, 1)["resources"]
                     .as_array_mut()
                     .unwrap()
-                    .push(json!("secrets"));
+                    .push(json!("configmaps"));
             },
             "the ClusterRole grants",
         ),
@@ -1303,6 +1303,7 @@ fn a_miswired_controller_sidecar_fails() {
         versions: &["v1alpha2"],
         kind: "TCPRoute",
         plural: "tcproutes",
+        selector: None,
     });
     let err = controller_wiring(&objects, "trellis-gateway", &more).unwrap_err();
     assert!(err.contains("the ClusterRole grants"), "{err}");

@@ -1,8 +1,9 @@
 //! `kind: ControllerConfiguration`: the controller's raw schema and validated
-//! [`ControllerConfig`]: which gateway it renders for, the fallback backend, the output.
+//! [`ControllerConfig`]: which gateway it renders for, the fallback backend, the tunnels'
+//! addresses, the output.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -12,7 +13,7 @@ use super::gateway::RawAdmin;
 use super::{ConfigError, Errors};
 use crate::route::{BackendAddress, ProxyVersion};
 
-mapping_only!(RawController, RawTarget, RawFallback, RawOutput);
+mapping_only!(RawController, RawTarget, RawFallback, RawTunnel, RawOutput);
 
 /// The `kind` of controller configuration files.
 pub const KIND: &str = "ControllerConfiguration";
@@ -23,6 +24,15 @@ pub const DEFAULT_SELECTOR: [(&str, &str); 3] = [
     ("app", "istio-ingressgateway"),
     ("istio", "ingressgateway"),
     ("istio-role", "seed"),
+];
+
+/// The gateway's addresses inside every shoot's tunnel when the configuration names none:
+/// the first address of the VPN ranges the examples use, `192.168.128.1` and
+/// `fd8f:6d53:b97a:1::1` (Gardener's default IPv6 VPN range). They must be outside every
+/// shoot's networks and its agents' addresses.
+pub const DEFAULT_TUNNEL_LOCAL_ADDRESSES: [IpAddr; 2] = [
+    IpAddr::V4(Ipv4Addr::new(192, 168, 128, 1)),
+    IpAddr::V6(Ipv6Addr::new(0xfd8f, 0x6d53, 0xb97a, 1, 0, 0, 0, 1)),
 ];
 
 /// A controller configuration file as written.
@@ -43,6 +53,9 @@ pub struct RawController {
     /// Where everything trellis does not route itself goes (the Envoy gateway's Service).
     #[serde(default)]
     pub fallback: Option<RawFallback>,
+    /// Shoots' tunnels (default: [`DEFAULT_TUNNEL_LOCAL_ADDRESSES`]).
+    #[serde(default)]
+    pub tunnel: Option<RawTunnel>,
     /// Where the table is written.
     #[serde(default)]
     pub output: Option<RawOutput>,
@@ -114,6 +127,17 @@ pub struct RawFallback {
     pub send_proxy_protocol: Option<String>,
 }
 
+/// The `tunnel` section as written.
+#[derive(Debug, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawTunnel {
+    /// The gateway's addresses inside every shoot's tunnel (a route's
+    /// `tunnel.wireguard.localAddresses`): one or two, at most one per family, outside every
+    /// shoot's networks and agent addresses.
+    #[serde(default)]
+    pub local_addresses: Option<Vec<String>>,
+}
+
 /// The output as written.
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
@@ -140,6 +164,8 @@ pub struct ControllerConfig {
     pub fallback_connect_legacy: Option<BackendAddress>,
     /// The PROXY header the fallback routes send, if any.
     pub fallback_proxy_protocol: Option<ProxyVersion>,
+    /// The gateway's addresses inside every shoot's tunnel, at most one per family.
+    pub tunnel_local_addresses: Vec<IpAddr>,
     /// Where the table goes.
     pub output: Output,
     /// Address of `/ready`, `/live` and `/metrics`, if any.
@@ -169,6 +195,7 @@ impl Default for ControllerConfig {
             fallback_connect: None,
             fallback_connect_legacy: None,
             fallback_proxy_protocol: None,
+            tunnel_local_addresses: DEFAULT_TUNNEL_LOCAL_ADDRESSES.to_vec(),
             output: Output::None,
             admin: None,
         }
@@ -255,6 +282,9 @@ pub(super) fn validate(
             }
         }
     }
+    if let Some(addresses) = raw.tunnel.and_then(|t| t.local_addresses) {
+        config.tunnel_local_addresses = local_addresses(&mut errors, &addresses);
+    }
     if let Some(output) = raw.output {
         match output.file {
             Some(f) if f.is_empty() => errors.push("output.file", "must not be empty"),
@@ -272,6 +302,42 @@ pub(super) fn validate(
         }
     }
     errors.finish(file, config)
+}
+
+/// `tunnel.localAddresses`: one or two unicast addresses, at most one per family.
+fn local_addresses(errors: &mut Errors, list: &[String]) -> Vec<IpAddr> {
+    let path = "tunnel.localAddresses";
+    if list.is_empty() || list.len() > 2 {
+        errors.push(
+            path,
+            format!(
+                "one or two addresses are required (at most one per family), got {}",
+                list.len()
+            ),
+        );
+    }
+    let mut out: Vec<IpAddr> = Vec::with_capacity(list.len());
+    for (i, text) in list.iter().enumerate() {
+        let at = format!("{path}[{i}]");
+        let Ok(ip) = text.parse::<IpAddr>().map(|ip| ip.to_canonical()) else {
+            errors.push(at, format!("expected an IP address, got {text:?}"));
+            continue;
+        };
+        if ip.is_unspecified()
+            || ip.is_multicast()
+            || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast())
+        {
+            errors.push(&at, format!("{ip} is not a unicast address"));
+        }
+        if out.iter().any(|o| o.is_ipv4() == ip.is_ipv4()) {
+            errors.push(
+                &at,
+                "a second address of its family: at most one per family",
+            );
+        }
+        out.push(ip);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -294,6 +360,13 @@ mod tests {
             Some("ingressgateway")
         );
         assert_eq!(c.fallback, None);
+        assert_eq!(
+            c.tunnel_local_addresses,
+            [
+                "192.168.128.1".parse::<IpAddr>().unwrap(),
+                "fd8f:6d53:b97a:1::1".parse().unwrap()
+            ]
+        );
     }
 
     #[test]
@@ -308,11 +381,19 @@ fallback:
   connect: \"istio-ingressgateway.istio-ingress.svc.cluster.local:8443\"
   connectLegacy: \"istio-ingressgateway.istio-ingress.svc.cluster.local:8132\"
   sendProxyProtocol: v2
+tunnel: {{localAddresses: [\"fd00::1\", 10.99.0.1]}}
 output: {{file: routes.json}}
 admin: {{address: \"127.0.0.1:15022\"}}
 "
         ))
         .unwrap();
+        assert_eq!(
+            c.tunnel_local_addresses,
+            [
+                "fd00::1".parse::<IpAddr>().unwrap(),
+                "10.99.0.1".parse().unwrap()
+            ]
+        );
         assert_eq!(c.kubeconfig, Some(PathBuf::from("/k")));
         assert_eq!(c.selector.len(), 1);
         assert_eq!(c.parent_refs, [("infra".into(), "public".into())]);
@@ -345,6 +426,7 @@ admin: {{address: \"127.0.0.1:15022\"}}
 fallback: {{address: nope, connect: \"envoy\", connectLegacy: \"envoy:x\", sendProxyProtocol: v9}}
 output: {{}}
 admin: {{address: nope, debugAddress: \"127.0.0.1:1\"}}
+tunnel: {{localAddresses: [10.0.0.1, 10.0.0.2, nope]}}
 "
         ))
         .unwrap_err();
@@ -359,6 +441,9 @@ admin: {{address: nope, debugAddress: \"127.0.0.1:1\"}}
             "gateway.extra: unknown field `extra`",
             "admin.address: expected IP:port",
             "admin.debugAddress: the controller has no debug endpoint",
+            "tunnel.localAddresses: one or two addresses are required (at most one per family), got 3",
+            "tunnel.localAddresses[1]: a second address of its family",
+            "tunnel.localAddresses[2]: expected an IP address, got \"nope\"",
         ] {
             assert!(err.contains(needle), "{needle} not in {err}");
         }

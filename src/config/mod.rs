@@ -34,6 +34,20 @@ macro_rules! mapping_only {
     )*};
 }
 
+/// Implements `Serialize` for raw types whose derive is `#[serde(remote = "Self")]` (see
+/// [`mapping_only!`]): the derived serializer is an inherent function then, which the trait
+/// impl calls. Used for the files trellis writes as well as reads (the routing table, which
+/// the controller writes and `/routes` shows in the same shape).
+macro_rules! serialize_derived {
+    ($($ty:ident),* $(,)?) => {$(
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                $ty::serialize(self, s)
+            }
+        }
+    )*};
+}
+
 pub mod agent;
 pub mod controller;
 mod decode;

@@ -1,11 +1,16 @@
-//! `kind: RoutingTable` files: raw schema and conversion into a [`RoutingTable`].
+//! `kind: RoutingTable` files: the schema and its conversion into a [`RoutingTable`].
+//!
+//! The raw types here are the one schema of a routing table: the gateway reads files into
+//! them, the controller writes its tables from them, and `/routes` shows the active table
+//! in them ([`RawRoute::from`] a validated route), so a field is added in one place. They
+//! serialize as the file is written: empty lists and absent options are left out.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::decode::{Kind, Raw};
 use super::{ConfigError, Errors, at};
@@ -24,6 +29,16 @@ mapping_only!(
     RawWireGuardRoute,
     RawTunnelPeer
 );
+serialize_derived!(
+    RawRoutingTable,
+    RawRoute,
+    RawBackend,
+    RawRouteTimeouts,
+    RawEgress,
+    RawTunnel,
+    RawWireGuardRoute,
+    RawTunnelPeer
+);
 
 /// The `kind` of routing table files.
 pub const KIND: &str = "RoutingTable";
@@ -32,7 +47,7 @@ pub const KIND: &str = "RoutingTable";
 pub const MAX_ROUTE_NAME: usize = 253;
 
 /// A routing table file as written.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawRoutingTable {
     /// Always `trellis.gardener.cloud/v1alpha1`.
@@ -44,57 +59,68 @@ pub struct RawRoutingTable {
     pub routes: Vec<RawRoute>,
 }
 
+impl RawRoutingTable {
+    /// A table of `routes` with this file kind's `apiVersion` and `kind`.
+    pub fn new(routes: Vec<RawRoute>) -> RawRoutingTable {
+        RawRoutingTable {
+            api_version: super::API_VERSION.to_owned(),
+            kind: KIND.to_owned(),
+            routes,
+        }
+    }
+}
+
 /// One route as written.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawRoute {
     /// Unique name, used in metrics and logs.
     pub name: String,
     /// TLS server names: exact, or `*.` followed by a suffix.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sni: Vec<String>,
     /// Values of the CONNECT destination header.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub destinations: Vec<String>,
     /// Original destinations (`IP:port`) carried in a PROXY header.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub proxy_destinations: Vec<String>,
     /// Where connections go.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub backends: Vec<RawBackend>,
     /// Per-route timeout overrides.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeouts: Option<RawRouteTimeouts>,
     /// Close connections after this long (e.g. `24h`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_connection_duration: Option<String>,
     /// Admit only clients in these networks (`IP/prefix` or a bare IP): the PROXY source
     /// when a trusted load balancer sent one, else the peer. Left out: every client. An
     /// empty list is an error (it would admit nobody).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allowed_source_ranges: Option<Vec<String>>,
     /// Start every backend connection with a PROXY header of this version (`v1` or `v2`):
     /// source the client address routes admit by, destination the address the client
     /// reached (a received PROXY header's destination, else the listener's). Left out: none.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub send_proxy_protocol: Option<String>,
     /// The backends are CONNECT proxies: on `http-connect` listeners the request head is
     /// sent to them as received and they answer it (accepted, and ignored, elsewhere).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub forward_connect: bool,
     /// kube-apiserver egress on `egress-connect` listeners: which connections belong to this
     /// route and where their CONNECTs may go. A route with `egress` needs no backends.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<RawEgress>,
     /// The shoot's tunnel: the peers the gateway's WireGuard device accepts for this route,
     /// and the gateway's own addresses inside the shoot. A route with `tunnel` needs no
     /// backends.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tunnel: Option<RawTunnel>,
 }
 
 /// A route's `tunnel` as written.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawTunnel {
     /// A WireGuard tunnel, served by the gateway's `wireguard` listener.
@@ -102,7 +128,7 @@ pub struct RawTunnel {
 }
 
 /// A route's `tunnel.wireguard` as written.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawWireGuardRoute {
     /// The shoot-side peers (e.g. two agent replicas): at least one; a public key appears
@@ -116,7 +142,7 @@ pub struct RawWireGuardRoute {
 }
 
 /// One peer of a route's tunnel as written.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawTunnelPeer {
     /// Its public key, base64 as `wg pubkey` prints it.
@@ -125,60 +151,124 @@ pub struct RawTunnelPeer {
     /// (`IP/prefix` or a bare IP): at least one.
     #[serde(default, rename = "allowedIPs")]
     pub allowed_ips: Vec<String>,
+    /// The gateway's live state of the peer (endpoint, last handshake, streams), which
+    /// `/routes` adds; never read from a file (a file naming it has an unknown field).
+    #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub state: Option<serde_json::Value>,
 }
 
 /// A route's `egress` as written.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawEgress {
     /// Client certificates (leaf CN or a DNS SAN) that select this route after a handshake
     /// with the listener's `tls`; with `serverNames` or `clientSources`, the leaf must carry
     /// one of them as well.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub client_identities: Vec<String>,
     /// TLS server names (exact) that select this route before the handshake.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub server_names: Vec<String>,
     /// Client addresses (`IP/prefix` or a bare IP) that select this route before the
     /// handshake, when no route claims the server name.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub client_sources: Vec<String>,
     /// This route's own server certificate and the one client CA it accepts (for a route
     /// selected before the handshake). Left out: the listener's.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<super::tls::RawTls>,
     /// Networks a CONNECT may reach through the shoot's tunnel (or directly, `via: direct`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_networks: Vec<String>,
     /// Networks a CONNECT may reach from the gateway's own network.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub direct_networks: Vec<String>,
     /// How `allowedNetworks` are dialed: `tunnel` (default) or `direct`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub via: Option<String>,
 }
 
 /// One backend as written.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawBackend {
     /// `IP:port` or `DNS-name:port` (resolved at connect time).
     pub address: String,
     /// Availability zone, for zone-preferring backend choice.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zone: Option<String>,
 }
 
 /// Per-route timeout overrides as written.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawRouteTimeouts {
     /// Connect budget for this route (failover included).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub connect: Option<String>,
     /// Idle timeout for this route's connections.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle: Option<String>,
+}
+
+impl From<&Route> for RawRoute {
+    /// The route as a file would have it: names and durations as validation normalised
+    /// them, relative TLS paths resolved, `via` always written.
+    fn from(r: &Route) -> RawRoute {
+        let text = |n: &Net| n.to_string();
+        RawRoute {
+            name: r.name().to_owned(),
+            sni: r.sni().map(str::to_owned).collect(),
+            destinations: r.destinations().map(str::to_owned).collect(),
+            proxy_destinations: r.proxy_destinations.iter().map(|a| a.to_string()).collect(),
+            backends: r
+                .backends
+                .iter()
+                .map(|b| RawBackend {
+                    address: b.address.to_string(),
+                    zone: b.zone.as_deref().map(str::to_owned),
+                })
+                .collect(),
+            timeouts: (r.timeouts != RouteTimeouts::default()).then(|| RawRouteTimeouts {
+                connect: r.timeouts.connect.map(super::duration_text),
+                idle: r.timeouts.idle.map(super::duration_text),
+            }),
+            max_connection_duration: r.max_connection_duration.map(super::duration_text),
+            allowed_source_ranges: r
+                .allowed_sources
+                .as_ref()
+                .map(|s| s.networks().map(|n| n.to_string()).collect()),
+            send_proxy_protocol: r.send_proxy_protocol.map(|v| v.as_str().to_owned()),
+            forward_connect: r.forward_connect,
+            egress: r.egress.as_deref().map(|e| RawEgress {
+                client_identities: e.client_identities.to_vec(),
+                server_names: e.server_names.to_vec(),
+                client_sources: e.client_sources.iter().map(text).collect(),
+                tls: e.tls.as_ref().map(|t| super::tls::RawTls {
+                    certificate_file: t.certificate_file.to_string_lossy().into_owned(),
+                    key_file: t.key_file.to_string_lossy().into_owned(),
+                    client_ca_file: t.client_ca_file.to_string_lossy().into_owned(),
+                }),
+                allowed_networks: e.allowed_networks.iter().map(text).collect(),
+                direct_networks: e.direct_networks.iter().map(text).collect(),
+                via: Some(e.via.as_str().to_owned()),
+            }),
+            tunnel: r.tunnel.as_deref().map(|t| RawTunnel {
+                wireguard: RawWireGuardRoute {
+                    peers: t
+                        .peers
+                        .iter()
+                        .map(|p| RawTunnelPeer {
+                            public_key: p.public_key.to_base64(),
+                            allowed_ips: p.allowed_ips.iter().map(text).collect(),
+                            state: None,
+                        })
+                        .collect(),
+                    local_addresses: t.local_addresses.iter().map(|a| a.to_string()).collect(),
+                },
+            }),
+        }
+    }
 }
 
 /// A validated table and the hash of the file it was built from.
@@ -1090,23 +1180,101 @@ mod tests {
         assert!(err.contains("routes[0].backends: at least one backend is required (a route without backends needs egress or tunnel)"), "{err}");
     }
 
-    /// What `/routes` shows of a tunnel is the table file's shape: read back as a table, it
-    /// is the same tunnel.
+    /// A validated route in the schema ([`RawRoute::from`], what `/routes` shows) reads back
+    /// as the same route, every field included; the schema is also what is written.
     #[test]
-    fn the_routes_view_of_a_tunnel_reads_back() {
-        let t = check(&tunnel_table(
-            &format!("[{{publicKey: \"{}\", allowedIPs: [192.168.128.5, \"10.250.0.0/16\"]}}, {{publicKey: \"{}\", allowedIPs: [\"fd00:1::/64\"]}}]", key(1), key(2)),
-            "[\"fd00:2::1\", 192.168.128.1]",
+    fn a_route_shown_in_the_schema_reads_back() {
+        let dir = std::env::temp_dir().join(format!("trellis-schema-{}", std::process::id()));
+        let file = dir.join("routes.yaml");
+        let table = format!(
+            "{HEAD}routes:
+- name: all
+  sni: [\"*.a.example.com\", API.a.example.com.]
+  destinations: [\"outbound|443||kube-apiserver.a.svc.cluster.local\"]
+  proxyDestinations: [\"240.0.0.1:443\"]
+  backends: [{{address: \"10.1.2.3:443\", zone: eu-1a}}, {{address: \"kube-apiserver.a:443\"}}]
+  timeouts: {{connect: 5000ms, idle: 1h}}
+  maxConnectionDuration: 24h
+  allowedSourceRanges: [\"203.0.113.9/24\", \"2001:db8::/32\"]
+  sendProxyProtocol: v2
+  forwardConnect: true
+  egress:
+    clientIdentities: [kube-apiserver-http-proxy]
+    serverNames: [vpn.a.example.com]
+    clientSources: [10.64.1.10]
+    tls: {{certificateFile: a.crt, keyFile: a.key, clientCAFile: a-ca.crt}}
+    allowedNetworks: [\"10.250.0.0/16\"]
+    directNetworks: [\"10.1.0.0/16\"]
+  tunnel:
+    wireguard:
+      peers: [{{publicKey: \"{}\", allowedIPs: [192.168.128.5, \"fd00:1::/64\"]}}]
+      localAddresses: [\"fd00:2::1\", 192.168.128.1]
+- name: plain
+  backends: [{{address: \"10.1.2.4:443\"}}]
+",
+            key(1)
+        );
+        let first = parse(&file, table.as_bytes(), &BackendRegistry::default()).unwrap();
+        let shown: Vec<RawRoute> = first
+            .table
+            .routes()
+            .iter()
+            .map(|r| RawRoute::from(&**r))
+            .collect();
+        let json = serde_json::to_string(&RawRoutingTable::new(shown.clone())).unwrap();
+        let again = parse(&file, json.as_bytes(), &BackendRegistry::default())
+            .unwrap_or_else(|e| panic!("{e}\n{json}"));
+        let shown_again: Vec<RawRoute> = again
+            .table
+            .routes()
+            .iter()
+            .map(|r| RawRoute::from(&**r))
+            .collect();
+        assert_eq!(shown, shown_again);
+        let all = &shown[0];
+        assert_eq!(all.sni, ["*.a.example.com", "api.a.example.com"]);
+        assert_eq!(
+            all.timeouts.as_ref().and_then(|t| t.connect.as_deref()),
+            Some("5s")
+        );
+        assert_eq!(
+            all.allowed_source_ranges.as_deref(),
+            Some(&["203.0.113.0/24".to_owned(), "2001:db8::/32".to_owned()][..])
+        );
+        let egress = all.egress.as_ref().unwrap();
+        assert_eq!(egress.client_sources, ["10.64.1.10/32"]);
+        assert_eq!(egress.via.as_deref(), Some("tunnel"));
+        assert_eq!(
+            egress.tls.as_ref().map(|t| t.key_file.as_str()),
+            Some(dir.join("a.key").to_str().unwrap())
+        );
+        assert_eq!(
+            again.table.routes()[0].tunnel,
+            first.table.routes()[0].tunnel
+        );
+        // Left out when empty: a plain route is its name and backends.
+        let plain = serde_json::to_value(&shown[1]).unwrap();
+        assert_eq!(
+            plain,
+            serde_json::json!({"name": "plain", "backends": [{"address": "10.1.2.4:443"}]})
+        );
+    }
+
+    /// A peer's live `state` is shown by `/routes` only: a file cannot set it.
+    #[test]
+    fn a_peer_state_is_not_read_from_a_file() {
+        let err = check(&tunnel_table(
+            &format!(
+                "[{{publicKey: \"{}\", allowedIPs: [10.0.0.1], state: {{endpoint: \"1.2.3.4:5\"}}}}]",
+                key(1)
+            ),
+            "[10.9.0.1]",
         ))
-        .unwrap();
-        let tunnel = t.table.routes()[0].tunnel.as_deref().unwrap();
-        let shown = serde_json::json!({
-            "apiVersion": crate::config::API_VERSION,
-            "kind": KIND,
-            "routes": [{"name": "t", "tunnel": tunnel.view(None)}],
-        });
-        let again = check(&shown.to_string()).unwrap();
-        assert_eq!(again.table.routes()[0].tunnel.as_deref(), Some(tunnel));
+        .unwrap_err();
+        assert!(
+            err.contains("routes[0].tunnel.wireguard.peers[0].state: unknown field `state`"),
+            "{err}"
+        );
     }
 
     #[test]

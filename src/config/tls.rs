@@ -8,14 +8,15 @@ use std::path::{Path, PathBuf};
 
 pub use crate::route::TlsFiles;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::Errors;
 
 mapping_only!(RawTls);
+serialize_derived!(RawTls);
 
 /// A `tls` section as written.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawTls {
     /// PEM file with the server certificate first, then its intermediates.

@@ -35,12 +35,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use super::model::{EnvoyFilter, Permission, Principal, Rbac, RbacAt, Snapshot};
-use super::translate::{BackendDoc, Handoff, Reason, Report, RouteDoc, Target};
+use super::report::{Reason, Report};
+use super::target::Target;
+use crate::config::routes::{RawBackend, RawRoute};
 use crate::route::Net;
 
 /// The route that claims CONNECT keys a filter restricts which would otherwise reach the
 /// fallback from trellis' own address: it admits nobody. Added after route names are settled,
-/// so its name must be reserved ([`super::translate::is_reserved`]): no shoot's route has it.
+/// so its name must be reserved ([`super::target::is_reserved`]): no shoot's route has it.
 pub const CLOSED_ROUTE: &str = "fallback-closed";
 
 /// The name of the route that takes a restricted server name `host` no route holds to the
@@ -318,7 +320,7 @@ pub fn apply(
     snapshot: &Snapshot,
     target: &Target,
     fallback_keys: &BTreeSet<String>,
-    routes: &mut Vec<RouteDoc>,
+    routes: &mut Vec<RawRoute>,
     report: &mut Report,
 ) {
     let filters: Vec<&EnvoyFilter> = snapshot
@@ -348,18 +350,15 @@ pub fn apply(
     // Evaluated as one more route; left with the keys it must close.
     let closing = match target.connect_fallback() {
         Some(address) if !enforced_by_fallback && !fallback_keys.is_empty() => {
-            routes.push(RouteDoc {
+            routes.push(RawRoute {
                 name: CLOSED_ROUTE.to_owned(),
-                sni: Vec::new(),
                 destinations: fallback_keys.iter().cloned().collect(),
-                proxy_destinations: Vec::new(),
-                backends: vec![BackendDoc {
+                backends: vec![RawBackend {
                     address: address.to_owned(),
                     zone: None,
                 }],
-                max_connection_duration: None,
-                allowed_source_ranges: ADMIT_NONE.map(str::to_owned).to_vec(),
-                handoff: Handoff::NONE,
+                allowed_source_ranges: Some(ADMIT_NONE.map(str::to_owned).to_vec()),
+                ..RawRoute::default()
             });
             Some(routes.len() - 1)
         }
@@ -524,7 +523,7 @@ pub fn apply(
             dropped.insert(route.name.clone());
             continue;
         }
-        route.allowed_source_ranges = sources.to_list().unwrap_or_default();
+        route.allowed_source_ranges = sources.to_list();
         if !inexact.is_empty() {
             report.skip(
                 Reason::AclUnsupported,
@@ -551,10 +550,10 @@ fn restricted_names_to_fallback(
     target: &Target,
     filters: &[&EnvoyFilter],
     address: &str,
-    routes: &mut Vec<RouteDoc>,
+    routes: &mut Vec<RawRoute>,
 ) -> BTreeSet<String> {
     let mut held: BTreeSet<String> = routes.iter().flat_map(|r| r.sni.iter().cloned()).collect();
-    let mut added: BTreeMap<String, RouteDoc> = BTreeMap::new();
+    let mut added: BTreeMap<String, RawRoute> = BTreeMap::new();
     for f in filters {
         for rbac in &f.rbac {
             let RbacAt::Sni(h) = &rbac.at else { continue };
@@ -578,18 +577,14 @@ fn restricted_names_to_fallback(
             let name = acl_route_name(&h);
             added.insert(
                 name.clone(),
-                RouteDoc {
+                RawRoute {
                     name,
                     sni: names.into_iter().collect(),
-                    destinations: Vec::new(),
-                    proxy_destinations: Vec::new(),
-                    backends: vec![BackendDoc {
+                    backends: vec![RawBackend {
                         address: address.to_owned(),
                         zone: None,
                     }],
-                    max_connection_duration: None,
-                    allowed_source_ranges: Vec::new(),
-                    handoff: Handoff::NONE,
+                    ..RawRoute::default()
                 },
             );
         }
@@ -603,7 +598,6 @@ fn restricted_names_to_fallback(
 mod tests {
     use super::*;
     use crate::controller::model::{Meta, RbacPolicy};
-    use crate::controller::translate::BackendDoc;
 
     fn net(s: &str) -> Net {
         let (a, p) = s.split_once('/').unwrap();
@@ -691,24 +685,21 @@ mod tests {
         ]
     }
 
-    fn route(name: &str, sni: &[&str], destinations: &[&str]) -> RouteDoc {
-        RouteDoc {
+    fn route(name: &str, sni: &[&str], destinations: &[&str]) -> RawRoute {
+        RawRoute {
             name: name.into(),
             sni: sni.iter().map(|s| (*s).to_owned()).collect(),
             destinations: destinations.iter().map(|s| (*s).to_owned()).collect(),
-            proxy_destinations: Vec::new(),
-            backends: vec![BackendDoc {
+            backends: vec![RawBackend {
                 address: "10.0.0.1:443".into(),
                 zone: None,
             }],
-            max_connection_duration: None,
-            allowed_source_ranges: Vec::new(),
-            handoff: Handoff::NONE,
+            ..RawRoute::default()
         }
     }
 
     /// A shoot's two routes as translation renders them.
-    fn shoot(ns: &str) -> [RouteDoc; 2] {
+    fn shoot(ns: &str) -> [RawRoute; 2] {
         [
             route(
                 ns,
@@ -740,7 +731,7 @@ mod tests {
         }
     }
 
-    fn run(filters: Vec<EnvoyFilter>, routes: &mut Vec<RouteDoc>) -> Report {
+    fn run(filters: Vec<EnvoyFilter>, routes: &mut Vec<RawRoute>) -> Report {
         run_with(&target(), &BTreeSet::new(), filters, routes)
     }
 
@@ -748,7 +739,7 @@ mod tests {
         target: &Target,
         fallback_keys: &BTreeSet<String>,
         filters: Vec<EnvoyFilter>,
-        routes: &mut Vec<RouteDoc>,
+        routes: &mut Vec<RawRoute>,
     ) -> Report {
         let snapshot = Snapshot {
             envoy_filters: filters,
@@ -759,8 +750,12 @@ mod tests {
         report
     }
 
-    fn ranges(r: &RouteDoc) -> Vec<&str> {
-        r.allowed_source_ranges.iter().map(String::as_str).collect()
+    fn ranges(r: &RawRoute) -> Vec<&str> {
+        r.allowed_source_ranges
+            .iter()
+            .flatten()
+            .map(String::as_str)
+            .collect()
     }
 
     fn skips(report: &Report) -> Vec<&str> {
@@ -771,12 +766,12 @@ mod tests {
 
     #[test]
     fn the_routes_added_here_have_reserved_names() {
-        assert!(crate::controller::translate::is_reserved(CLOSED_ROUTE));
+        assert!(crate::controller::target::is_reserved(CLOSED_ROUTE));
     }
 
     #[test]
     fn an_allow_list_on_every_path_is_rendered_exactly_and_only_on_its_shoot() {
-        let mut routes: Vec<RouteDoc> = [shoot("shoot--a--locked"), shoot("shoot--a--open")]
+        let mut routes: Vec<RawRoute> = [shoot("shoot--a--locked"), shoot("shoot--a--open")]
             .into_iter()
             .flatten()
             .collect();
@@ -787,8 +782,8 @@ mod tests {
         assert_eq!(ranges(&routes[0]), sorted);
         assert_eq!(ranges(&routes[1]), sorted);
         // The neighbour passes the inverse policies: no list.
-        assert!(routes[2].allowed_source_ranges.is_empty());
-        assert!(routes[3].allowed_source_ranges.is_empty());
+        assert!(routes[2].allowed_source_ranges.is_none());
+        assert!(routes[3].allowed_source_ranges.is_none());
         assert!(report.skips.is_empty(), "{:?}", report.skips);
     }
 
@@ -800,7 +795,7 @@ mod tests {
         let report = run(vec![f], &mut routes);
         assert_eq!(ranges(&routes[0]), ["192.0.2.0/24"]);
         // The VPN route is on no SNI path; the API route's CONNECT paths are open in Envoy.
-        assert!(routes[1].allowed_source_ranges.is_empty());
+        assert!(routes[1].allowed_source_ranges.is_none());
         assert_eq!(skips(&report), ["route shoot--a--b"]);
         assert!(
             report.skips[0]
@@ -852,7 +847,7 @@ mod tests {
             both_connect("shoot--a--b", client(&["192.0.2.0/24"])).to_vec(),
             &mut routes,
         );
-        assert!(routes.iter().all(|r| r.allowed_source_ranges.is_empty()));
+        assert!(routes.iter().all(|r| r.allowed_source_ranges.is_none()));
         assert!(report.skips.is_empty());
     }
 
@@ -860,7 +855,7 @@ mod tests {
     fn an_inverse_policy_that_admits_only_ipv4_restricts_every_other_shoot() {
         // Before the extension's commit 5bee91dd the inverse policy listed 0.0.0.0/0 only:
         // Envoy then denied IPv6 clients every other shoot's CONNECT keys.
-        let mut routes: Vec<RouteDoc> = [shoot("shoot--a--b"), shoot("shoot--a--b-c")]
+        let mut routes: Vec<RawRoute> = [shoot("shoot--a--b"), shoot("shoot--a--b-c")]
             .into_iter()
             .flatten()
             .collect();
@@ -939,11 +934,7 @@ mod tests {
         filters.extend(both_connect("shoot--a--b", client(&["192.0.2.0/24"])));
         run(filters, &mut routes);
         assert_eq!(ranges(&routes[0]), ADMIT_NONE);
-        let table = crate::controller::Table {
-            api_version: crate::config::API_VERSION,
-            kind: crate::config::routes::KIND,
-            routes,
-        };
+        let table = crate::controller::Table::new(routes);
         let json = crate::controller::to_json(&table);
         crate::config::routes::parse(
             std::path::Path::new("rendered.json"),
@@ -971,7 +962,7 @@ mod tests {
                 .collect(),
         );
         run(vec![f], &mut routes);
-        assert!(routes[0].allowed_source_ranges.is_empty());
+        assert!(routes[0].allowed_source_ranges.is_none());
     }
 
     #[test]
@@ -996,9 +987,12 @@ mod tests {
                 "outbound|443||kube-apiserver.shoot--a--l7.svc.cluster.local",
             ]
         );
-        assert_eq!(closed.allowed_source_ranges, ADMIT_NONE);
+        assert_eq!(ranges(closed), ADMIT_NONE);
         assert_eq!(closed.backends[0].address, "envoy:8443");
-        assert_eq!(closed.handoff, Handoff::NONE);
+        assert_eq!(
+            (&closed.send_proxy_protocol, closed.forward_connect),
+            (&None, false)
+        );
         assert_eq!(report.skipped.get(&Reason::AclUnsupported), Some(&4));
 
         // Envoy told the client: its filters hold, nothing is closed or reported.
@@ -1101,7 +1095,7 @@ mod tests {
         assert!(
             routes[1..]
                 .iter()
-                .all(|r| r.allowed_source_ranges.is_empty())
+                .all(|r| r.allowed_source_ranges.is_none())
         );
         // Envoy told the client enforces it itself: nothing added.
         let proxied = Target {

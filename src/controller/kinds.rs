@@ -1,8 +1,10 @@
 //! The API kinds the controller reads: where the API server serves each one. The live watch
 //! ([`super::watch`], cargo feature `controller`) opens one watcher per entry, and the
 //! ClusterRole in `deploy/seed/` grants list and watch on exactly these (group,
-//! resource) pairs, checked against this list by the deploy tests. No Kubernetes client
-//! here: the list is data, available in every build.
+//! resource) pairs, checked against this list by the deploy tests. Secrets are watched only
+//! through label selectors, one watch per selector: the controller never lists every Secret
+//! of a seed (RBAC cannot say so; the selectors here do). No Kubernetes client here: the
+//! list is data, available in every build.
 
 /// A kind the controller watches: where the API serves it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,6 +18,8 @@ pub struct WatchedKind {
     pub kind: &'static str,
     /// Resource name in the API's paths (what RBAC rules name).
     pub plural: &'static str,
+    /// The label selector of the watch (`key=value,key in (a,b)`); `None`: every object.
+    pub selector: Option<&'static str>,
 }
 
 impl WatchedKind {
@@ -33,8 +37,17 @@ impl WatchedKind {
 /// Istio predates it (the fields translation reads are the same in both).
 const ISTIO: &[&str] = &["v1", "v1beta1"];
 
-/// Every kind translation reads, in [`super::model::Snapshot::counts`] order.
-pub const WATCHED: [WatchedKind; 8] = [
+/// The Secrets of tunnel peers ([`super::model::TUNNEL_PEERS_LABEL`]).
+pub const TUNNEL_PEERS_SELECTOR: &str = "trellis.gardener.cloud/role=tunnel-peers";
+
+/// Gardener's secrets-manager Secrets an egress route is made of: the `vpn-seed-server`
+/// server certificate and the `ca-vpn` bundle, as gardenlet's secrets manager labels them.
+pub const EGRESS_TLS_SELECTOR: &str =
+    "managed-by=secrets-manager,manager-identity=gardenlet,name in (ca-vpn-bundle,vpn-seed-server)";
+
+/// Every kind translation reads, in [`super::model::Snapshot::counts`] order (a kind watched
+/// through several selectors counts once, after its last watch).
+pub const WATCHED: [WatchedKind; 11] = [
     kind("networking.istio.io", ISTIO, "Gateway", "gateways"),
     kind(
         "networking.istio.io",
@@ -72,6 +85,15 @@ pub const WATCHED: [WatchedKind; 8] = [
         "TLSRoute",
         "tlsroutes",
     ),
+    // Cluster-scoped, one per shoot namespace: the shoot's networks for its tunnel.
+    kind(
+        "extensions.gardener.cloud",
+        &["v1alpha1"],
+        "Cluster",
+        "clusters",
+    ),
+    selected("", &["v1"], "Secret", "secrets", TUNNEL_PEERS_SELECTOR),
+    selected("", &["v1"], "Secret", "secrets", EGRESS_TLS_SELECTOR),
 ];
 
 const fn kind(
@@ -85,6 +107,21 @@ const fn kind(
         versions,
         kind,
         plural,
+        selector: None,
+    }
+}
+
+/// A kind watched only through `selector`.
+const fn selected(
+    group: &'static str,
+    versions: &'static [&'static str],
+    kind: &'static str,
+    plural: &'static str,
+    selector: &'static str,
+) -> WatchedKind {
+    WatchedKind {
+        selector: Some(selector),
+        ..self::kind(group, versions, kind, plural)
     }
 }
 
@@ -95,9 +132,18 @@ mod tests {
 
     #[test]
     fn kinds_are_in_snapshot_order() {
-        let names: Vec<_> = WATCHED.iter().map(|k| k.kind).collect();
+        let mut names: Vec<_> = WATCHED.iter().map(|k| k.kind).collect();
+        names.dedup();
         let counts: Vec<_> = Snapshot::default().counts().map(|c| c.0).to_vec();
         assert_eq!(names, counts);
+    }
+
+    #[test]
+    fn secrets_are_only_watched_through_a_selector() {
+        for k in WATCHED.iter().filter(|k| k.kind == "Secret") {
+            assert!(k.selector.is_some_and(|s| !s.is_empty()), "{k:?}");
+        }
+        assert_eq!(WATCHED.iter().filter(|k| k.kind == "Secret").count(), 2);
     }
 
     #[test]

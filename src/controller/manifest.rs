@@ -13,9 +13,10 @@ use serde_json::Value;
 use thiserror::Error;
 
 use super::model::{
-    BackendRef, Destination, DestinationRule, Endpoint, EndpointSlice, EnvoyFilter, Gateway, Meta,
-    Namespace, Object, Permission, Principal, Rbac, RbacAt, RbacPolicy, Server, Service,
-    ServicePort, Snapshot, TlsRoute, TlsRouteObject, VirtualService,
+    BackendRef, Cluster, Destination, DestinationRule, Endpoint, EndpointSlice, EnvoyFilter,
+    Gateway, Meta, Namespace, Object, PeerEntry, Permission, Principal, Rbac, RbacAt, RbacPolicy,
+    Secret, SecretBytes, SecretContent, Server, Service, ServicePort, Snapshot, TUNNEL_PEERS_LABEL,
+    TlsRoute, TlsRouteObject, VirtualService,
 };
 use crate::route::Net;
 
@@ -137,6 +138,10 @@ pub fn project(doc: &Value) -> Option<Object> {
         {
             Object::TlsRoute(tls_route(doc))
         }
+        ("extensions.gardener.cloud", "Cluster") if version == "v1alpha1" => {
+            Object::Cluster(cluster(doc))
+        }
+        ("", "Secret") if version == "v1" => Object::Secret(secret(doc)?),
         _ => return None,
     })
 }
@@ -502,6 +507,99 @@ fn tls_route(doc: &Value) -> TlsRouteObject {
         backends,
         meta,
     }
+}
+
+/// The Shoot's networks a Cluster embeds: `spec.networking` (one per kind) and
+/// `status.networking` (lists, every family), as Gardener itself unites them.
+fn cluster(doc: &Value) -> Cluster {
+    let shoot = doc.pointer("/spec/shoot").unwrap_or(&Value::Null);
+    let mut networks = std::collections::BTreeSet::new();
+    for kind in ["nodes", "pods", "services"] {
+        let spec = shoot
+            .pointer(&format!("/spec/networking/{kind}"))
+            .and_then(Value::as_str);
+        let status = strings(shoot, &format!("/status/networking/{kind}"));
+        for text in spec.into_iter().chain(status.iter().map(String::as_str)) {
+            networks.extend(Net::parse(text).ok());
+        }
+    }
+    Cluster {
+        meta: meta(doc),
+        networks: networks.into_iter().collect(),
+    }
+}
+
+/// The projection of a Secret of a kind translation reads, by its labels; `None` for any
+/// other Secret. Values come from `data` (base64) and, as the API server merges them on a
+/// write, `stringData`; a value that is not valid base64 is absent.
+fn secret(doc: &Value) -> Option<Secret> {
+    let labels = labels(doc, "/metadata/labels");
+    let label = |k: &str| labels.get(k).map(String::as_str);
+    let mut data: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    if let Some(map) = doc.get("data").and_then(Value::as_object) {
+        use base64::Engine;
+        for (k, v) in map {
+            let decoded = v
+                .as_str()
+                .and_then(|v| base64::engine::general_purpose::STANDARD.decode(v).ok());
+            if let Some(bytes) = decoded {
+                data.insert(k.clone(), bytes);
+            }
+        }
+    }
+    if let Some(map) = doc.get("stringData").and_then(Value::as_object) {
+        for (k, v) in map {
+            if let Some(text) = v.as_str() {
+                data.insert(k.clone(), text.as_bytes().to_vec());
+            }
+        }
+    }
+    let issued_at = label("issued-at-time").and_then(|t| t.parse().ok());
+    let mut bytes = |k: &str| SecretBytes::from(data.remove(k).unwrap_or_default());
+    let gardenlet = label("managed-by") == Some("secrets-manager")
+        && label("manager-identity") == Some("gardenlet");
+    let content = if label(TUNNEL_PEERS_LABEL.0) == Some(TUNNEL_PEERS_LABEL.1) {
+        SecretContent::TunnelPeers(peers(&data))
+    } else if gardenlet && label("name") == Some("vpn-seed-server") {
+        SecretContent::EgressCertificate {
+            issued_at,
+            certificate: bytes("tls.crt"),
+            key: bytes("tls.key"),
+        }
+    } else if gardenlet && label("name") == Some("ca-vpn-bundle") {
+        SecretContent::EgressClientCa {
+            issued_at,
+            bundle: bytes("bundle.crt"),
+        }
+    } else {
+        return None;
+    };
+    Some(Secret {
+        meta: meta(doc),
+        content,
+    })
+}
+
+/// The peers of a tunnel peers Secret's data (`<peer>.publicKey`, `<peer>.addresses`), by
+/// name; other keys are ignored.
+fn peers(data: &BTreeMap<String, Vec<u8>>) -> Vec<PeerEntry> {
+    let mut peers: BTreeMap<&str, PeerEntry> = BTreeMap::new();
+    for (key, value) in data {
+        let (name, field) = match key.rsplit_once('.') {
+            Some((name, field @ ("publicKey" | "addresses"))) if !name.is_empty() => (name, field),
+            _ => continue,
+        };
+        let entry = peers.entry(name).or_insert_with(|| PeerEntry {
+            name: name.to_owned(),
+            ..PeerEntry::default()
+        });
+        let text = String::from_utf8(value.clone()).ok();
+        match field {
+            "publicKey" => entry.public_key = text,
+            _ => entry.addresses = text,
+        }
+    }
+    peers.into_values().collect()
 }
 
 #[cfg(test)]

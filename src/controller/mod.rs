@@ -2,9 +2,11 @@
 //!
 //! [`model`] holds compact projections of the objects translation reads, [`manifest`] fills
 //! them from manifest files (`trellis controller render`), and [`translate`] turns a
-//! snapshot of them into a table for one gateway: a pure function, no I/O, no runtime;
-//! [`acl`] renders the source allow-lists of RBAC EnvoyFilters onto its routes; [`kinds`]
-//! lists the API kinds read.
+//! snapshot of them into a table for one [`target`] gateway, with a [`report`] of what it
+//! left out: a pure function, no I/O, no runtime; [`acl`] renders the source allow-lists of
+//! RBAC EnvoyFilters onto its routes, [`tunnel`] the shoots' tunnel and egress routes and
+//! the egress TLS files; [`kinds`] lists the API kinds read. [`output`] writes a table and
+//! its files beside it.
 //! [`watch`] (cargo feature `controller`) is the live path: kube-rs watches feeding the same
 //! projections and translation, the table written to a file.
 
@@ -12,7 +14,11 @@ pub mod acl;
 pub mod kinds;
 pub mod manifest;
 pub mod model;
+pub mod output;
+pub mod report;
+pub mod target;
 pub mod translate;
+pub mod tunnel;
 #[cfg(feature = "controller")]
 pub mod watch;
 
@@ -20,17 +26,15 @@ use std::path::{Path, PathBuf};
 
 use crate::config::controller::ControllerConfig;
 
-pub use translate::{Report, Table, Target, translate};
+pub use report::{Reason, Report};
+pub use target::Target;
+pub use translate::{Files, Rendered, Table, translate};
 
-/// Reads the manifests in `dir` and renders the table `config` asks for: the table as JSON
-/// (what the gateway loads) and the report.
-pub fn render(
-    dir: &Path,
-    config: &ControllerConfig,
-) -> Result<(String, Report), manifest::ManifestError> {
+/// Reads the manifests in `dir` and renders what `config` asks for: the table, the files it
+/// names and the report.
+pub fn render(dir: &Path, config: &ControllerConfig) -> Result<Rendered, manifest::ManifestError> {
     let snapshot = manifest::read_dir(dir)?;
-    let (table, report) = translate(&snapshot, &Target::from_config(config));
-    Ok((to_json(&table), report))
+    Ok(translate(&snapshot, &Target::from_config(config)))
 }
 
 /// The table as the controller writes it: pretty JSON, one trailing newline.

@@ -288,6 +288,95 @@ pub struct BackendRef {
     pub port: Option<u32>,
 }
 
+/// A Gardener `Cluster` (`extensions.gardener.cloud/v1alpha1`, cluster-scoped, named like
+/// the shoot's namespace): the shoot's networks, which its tunnel reaches.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Cluster {
+    /// Metadata (`name` is the shoot namespace).
+    pub meta: Meta,
+    /// The node, pod and service networks of the embedded Shoot (`spec.shoot`): its
+    /// `spec.networking.nodes/pods/services` (one network each, the primary family) and its
+    /// `status.networking.nodes/pods/services` (every family of a dual-stack shoot), sorted
+    /// and unique; what is not a network is left out.
+    pub networks: Vec<Net>,
+}
+
+/// Bytes from a Secret (certificates, private keys): shared, not copied, from the store's
+/// projection to the files rendered and the writer's record of them (so an unchanged file
+/// compares equal by pointer); never printed ([`std::fmt::Debug`] shows their length only).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct SecretBytes(pub std::sync::Arc<[u8]>);
+
+impl SecretBytes {
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl From<Vec<u8>> for SecretBytes {
+    fn from(bytes: Vec<u8>) -> Self {
+        SecretBytes(bytes.into())
+    }
+}
+
+impl std::fmt::Debug for SecretBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "<{} bytes>", self.0.len())
+    }
+}
+
+/// A `Secret` the controller reads (a watch selects them by label; see
+/// [`super::kinds::WATCHED`]): what each kind of them holds for translation.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Secret {
+    /// Metadata.
+    pub meta: Meta,
+    /// What it holds.
+    pub content: SecretContent,
+}
+
+/// What a [`Secret`] holds for translation.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum SecretContent {
+    /// trellis' tunnel peers of the shoot (label [`TUNNEL_PEERS_LABEL`]): per peer name, the
+    /// texts of `<peer>.publicKey` and `<peer>.addresses`, ordered by peer name.
+    TunnelPeers(Vec<PeerEntry>),
+    /// Gardener's `vpn-seed-server` server certificate (`tls.crt`, `tls.key`).
+    EgressCertificate {
+        /// The `issued-at-time` label (Unix seconds), if any.
+        issued_at: Option<u64>,
+        /// `tls.crt`: the certificate chain, PEM.
+        certificate: SecretBytes,
+        /// `tls.key`: its private key, PEM.
+        key: SecretBytes,
+    },
+    /// Gardener's `ca-vpn` bundle (`bundle.crt`): the CAs egress client certificates chain to.
+    EgressClientCa {
+        /// The `issued-at-time` label (Unix seconds), if any.
+        issued_at: Option<u64>,
+        /// `bundle.crt`: the CA certificates, PEM.
+        bundle: SecretBytes,
+    },
+    /// None of these.
+    #[default]
+    Other,
+}
+
+/// The label that marks a Secret of tunnel peers, and its value.
+pub const TUNNEL_PEERS_LABEL: (&str, &str) = ("trellis.gardener.cloud/role", "tunnel-peers");
+
+/// One peer of a tunnel peers Secret, as written (checked by translation).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerEntry {
+    /// The peer's name: the data keys' common prefix (`agent-0` of `agent-0.publicKey`).
+    pub name: String,
+    /// `<name>.publicKey`, if present and text.
+    pub public_key: Option<String>,
+    /// `<name>.addresses`, if present and text.
+    pub addresses: Option<String>,
+}
+
 /// Every object translation reads, as the stores hold them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Snapshot {
@@ -307,11 +396,15 @@ pub struct Snapshot {
     pub namespaces: Vec<Namespace>,
     /// Gateway API TLSRoutes.
     pub tls_routes: Vec<TlsRouteObject>,
+    /// Gardener Clusters.
+    pub clusters: Vec<Cluster>,
+    /// Secrets selected by label (tunnel peers, egress certificates and CA bundles).
+    pub secrets: Vec<Secret>,
 }
 
 impl Snapshot {
     /// Objects per kind, in a fixed order: what the report and the metrics count.
-    pub fn counts(&self) -> [(&'static str, usize); 8] {
+    pub fn counts(&self) -> [(&'static str, usize); 10] {
         [
             ("Gateway", self.gateways.len()),
             ("VirtualService", self.virtual_services.len()),
@@ -321,6 +414,8 @@ impl Snapshot {
             ("EndpointSlice", self.endpoint_slices.len()),
             ("Namespace", self.namespaces.len()),
             ("TLSRoute", self.tls_routes.len()),
+            ("Cluster", self.clusters.len()),
+            ("Secret", self.secrets.len()),
         ]
     }
 }
@@ -345,6 +440,10 @@ pub enum Object {
     Namespace(Namespace),
     /// A Gateway API TLSRoute.
     TlsRoute(TlsRouteObject),
+    /// A Gardener Cluster.
+    Cluster(Cluster),
+    /// A Secret of one of the kinds translation reads.
+    Secret(Secret),
 }
 
 impl Snapshot {
@@ -359,6 +458,8 @@ impl Snapshot {
             Object::EndpointSlice(o) => self.endpoint_slices.push(o),
             Object::Namespace(o) => self.namespaces.push(o),
             Object::TlsRoute(o) => self.tls_routes.push(o),
+            Object::Cluster(o) => self.clusters.push(o),
+            Object::Secret(o) => self.secrets.push(o),
         }
     }
 }

@@ -25,77 +25,38 @@
 //!   `kube-apiserver-ingress`) are left to it and counted as `https`.
 //! - **Names**: a namespace's API server route is named after the namespace, its other
 //!   routes `<ns>--<service>` (`--<port>` when it has several); names the controller keeps for
-//!   its own routes ([`is_reserved`]: `fallback`, `fallback-…`) get the prefix
-//!   [`RENAMED_PREFIX`], so no namespace can take one.
+//!   its own routes ([`super::target::is_reserved`]: `fallback`, `fallback-…`) get the prefix
+//!   [`super::target::RENAMED_PREFIX`], so no namespace can take one.
 //! - **Conflicts**: two routes claiming one key (server name, destination, PROXY destination,
 //!   route name): the oldest object wins (creation time, then namespace, name, uid); the
 //!   other loses that key and is counted as `conflict`. Claims are settled before endpoints
 //!   are looked at, so a restarting pod never hands a name to another namespace.
 //! - **Source allow-lists**: RBAC EnvoyFilters (the ACL extension's) become routes'
 //!   `allowedSourceRanges`, narrowed where not exact (see [`super::acl`]).
+//! - **Tunnels**: a shoot's `Cluster`, tunnel peers Secret, egress certificate Secrets and
+//!   `kube-apiserver` EndpointSlices become its route `<ns>.tunnel` with `tunnel` and
+//!   `egress`, and the egress TLS files beside the table (see [`super::tunnel`]).
 //! - Namespaces being deleted are skipped (`namespace_deleting`); a route without a ready
 //!   endpoint is left out (`no_endpoints`): a route must have a backend, and its server names
 //!   fall through to the fallback, which may still reach it.
 //!
-//! The output is ordered by route name, each list sorted: the same snapshot gives the same
-//! bytes. Nothing here does I/O.
+//! [`translate`] applies these rules one step after the other, each a method of
+//! `Translation`: claims, server names settled, fallback routes, server-name routes, VPN
+//! routes, names and keys settled, the ACL code, then the tunnel routes. The output is ordered by route name,
+//! each list sorted: the same snapshot gives the same bytes. Nothing here does I/O.
 
 use std::borrow::Cow;
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};
 
-use serde::Serialize;
-
-use super::model::{Destination, EndpointSlice, Gateway, Meta, Service, Snapshot};
-use crate::config::controller::ControllerConfig;
-use crate::route::ProxyVersion;
-
-/// Name of the route that takes everything trellis does not route itself by SNI (the `sni`
-/// listener's `defaultRoute`), and the PROXY destinations of L7 shoots.
-pub const FALLBACK_ROUTE: &str = "fallback";
-
-/// Name of the route to the fallback's CONNECT proxy for `X-Gardener-Destination` (the
-/// `defaultRoute` of the `http-connect` listener on 8443).
-pub const FALLBACK_CONNECT_ROUTE: &str = "fallback-connect";
-
-/// Name of the route to the fallback's CONNECT proxy for `Reversed-VPN` (the `defaultRoute`
-/// of the `http-connect` listener on 8132).
-pub const FALLBACK_CONNECT_LEGACY_ROUTE: &str = "fallback-connect-legacy";
-
-/// Whether `name` is one of the fallback routes, which are kept without keys.
-pub fn is_fallback(name: &str) -> bool {
-    [
-        FALLBACK_ROUTE,
-        FALLBACK_CONNECT_ROUTE,
-        FALLBACK_CONNECT_LEGACY_ROUTE,
-    ]
-    .contains(&name)
-}
-
-/// Whether `name` is reserved for the controller's own routes: [`FALLBACK_ROUTE`] and every
-/// name that starts with `fallback-` (the CONNECT fallbacks, [`super::acl::CLOSED_ROUTE`], and
-/// any the controller adds later). A route built from a namespace's objects never gets one
-/// (see [`shoot_route_name`]), so a namespace named `fallback-closed` cannot take the name
-/// of a route the ACL code adds after naming is settled.
-pub fn is_reserved(name: &str) -> bool {
-    name.strip_prefix(FALLBACK_ROUTE)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
-}
-
-/// What a route built from a namespace's objects is named when its name would be reserved.
-pub const RENAMED_PREFIX: &str = "ns.";
-
-/// The name of a route built from a namespace's objects: `name`, or [`RENAMED_PREFIX`] +
-/// `name` when that is reserved ([`is_reserved`]). Namespace and Service names are DNS
-/// labels, which have no `.`, so a renamed route collides with no other.
-fn shoot_route_name(name: String) -> String {
-    if is_reserved(&name) {
-        format!("{RENAMED_PREFIX}{name}")
-    } else {
-        name
-    }
-}
+use super::model::{Cluster, Destination, EndpointSlice, Gateway, Meta, Service, Snapshot};
+use super::report::{Reason, Report};
+use super::target::{
+    FALLBACK_CONNECT_LEGACY_ROUTE, FALLBACK_CONNECT_ROUTE, FALLBACK_ROUTE, Target, is_fallback,
+    shoot_route_name,
+};
+use crate::config::routes::{RawBackend, RawRoute, RawRoutingTable};
 
 /// The cluster domain of Service host names (Gardener's seeds use the default).
 const CLUSTER_DOMAIN: &str = "svc.cluster.local";
@@ -109,202 +70,21 @@ const VPN_SEED_SERVER: (&str, u16) = ("vpn-seed-server", 1194);
 /// Suffix of the EnvoyFilter that marks a namespace's API server as TLS-terminated by Istio.
 const TLS_TERMINATION_FILTER: &str = "-istio-tls-termination";
 
-/// The gateway a table is rendered for.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Target {
-    /// Labels of the gateway workload: an Istio Gateway whose selector is a subset is served.
-    pub selector: BTreeMap<String, String>,
-    /// Gateway API parents (namespace, name) whose TLSRoutes are served.
-    pub parent_refs: Vec<(String, String)>,
-    /// The fallback backend (`host:port`), if any.
-    pub fallback: Option<String>,
-    /// The fallback's CONNECT proxy for `X-Gardener-Destination` (`host:port`), if any.
-    pub fallback_connect: Option<String>,
-    /// The fallback's CONNECT proxy for `Reversed-VPN` (`host:port`), if any.
-    pub fallback_connect_legacy: Option<String>,
-    /// The PROXY header the fallback routes send, if any.
-    pub fallback_proxy_protocol: Option<ProxyVersion>,
-}
+/// A routing table as the controller writes it: the gateway's own schema.
+pub type Table = RawRoutingTable;
 
-impl Target {
-    /// The target a controller configuration names.
-    pub fn from_config(config: &ControllerConfig) -> Target {
-        Target {
-            selector: config.selector.clone(),
-            parent_refs: config.parent_refs.clone(),
-            fallback: config.fallback.as_ref().map(|f| f.to_string()),
-            fallback_connect: config.fallback_connect.as_ref().map(|f| f.to_string()),
-            fallback_connect_legacy: config
-                .fallback_connect_legacy
-                .as_ref()
-                .map(|f| f.to_string()),
-            fallback_proxy_protocol: config.fallback_proxy_protocol,
-        }
-    }
+pub use super::tunnel::Files;
 
-    /// Whether a CONNECT no route holds reaches the fallback (by a listener's default route).
-    pub fn connect_fallback(&self) -> Option<&str> {
-        self.fallback_connect
-            .as_deref()
-            .or(self.fallback_connect_legacy.as_deref())
-    }
-
-    /// Whether this gateway serves `gateway` (Istio's rule: the selector is a subset of the
-    /// workload's labels).
-    pub fn serves(&self, gateway: &Gateway) -> bool {
-        gateway
-            .selector
-            .iter()
-            .all(|(k, v)| self.selector.get(k) == Some(v))
-    }
-}
-
-/// A routing table document, serialised as the gateway reads it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Table {
-    /// Always `trellis.gardener.cloud/v1alpha1`.
-    pub api_version: &'static str,
-    /// Always `RoutingTable`.
-    pub kind: &'static str,
-    /// Routes, ordered by name.
-    pub routes: Vec<RouteDoc>,
-}
-
-/// One route of a [`Table`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RouteDoc {
-    /// Unique name.
-    pub name: String,
-    /// TLS server names, sorted.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub sni: Vec<String>,
-    /// CONNECT destination header values, sorted.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub destinations: Vec<String>,
-    /// PROXY header destinations, sorted.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub proxy_destinations: Vec<String>,
-    /// Backends, sorted by address.
-    pub backends: Vec<BackendDoc>,
-    /// From the DestinationRule, e.g. `86400s`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_connection_duration: Option<String>,
-    /// From the ACL extension's EnvoyFilters: the only client networks admitted; empty
-    /// admits every client (the gateway rejects an empty list, so it is never written).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub allowed_source_ranges: Vec<String>,
-    /// How connections are handed to the backends (the fallback routes' only).
-    #[serde(flatten)]
-    pub handoff: Handoff,
-}
-
-/// How a route hands connections to its backends: set on the fallback routes, which lead
-/// to another proxy (the Envoy gateway).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Handoff {
-    /// `v1`/`v2`: a PROXY header in front of every backend connection.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub send_proxy_protocol: Option<&'static str>,
-    /// The backends are CONNECT proxies: the CONNECT goes to them as received.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub forward_connect: bool,
-}
-
-impl Handoff {
-    /// Plain relaying: what every route but the fallbacks gets.
-    pub const NONE: Handoff = Handoff {
-        send_proxy_protocol: None,
-        forward_connect: false,
-    };
-}
-
-/// One backend of a [`RouteDoc`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct BackendDoc {
-    /// `IP:port` (`[IPv6]:port`) or `host:port`.
-    pub address: String,
-    /// The endpoint's zone.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub zone: Option<String>,
-}
-
-/// Why something was not routed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Reason {
-    /// Istio terminates the shoot's TLS; it falls through to the fallback.
-    L7,
-    /// Another, older object claims the same key.
-    Conflict,
-    /// The destination has no ready endpoint.
-    NoEndpoints,
-    /// The namespace is being deleted.
-    NamespaceDeleting,
-    /// The destination Service or its port does not exist.
-    NoService,
-    /// An HTTPS host that is not a shoot API server (left to the fallback).
-    Https,
-    /// A shape trellis does not translate (several destinations, a host outside the cluster,
-    /// a cross-namespace or non-Service backend).
-    Unsupported,
-    /// A source allow-list (RBAC EnvoyFilter) trellis cannot enforce exactly as Envoy does:
-    /// the route admits fewer clients, or the traffic is not routed, or (server names left
-    /// to the fallback) not enforced.
-    AclUnsupported,
-}
-
-impl Reason {
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::L7 => "l7",
-            Reason::Conflict => "conflict",
-            Reason::NoEndpoints => "no_endpoints",
-            Reason::NamespaceDeleting => "namespace_deleting",
-            Reason::NoService => "no_service",
-            Reason::Https => "https",
-            Reason::Unsupported => "unsupported",
-            Reason::AclUnsupported => "acl_unsupported",
-        }
-    }
-}
-
-/// One thing not routed, with the object it comes from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Skip {
-    /// Why.
-    pub reason: Reason,
-    /// `Kind namespace/name` of the object.
-    pub object: String,
-    /// What exactly.
-    pub detail: String,
-}
-
-/// What a translation saw and left out: for logs and metrics.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct Report {
-    /// Objects in the snapshot, per kind.
-    pub objects: BTreeMap<&'static str, usize>,
-    /// Routes rendered (the fallback included).
-    pub routes: usize,
-    /// Skips per reason.
-    pub skipped: BTreeMap<Reason, usize>,
-    /// Every skip, in the order found.
-    pub skips: Vec<Skip>,
-}
-
-impl Report {
-    pub(super) fn skip(&mut self, reason: Reason, object: String, detail: impl Into<String>) {
-        *self.skipped.entry(reason).or_default() += 1;
-        self.skips.push(Skip {
-            reason,
-            object,
-            detail: detail.into(),
-        });
-    }
+/// What a translation renders: the table, the files beside it that the table names, and
+/// what was left out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    /// The routing table.
+    pub table: Table,
+    /// The egress TLS files the table names, by name relative to the table's directory.
+    pub files: Files,
+    /// What was left out, and why.
+    pub report: Report,
 }
 
 /// A route being built: the Service and port it leads to (names borrowed from the
@@ -327,458 +107,581 @@ struct Claim<'a> {
     kind: &'static str,
 }
 
-/// Renders the routing table for `target` from `snapshot`.
-pub fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
-    let mut report = Report {
-        objects: snapshot.counts().into_iter().collect(),
-        ..Report::default()
-    };
-    let deleting: BTreeSet<&str> = snapshot
-        .namespaces
-        .iter()
-        .filter(|n| n.deleting)
-        .map(|n| n.meta.name.as_str())
-        .collect();
-    let mut deleting_seen = BTreeSet::new();
-    let mut skip_deleting = |report: &mut Report, ns: &str| {
-        if deleting_seen.insert(ns.to_owned()) {
-            report.skip(
+/// The server names each route keeps ([`Translation::settle_server_names`]), sorted, with
+/// the oldest object claiming one for it; names borrowed from the claims.
+type ServerNames<'c, 'a> = BTreeMap<RouteKey<'a>, (Vec<&'c str>, &'a Meta)>;
+
+/// Routes built, each with its owner (the oldest object behind it), before route names and
+/// CONNECT/PROXY keys are settled ([`Translation::settle_keys`]).
+type Built<'a> = Vec<(RawRoute, Age<'a>)>;
+
+/// Renders the routing table for `target` from `snapshot`, and the files it names, one step
+/// after the other (each a method of `Translation`, one rule of the module documentation).
+pub fn translate(snapshot: &Snapshot, target: &Target) -> Rendered {
+    let mut t = Translation::new(snapshot, target);
+    let (claims, l7) = t.claims();
+    let sni = t.settle_server_names(&claims);
+    // Sized once: a route is a few hundred bytes, and growing moves them all.
+    let vpn_routes: usize = t.index.vpn.values().map(Vec::len).sum();
+    let mut built: Built<'_> = Vec::with_capacity(1 + sni.len() + vpn_routes);
+    let fallback_keys = t.fallback_routes(&l7, &mut built);
+    let routed = t.server_name_routes(sni, &mut built);
+    t.vpn_routes(&routed, &mut built);
+    let mut routes = t.settle_keys(built);
+    super::acl::apply(snapshot, target, &fallback_keys, &mut routes, &mut t.report);
+    let files = t.tunnel_routes(&mut routes);
+    let mut report = t.report;
+    report.routes = routes.len();
+    Rendered {
+        table: RawRoutingTable::new(routes),
+        files,
+        report,
+    }
+}
+
+/// One translation under way: what it reads, and the report it fills.
+struct Translation<'a> {
+    snapshot: &'a Snapshot,
+    target: &'a Target,
+    index: Index<'a>,
+    report: Report,
+    /// Namespaces being deleted.
+    deleting: BTreeSet<&'a str>,
+    /// Those of them reported already (once each).
+    deleting_seen: BTreeSet<&'a str>,
+}
+
+/// What the claims step found: the server names claimed, and the L7 namespaces (whose API
+/// server Istio terminates).
+type Claims<'a> = (Vec<Claim<'a>>, BTreeSet<String>);
+
+impl<'a> Translation<'a> {
+    fn new(snapshot: &'a Snapshot, target: &'a Target) -> Self {
+        Translation {
+            snapshot,
+            target,
+            index: Index::new(snapshot),
+            report: Report {
+                objects: snapshot.counts().into_iter().collect(),
+                ..Report::default()
+            },
+            deleting: snapshot
+                .namespaces
+                .iter()
+                .filter(|n| n.deleting)
+                .map(|n| n.meta.name.as_str())
+                .collect(),
+            deleting_seen: BTreeSet::new(),
+        }
+    }
+
+    /// Whether `ns` is being deleted; reported the first time it is asked about.
+    fn deleting(&mut self, ns: &'a str) -> bool {
+        let deleting = self.deleting.contains(ns);
+        if deleting && self.deleting_seen.insert(ns) {
+            self.report.skip(
                 Reason::NamespaceDeleting,
                 format!("Namespace {ns}"),
                 "the namespace is being deleted",
             );
         }
-    };
-    let gateways: HashMap<(&str, &str), &Gateway> = snapshot
-        .gateways
-        .iter()
-        .filter(|g| target.serves(g))
-        .map(|g| ((g.meta.namespace.as_str(), g.meta.name.as_str()), g))
-        .collect();
+        deleting
+    }
 
-    // Claims of server names, and the namespaces whose API server Istio terminates.
-    let mut claims: Vec<Claim<'_>> = Vec::new();
-    let mut l7: BTreeSet<String> = BTreeSet::new();
-    let mut vs_sorted: Vec<_> = snapshot.virtual_services.iter().collect();
-    vs_sorted.sort_by(|a, b| a.meta.age().cmp(&b.meta.age()));
-    for vs in vs_sorted {
-        let ns = vs.meta.namespace.as_str();
-        let bound: Vec<&Gateway> = vs
+    /// Server names claimed by VirtualServices bound to a served Gateway and by TLSRoutes of
+    /// served parents, oldest object first; and the L7 namespaces, whose claims are dropped.
+    fn claims(&mut self) -> Claims<'a> {
+        let mut claims = Vec::new();
+        let mut l7 = BTreeSet::new();
+        self.virtual_service_claims(&mut claims, &mut l7);
+        self.tls_route_claims(&mut claims);
+        self.l7_by_filter(&claims, &mut l7);
+        claims.retain(|c| !l7.contains(c.route.namespace));
+        (claims, l7)
+    }
+
+    /// The SNI hosts of VirtualServices bound to a Gateway this target serves with a
+    /// passthrough server; namespaces a served VirtualService sends HTTP to the API server
+    /// of go to `l7`.
+    fn virtual_service_claims(&mut self, claims: &mut Vec<Claim<'a>>, l7: &mut BTreeSet<String>) {
+        let gateways: HashMap<(&str, &str), &Gateway> = self
+            .snapshot
             .gateways
             .iter()
-            .filter_map(|g| {
-                let (gns, name) = g.split_once('/').unwrap_or((ns, g));
-                gateways.get(&(gns, name)).copied()
+            .filter(|g| self.target.serves(g))
+            .map(|g| ((g.meta.namespace.as_str(), g.meta.name.as_str()), g))
+            .collect();
+        let mut sorted: Vec<_> = self.snapshot.virtual_services.iter().collect();
+        sorted.sort_by(|a, b| a.meta.age().cmp(&b.meta.age()));
+        for vs in sorted {
+            let ns = vs.meta.namespace.as_str();
+            let bound: Vec<&Gateway> = vs
+                .gateways
+                .iter()
+                .filter_map(|g| {
+                    let (gns, name) = g.split_once('/').unwrap_or((ns, g));
+                    gateways.get(&(gns, name)).copied()
+                })
+                .collect();
+            if bound.is_empty() {
+                continue;
+            }
+            // Formatted only for a skip: most objects are routed.
+            let object = || format!("VirtualService {}", vs.meta.key());
+            if self.deleting(ns) {
+                continue;
+            }
+            let passthrough = bound
+                .iter()
+                .any(|g| g.servers.iter().any(|s| s.is_passthrough()));
+            if passthrough {
+                for tls in &vs.tls {
+                    let [destination] = tls.destinations.as_slice() else {
+                        self.report.skip(
+                            Reason::Unsupported,
+                            object(),
+                            format!("{} destinations; one is supported", tls.destinations.len()),
+                        );
+                        continue;
+                    };
+                    let Some(route) = route_key(destination, ns) else {
+                        self.report.skip(
+                            Reason::Unsupported,
+                            object(),
+                            format!(
+                                "host {:?} is not a Service of this cluster",
+                                destination.host
+                            ),
+                        );
+                        continue;
+                    };
+                    if self.deleting(route.namespace) {
+                        continue;
+                    }
+                    for host in &tls.sni_hosts {
+                        claims.push(Claim {
+                            host: normalize(host),
+                            route,
+                            owner: &vs.meta,
+                            kind: "VirtualService",
+                        });
+                    }
+                }
+            }
+            // HTTP to a shoot's API server (besides its connection-upgrade Service) makes the
+            // shoot L7; HTTP to anything else is one of Gardener's own HTTPS hosts.
+            let api_servers: Vec<&str> = vs
+                .http_destinations
+                .iter()
+                .filter_map(|d| route_key(d, ns))
+                .filter(|k| k.service == KUBE_APISERVER.0)
+                .map(|k| k.namespace)
+                .collect();
+            let https = api_servers.is_empty() && !vs.http_destinations.is_empty();
+            l7.extend(api_servers.into_iter().map(str::to_owned));
+            if https {
+                self.report.skip(
+                    Reason::Https,
+                    object(),
+                    "TLS terminated by Istio, left to the fallback",
+                );
+            }
+        }
+    }
+
+    /// The hostnames of TLSRoutes attached to one of the target's parents, to their one
+    /// Service backend in their own namespace.
+    fn tls_route_claims(&mut self, claims: &mut Vec<Claim<'a>>) {
+        let mut sorted: Vec<_> = self
+            .snapshot
+            .tls_routes
+            .iter()
+            .filter(|r| {
+                r.parents
+                    .iter()
+                    .any(|p| self.target.parent_refs.contains(p))
             })
             .collect();
-        if bound.is_empty() {
-            continue;
-        }
-        // Formatted only for a skip: most objects are routed.
-        let object = || format!("VirtualService {}", vs.meta.key());
-        if deleting.contains(ns) {
-            skip_deleting(&mut report, ns);
-            continue;
-        }
-        let passthrough = bound
-            .iter()
-            .any(|g| g.servers.iter().any(|s| s.is_passthrough()));
-        if passthrough {
-            for tls in &vs.tls {
-                let [destination] = tls.destinations.as_slice() else {
-                    report.skip(
-                        Reason::Unsupported,
-                        object(),
-                        format!("{} destinations; one is supported", tls.destinations.len()),
-                    );
-                    continue;
-                };
-                let Some(route) = route_key(destination, ns) else {
-                    report.skip(
-                        Reason::Unsupported,
-                        object(),
-                        format!(
-                            "host {:?} is not a Service of this cluster",
-                            destination.host
-                        ),
-                    );
-                    continue;
-                };
-                if deleting.contains(route.namespace) {
-                    skip_deleting(&mut report, route.namespace);
-                    continue;
-                }
-                for host in &tls.sni_hosts {
-                    claims.push(Claim {
-                        host: normalize(host),
-                        route,
-                        owner: &vs.meta,
-                        kind: "VirtualService",
-                    });
-                }
+        sorted.sort_by(|a, b| a.meta.age().cmp(&b.meta.age()));
+        for r in sorted {
+            let ns = r.meta.namespace.as_str();
+            let object = format!("TLSRoute {}", r.meta.key());
+            if self.deleting(ns) {
+                continue;
             }
-        }
-        // HTTP to a shoot's API server (besides its connection-upgrade Service) makes the
-        // shoot L7; HTTP to anything else is one of Gardener's own HTTPS hosts.
-        let api_servers: Vec<&str> = vs
-            .http_destinations
-            .iter()
-            .filter_map(|d| route_key(d, ns))
-            .filter(|k| k.service == KUBE_APISERVER.0)
-            .map(|k| k.namespace)
-            .collect();
-        let https = api_servers.is_empty() && !vs.http_destinations.is_empty();
-        l7.extend(api_servers.into_iter().map(str::to_owned));
-        if https {
-            report.skip(
-                Reason::Https,
-                object(),
-                "TLS terminated by Istio, left to the fallback",
-            );
-        }
-    }
-    let mut tls_sorted: Vec<_> = snapshot
-        .tls_routes
-        .iter()
-        .filter(|r| r.parents.iter().any(|p| target.parent_refs.contains(p)))
-        .collect();
-    tls_sorted.sort_by(|a, b| a.meta.age().cmp(&b.meta.age()));
-    for r in tls_sorted {
-        let ns = r.meta.namespace.as_str();
-        let object = format!("TLSRoute {}", r.meta.key());
-        if deleting.contains(ns) {
-            skip_deleting(&mut report, ns);
-            continue;
-        }
-        let [backend] = r.backends.as_slice() else {
-            let n = r.backends.len();
-            report.skip(
-                Reason::Unsupported,
-                object,
-                format!("{n} backendRefs; one is supported"),
-            );
-            continue;
-        };
-        if !backend.other_kind.is_empty() || backend.namespace != ns {
-            report.skip(
-                Reason::Unsupported,
-                object,
-                "backendRefs to another namespace or kind than a Service (ReferenceGrants are not read)",
-            );
-            continue;
-        }
-        for host in &r.hostnames {
-            claims.push(Claim {
-                host: normalize(host),
-                route: RouteKey {
-                    namespace: ns,
-                    service: &backend.name,
-                    port: backend.port,
-                },
-                owner: &r.meta,
-                kind: "TLSRoute",
-            });
-        }
-    }
-
-    // Namespaces on this gateway: L7 ones by an HTTP route here, or by their EnvoyFilter
-    // when they have a passthrough claim here (a shoot switching to TLS termination).
-    let filters: BTreeSet<&str> = snapshot
-        .envoy_filters
-        .iter()
-        .filter_map(|f| f.meta.name.strip_suffix(TLS_TERMINATION_FILTER))
-        .collect();
-    // The claims of one object are neighbours: each namespace looked up once per object.
-    let mut previous = None;
-    for ns in claims.iter().map(|c| c.route.namespace) {
-        if previous != Some(ns) && filters.contains(ns) {
-            l7.insert(ns.to_owned());
-        }
-        previous = Some(ns);
-    }
-    l7.retain(|ns| {
-        let keep = !deleting.contains(ns.as_str());
-        if !keep {
-            skip_deleting(&mut report, ns);
-        }
-        keep
-    });
-    claims.retain(|c| !l7.contains(c.route.namespace));
-
-    // Each server name goes to the route of its oldest claim.
-    claims.sort_by(|a, b| (&a.host, a.owner.age()).cmp(&(&b.host, b.owner.age())));
-    // Claims come sorted by name, so each route's names arrive sorted, repeats together.
-    let mut sni: BTreeMap<RouteKey<'_>, (Vec<&str>, &Meta)> = BTreeMap::new();
-    let mut winner: Option<(&str, RouteKey<'_>, &Meta, &str)> = None;
-    for c in &claims {
-        match winner {
-            Some((host, route, owner, kind)) if host == c.host => {
-                if route != c.route {
-                    // The route keeps what else it has (its CONNECT keys, other names).
-                    sni.entry(c.route).or_insert((Vec::new(), c.owner));
-                    report.skip(
-                        Reason::Conflict,
-                        format!("{} {}", c.kind, c.owner.key()),
-                        format!(
-                            "server name {:?} is claimed by the older {kind} {}",
-                            c.host,
-                            owner.key()
-                        ),
-                    );
-                    continue;
-                }
-            }
-            _ => winner = Some((&c.host, c.route, c.owner, c.kind)),
-        }
-        let entry = sni.entry(c.route).or_insert((Vec::new(), c.owner));
-        if entry.0.last() != Some(&&*c.host) {
-            entry.0.push(&c.host);
-        }
-        if c.owner.age() < entry.1.age() {
-            entry.1 = c.owner;
-        }
-    }
-
-    let index = Index::new(snapshot);
-    // Routes with their owner (the oldest object behind them), before key conflicts.
-    // Sized once: a route is a few hundred bytes, and growing moves them all.
-    let vpn_routes: usize = index.vpn.values().map(Vec::len).sum();
-    let mut built: Vec<(RouteDoc, Age<'_>)> = Vec::with_capacity(1 + sni.len() + vpn_routes);
-    let fallback_keys =
-        |index: &Index<'_>, ns: &str, keys: &mut (BTreeSet<String>, BTreeSet<String>)| {
-            keys.0
-                .insert(connect_key(KUBE_APISERVER.0, ns, KUBE_APISERVER.1));
-            if let Some(svc) = index.services.get(&(ns, KUBE_APISERVER.0)) {
-                keys.1.extend(proxy_destination(svc));
-            }
-            for svc in index.vpn_services(ns) {
-                keys.0
-                    .insert(connect_key(&svc.meta.name, ns, VPN_SEED_SERVER.1));
-            }
-        };
-    // L7 shoots' CONNECT keys are not rendered: no route holds them, so they reach the
-    // fallback's CONNECT proxy by the listeners' default routes, on the port of the header
-    // they came with. Their PROXY destinations stay on the `fallback` route.
-    let mut fallback = (BTreeSet::new(), BTreeSet::new());
-    for ns in &l7 {
-        let detail = if target.connect_fallback().is_some() {
-            "Istio terminates its TLS: not routed by SNI, CONNECT forwarded to the fallback"
-        } else {
-            "Istio terminates its TLS: not routed by SNI; no CONNECT fallback, CONNECT not routed"
-        };
-        report.skip(Reason::L7, format!("Namespace {ns}"), detail);
-        fallback_keys(&index, ns, &mut fallback);
-    }
-    let handoff = |forward_connect| Handoff {
-        send_proxy_protocol: target.fallback_proxy_protocol.map(ProxyVersion::as_str),
-        forward_connect,
-    };
-    let fallbacks = [
-        (FALLBACK_ROUTE, &target.fallback, false),
-        (FALLBACK_CONNECT_ROUTE, &target.fallback_connect, true),
-        (
-            FALLBACK_CONNECT_LEGACY_ROUTE,
-            &target.fallback_connect_legacy,
-            true,
-        ),
-    ];
-    for (name, address, forward_connect) in fallbacks {
-        let Some(address) = address else { continue };
-        built.push((
-            RouteDoc {
-                name: name.to_owned(),
-                sni: Vec::new(),
-                destinations: Vec::new(),
-                proxy_destinations: if forward_connect {
-                    Vec::new()
-                } else {
-                    std::mem::take(&mut fallback.1).into_iter().collect()
-                },
-                backends: vec![BackendDoc {
-                    address: address.clone(),
-                    zone: None,
-                }],
-                max_connection_duration: None,
-                allowed_source_ranges: Vec::new(),
-                handoff: handoff(forward_connect),
-            },
-            // The fallback is set up by the operator: it wins every key it holds.
-            (false, "", "", "", ""),
-        ));
-    }
-    // Keys are sorted: the ports of one Service are neighbours.
-    let multi_port: BTreeSet<(&str, &str)> = {
-        let keys: Vec<_> = sni.keys().collect();
-        keys.windows(2)
-            .filter(|w| (w[0].namespace, w[0].service) == (w[1].namespace, w[1].service))
-            .map(|w| (w[0].namespace, w[0].service))
-            .collect()
-    };
-    // In order, since the keys are.
-    let mut routed_namespaces: Vec<&str> = Vec::new();
-    for (key, (hosts, owner)) in sni {
-        if routed_namespaces.last() != Some(&key.namespace) {
-            routed_namespaces.push(key.namespace);
-        }
-        let object = || format!("Service {}/{}", key.namespace, key.service);
-        let Some(service) = index.services.get(&(key.namespace, key.service)) else {
-            report.skip(Reason::NoService, object(), "the Service does not exist");
-            continue;
-        };
-        let port = match key.port {
-            Some(p) => service.ports.iter().find(|sp| u32::from(sp.port) == p),
-            None if service.ports.len() == 1 => service.ports.first(),
-            None => None,
-        };
-        let Some(port) = port else {
-            let detail = match key.port {
-                Some(p) => format!("the Service has no port {p}"),
-                None => "no destination port, and the Service has several".to_owned(),
-            };
-            report.skip(Reason::NoService, object(), detail);
-            continue;
-        };
-        let backends = index.backends(service, &port.name);
-        if backends.is_empty() {
-            report.skip(
-                Reason::NoEndpoints,
-                object(),
-                format!("no ready endpoint for port {}", port.port),
-            );
-            continue;
-        }
-        let kube_apiserver = (key.service, port.port) == KUBE_APISERVER;
-        let name = shoot_route_name(if kube_apiserver {
-            key.namespace.to_owned()
-        } else if multi_port.contains(&(key.namespace, key.service)) {
-            format!("{}--{}--{}", key.namespace, key.service, port.port)
-        } else {
-            [key.namespace, "--", key.service].concat()
-        });
-        let (destinations, proxy_destinations) = if kube_apiserver {
-            (
-                vec![connect_key(key.service, key.namespace, port.port)],
-                proxy_destination(service).into_iter().collect(),
-            )
-        } else {
-            (Vec::new(), Vec::new())
-        };
-        built.push((
-            RouteDoc {
-                name,
-                sni: hosts.into_iter().map(str::to_owned).collect(),
-                destinations,
-                proxy_destinations,
-                backends,
-                max_connection_duration: index.max_connection_duration(key.namespace, key.service),
-                allowed_source_ranges: Vec::new(),
-                handoff: Handoff::NONE,
-            },
-            owner.age(),
-        ));
-    }
-    for ns in &routed_namespaces {
-        for service in index.vpn_services(ns) {
-            let object = || format!("Service {}", service.meta.key());
-            let Some(port) = service.ports.iter().find(|p| p.port == VPN_SEED_SERVER.1) else {
-                report.skip(Reason::NoService, object(), "the Service has no port 1194");
+            let [backend] = r.backends.as_slice() else {
+                let n = r.backends.len();
+                self.report.skip(
+                    Reason::Unsupported,
+                    object,
+                    format!("{n} backendRefs; one is supported"),
+                );
                 continue;
             };
-            let backends = index.backends(service, &port.name);
-            if backends.is_empty() {
-                report.skip(
-                    Reason::NoEndpoints,
-                    object(),
-                    "no ready endpoint for port 1194",
+            if !backend.other_kind.is_empty() || backend.namespace != ns {
+                self.report.skip(
+                    Reason::Unsupported,
+                    object,
+                    "backendRefs to another namespace or kind than a Service (ReferenceGrants are not read)",
                 );
                 continue;
             }
-            built.push((
-                RouteDoc {
-                    name: shoot_route_name([ns, "--", &service.meta.name].concat()),
-                    sni: Vec::new(),
-                    destinations: vec![connect_key(&service.meta.name, ns, port.port)],
-                    proxy_destinations: Vec::new(),
-                    backends,
-                    max_connection_duration: index.max_connection_duration(ns, &service.meta.name),
-                    allowed_source_ranges: Vec::new(),
-                    handoff: Handoff::NONE,
-                },
-                service.meta.age(),
-            ));
+            for host in &r.hostnames {
+                claims.push(Claim {
+                    host: normalize(host),
+                    route: RouteKey {
+                        namespace: ns,
+                        service: &backend.name,
+                        port: backend.port,
+                    },
+                    owner: &r.meta,
+                    kind: "TLSRoute",
+                });
+            }
         }
     }
 
-    // Route names and CONNECT/PROXY keys: the oldest route keeps each.
-    // Sorted by position: moving the routes themselves costs more than comparing them.
-    let mut order: Vec<usize> = (0..built.len()).collect();
-    order.sort_by(|&a, &b| (&built[a].1, &built[a].0.name).cmp(&(&built[b].1, &built[b].0.name)));
-    // Decided on borrowed names and keys; the routes are moved once, in name order.
-    let mut names: HashSet<&str> = HashSet::with_capacity(built.len());
-    let mut keys: HashMap<&str, &str> = HashMap::with_capacity(2 * built.len());
-    let mut kept = Vec::with_capacity(built.len());
-    // (route, position in its destinations followed by its PROXY destinations).
-    let mut lost: Vec<(usize, usize)> = Vec::new();
-    for &i in &order {
-        let route = &built[i].0;
-        let object = || format!("route {}", route.name);
-        if !names.insert(&route.name) {
-            report.skip(
-                Reason::Conflict,
-                object(),
-                "an older route has the same name",
-            );
-            continue;
+    /// Namespaces on this gateway that are L7 by their `<ns>-istio-tls-termination`
+    /// EnvoyFilter (a shoot switching to TLS termination) join `l7`; namespaces being deleted
+    /// leave it.
+    fn l7_by_filter(&mut self, claims: &[Claim<'a>], l7: &mut BTreeSet<String>) {
+        let filters: BTreeSet<&str> = self
+            .snapshot
+            .envoy_filters
+            .iter()
+            .filter_map(|f| f.meta.name.strip_suffix(TLS_TERMINATION_FILTER))
+            .collect();
+        // The claims of one object are neighbours: each namespace looked up once per object.
+        let mut previous = None;
+        for ns in claims.iter().map(|c| c.route.namespace) {
+            if previous != Some(ns) && filters.contains(ns) {
+                l7.insert(ns.to_owned());
+            }
+            previous = Some(ns);
         }
-        let mut held = 0;
-        let all = route.destinations.iter().chain(&route.proxy_destinations);
-        for (position, k) in all.enumerate() {
-            match keys.entry(k) {
-                Entry::Occupied(holder) => {
-                    report.skip(
-                        Reason::Conflict,
-                        object(),
-                        format!("{k:?} is held by the older route {}", holder.get()),
-                    );
-                    lost.push((i, position));
+        // Owned names, so the report borrows nothing from `l7`.
+        let deleting: Vec<&'a str> = self
+            .deleting
+            .iter()
+            .copied()
+            .filter(|ns| l7.contains(*ns))
+            .collect();
+        l7.retain(|ns| !self.deleting.contains(ns.as_str()));
+        for ns in deleting {
+            self.deleting(ns);
+        }
+    }
+
+    /// Each server name goes to the route of its oldest claim; the others are reported.
+    fn settle_server_names<'c>(&mut self, claims: &'c [Claim<'a>]) -> ServerNames<'c, 'a> {
+        let mut order: Vec<&Claim<'a>> = claims.iter().collect();
+        order.sort_by(|a, b| (&a.host, a.owner.age()).cmp(&(&b.host, b.owner.age())));
+        // Claims come sorted by name, so each route's names arrive sorted, repeats together.
+        let mut sni: ServerNames<'c, 'a> = BTreeMap::new();
+        let mut winner: Option<(&str, RouteKey<'_>, &Meta, &str)> = None;
+        for c in order {
+            match winner {
+                Some((host, route, owner, kind)) if host == c.host => {
+                    if route != c.route {
+                        // The route keeps what else it has (its CONNECT keys, other names).
+                        sni.entry(c.route).or_insert((Vec::new(), c.owner));
+                        self.report.skip(
+                            Reason::Conflict,
+                            format!("{} {}", c.kind, c.owner.key()),
+                            format!(
+                                "server name {:?} is claimed by the older {kind} {}",
+                                c.host,
+                                owner.key()
+                            ),
+                        );
+                        continue;
+                    }
                 }
-                Entry::Vacant(free) => {
-                    free.insert(&route.name);
-                    held += 1;
-                }
+                _ => winner = Some((&c.host, c.route, c.owner, c.kind)),
+            }
+            let entry = sni.entry(c.route).or_insert((Vec::new(), c.owner));
+            if entry.0.last() != Some(&&*c.host) {
+                entry.0.push(&c.host);
+            }
+            if c.owner.age() < entry.1.age() {
+                entry.1 = c.owner;
             }
         }
-        if route.sni.is_empty() && held == 0 && !is_fallback(&route.name) {
-            // Every key it had went to older routes (already reported).
-            continue;
-        }
-        kept.push(i);
+        sni
     }
-    kept.sort_by(|&a, &b| built[a].0.name.cmp(&built[b].0.name));
-    let mut built: Vec<Option<RouteDoc>> = built.into_iter().map(|(r, _)| Some(r)).collect();
-    // Last first, so that the positions before each are unchanged.
-    for (i, position) in lost.into_iter().rev() {
-        if let Some(route) = &mut built[i] {
-            let n = route.destinations.len();
-            if position < n {
-                route.destinations.remove(position);
+
+    /// The fallback routes the target names; the L7 shoots are reported. L7 shoots' CONNECT
+    /// keys are not rendered: no route holds them, so they reach the fallback's CONNECT
+    /// proxy by the listeners' default routes, on the port of the header they came with;
+    /// they are returned (for the ACL code). Their PROXY destinations stay on the `fallback`
+    /// route.
+    fn fallback_routes(
+        &mut self,
+        l7: &BTreeSet<String>,
+        built: &mut Built<'a>,
+    ) -> BTreeSet<String> {
+        let mut fallback = (BTreeSet::new(), BTreeSet::new());
+        for ns in l7 {
+            let detail = if self.target.connect_fallback().is_some() {
+                "Istio terminates its TLS: not routed by SNI, CONNECT forwarded to the fallback"
             } else {
-                route.proxy_destinations.remove(position - n);
+                "Istio terminates its TLS: not routed by SNI; no CONNECT fallback, CONNECT not routed"
+            };
+            self.report
+                .skip(Reason::L7, format!("Namespace {ns}"), detail);
+            fallback
+                .0
+                .insert(connect_key(KUBE_APISERVER.0, ns, KUBE_APISERVER.1));
+            if let Some(svc) = self.index.services.get(&(ns.as_str(), KUBE_APISERVER.0)) {
+                fallback.1.extend(proxy_destination(svc));
+            }
+            for svc in self.index.vpn_services(ns) {
+                fallback
+                    .0
+                    .insert(connect_key(&svc.meta.name, ns, VPN_SEED_SERVER.1));
+            }
+        }
+        let target = self.target;
+        let fallbacks = [
+            (FALLBACK_ROUTE, &target.fallback, false),
+            (FALLBACK_CONNECT_ROUTE, &target.fallback_connect, true),
+            (
+                FALLBACK_CONNECT_LEGACY_ROUTE,
+                &target.fallback_connect_legacy,
+                true,
+            ),
+        ];
+        for (name, address, forward_connect) in fallbacks {
+            let Some(address) = address else { continue };
+            built.push((
+                RawRoute {
+                    name: name.to_owned(),
+                    proxy_destinations: if forward_connect {
+                        Vec::new()
+                    } else {
+                        std::mem::take(&mut fallback.1).into_iter().collect()
+                    },
+                    backends: vec![RawBackend {
+                        address: address.clone(),
+                        zone: None,
+                    }],
+                    send_proxy_protocol: target
+                        .fallback_proxy_protocol
+                        .map(|v| v.as_str().to_owned()),
+                    forward_connect,
+                    ..RawRoute::default()
+                },
+                // The fallback is set up by the operator: it wins every key it holds.
+                (false, "", "", "", ""),
+            ));
+        }
+        fallback.0
+    }
+
+    /// A route per Service a server name leads to, with its ready endpoints; the API
+    /// server's also with its CONNECT key and PROXY destination. Returns the namespaces
+    /// routed, in order.
+    fn server_name_routes(
+        &mut self,
+        sni: ServerNames<'_, 'a>,
+        built: &mut Built<'a>,
+    ) -> Vec<&'a str> {
+        // Keys are sorted: the ports of one Service are neighbours.
+        let multi_port: BTreeSet<(&str, &str)> = {
+            let keys: Vec<_> = sni.keys().collect();
+            keys.windows(2)
+                .filter(|w| (w[0].namespace, w[0].service) == (w[1].namespace, w[1].service))
+                .map(|w| (w[0].namespace, w[0].service))
+                .collect()
+        };
+        // In order, since the keys are.
+        let mut routed_namespaces: Vec<&str> = Vec::new();
+        for (key, (hosts, owner)) in sni {
+            if routed_namespaces.last() != Some(&key.namespace) {
+                routed_namespaces.push(key.namespace);
+            }
+            let object = || format!("Service {}/{}", key.namespace, key.service);
+            let Some(service) = self.index.services.get(&(key.namespace, key.service)) else {
+                self.report
+                    .skip(Reason::NoService, object(), "the Service does not exist");
+                continue;
+            };
+            let port = match key.port {
+                Some(p) => service.ports.iter().find(|sp| u32::from(sp.port) == p),
+                None if service.ports.len() == 1 => service.ports.first(),
+                None => None,
+            };
+            let Some(port) = port else {
+                let detail = match key.port {
+                    Some(p) => format!("the Service has no port {p}"),
+                    None => "no destination port, and the Service has several".to_owned(),
+                };
+                self.report.skip(Reason::NoService, object(), detail);
+                continue;
+            };
+            let backends = self.index.backends(service, &port.name);
+            if backends.is_empty() {
+                self.report.skip(
+                    Reason::NoEndpoints,
+                    object(),
+                    format!("no ready endpoint for port {}", port.port),
+                );
+                continue;
+            }
+            let kube_apiserver = (key.service, port.port) == KUBE_APISERVER;
+            let name = shoot_route_name(if kube_apiserver {
+                key.namespace.to_owned()
+            } else if multi_port.contains(&(key.namespace, key.service)) {
+                format!("{}--{}--{}", key.namespace, key.service, port.port)
+            } else {
+                [key.namespace, "--", key.service].concat()
+            });
+            let (destinations, proxy_destinations) = if kube_apiserver {
+                (
+                    vec![connect_key(key.service, key.namespace, port.port)],
+                    proxy_destination(service).into_iter().collect(),
+                )
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            built.push((
+                RawRoute {
+                    name,
+                    sni: hosts.into_iter().map(str::to_owned).collect(),
+                    destinations,
+                    proxy_destinations,
+                    backends,
+                    max_connection_duration: self
+                        .index
+                        .max_connection_duration(key.namespace, key.service),
+                    ..RawRoute::default()
+                },
+                owner.age(),
+            ));
+        }
+        routed_namespaces
+    }
+
+    /// A route per `vpn-seed-server[-N]` Service of each routed namespace, port 1194.
+    fn vpn_routes(&mut self, routed: &[&'a str], built: &mut Built<'a>) {
+        for &ns in routed {
+            for &service in self.index.vpn_services(ns) {
+                let object = || format!("Service {}", service.meta.key());
+                let Some(port) = service.ports.iter().find(|p| p.port == VPN_SEED_SERVER.1) else {
+                    self.report
+                        .skip(Reason::NoService, object(), "the Service has no port 1194");
+                    continue;
+                };
+                let backends = self.index.backends(service, &port.name);
+                if backends.is_empty() {
+                    self.report.skip(
+                        Reason::NoEndpoints,
+                        object(),
+                        "no ready endpoint for port 1194",
+                    );
+                    continue;
+                }
+                built.push((
+                    RawRoute {
+                        name: shoot_route_name([ns, "--", &service.meta.name].concat()),
+                        destinations: vec![connect_key(&service.meta.name, ns, port.port)],
+                        backends,
+                        max_connection_duration: self
+                            .index
+                            .max_connection_duration(ns, &service.meta.name),
+                        ..RawRoute::default()
+                    },
+                    service.meta.age(),
+                ));
             }
         }
     }
-    let mut routes: Vec<RouteDoc> = Vec::with_capacity(kept.len());
-    routes.extend(kept.into_iter().filter_map(|i| built[i].take()));
-    super::acl::apply(snapshot, target, &fallback.0, &mut routes, &mut report);
-    report.routes = routes.len();
-    (
-        Table {
-            api_version: crate::config::API_VERSION,
-            kind: crate::config::routes::KIND,
-            routes,
-        },
-        report,
-    )
+
+    /// The shoots' tunnel routes (namespaces being deleted left out), into `routes` in name
+    /// order; their files.
+    fn tunnel_routes(&mut self, routes: &mut Vec<RawRoute>) -> Files {
+        let snapshot = self.snapshot;
+        let mut clusters: Vec<&'a Cluster> = Vec::with_capacity(snapshot.clusters.len());
+        for cluster in &snapshot.clusters {
+            if !self.deleting(&cluster.meta.name) {
+                clusters.push(cluster);
+            }
+        }
+        let (tunnels, files) =
+            super::tunnel::routes(snapshot, self.target, &clusters, &mut self.report);
+        if !tunnels.is_empty() {
+            routes.extend(tunnels);
+            routes.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        files
+    }
+
+    /// Route names and CONNECT/PROXY keys: the oldest route keeps each, the others lose it
+    /// (reported); a route left with no key is dropped. The routes, ordered by name.
+    fn settle_keys(&mut self, built: Built<'a>) -> Vec<RawRoute> {
+        // Sorted by position: moving the routes themselves costs more than comparing them.
+        let mut order: Vec<usize> = (0..built.len()).collect();
+        order.sort_by(|&a, &b| {
+            (&built[a].1, &built[a].0.name).cmp(&(&built[b].1, &built[b].0.name))
+        });
+        // Decided on borrowed names and keys; the routes are moved once, in name order.
+        let mut names: HashSet<&str> = HashSet::with_capacity(built.len());
+        let mut keys: HashMap<&str, &str> = HashMap::with_capacity(2 * built.len());
+        let mut kept = Vec::with_capacity(built.len());
+        // (route, position in its destinations followed by its PROXY destinations).
+        let mut lost: Vec<(usize, usize)> = Vec::new();
+        for &i in &order {
+            let route = &built[i].0;
+            let object = || format!("route {}", route.name);
+            if !names.insert(&route.name) {
+                self.report.skip(
+                    Reason::Conflict,
+                    object(),
+                    "an older route has the same name",
+                );
+                continue;
+            }
+            let mut held = 0;
+            let all = route.destinations.iter().chain(&route.proxy_destinations);
+            for (position, k) in all.enumerate() {
+                match keys.entry(k) {
+                    Entry::Occupied(holder) => {
+                        self.report.skip(
+                            Reason::Conflict,
+                            object(),
+                            format!("{k:?} is held by the older route {}", holder.get()),
+                        );
+                        lost.push((i, position));
+                    }
+                    Entry::Vacant(free) => {
+                        free.insert(&route.name);
+                        held += 1;
+                    }
+                }
+            }
+            if route.sni.is_empty() && held == 0 && !is_fallback(&route.name) {
+                // Every key it had went to older routes (already reported).
+                continue;
+            }
+            kept.push(i);
+        }
+        kept.sort_by(|&a, &b| built[a].0.name.cmp(&built[b].0.name));
+        let mut built: Vec<Option<RawRoute>> = built.into_iter().map(|(r, _)| Some(r)).collect();
+        // Last first, so that the positions before each are unchanged.
+        for (i, position) in lost.into_iter().rev() {
+            if let Some(route) = &mut built[i] {
+                let n = route.destinations.len();
+                if position < n {
+                    route.destinations.remove(position);
+                } else {
+                    route.proxy_destinations.remove(position - n);
+                }
+            }
+        }
+        let mut routes: Vec<RawRoute> = Vec::with_capacity(kept.len());
+        routes.extend(kept.into_iter().filter_map(|i| built[i].take()));
+        routes
+    }
 }
 
 /// The Istio cluster name a CONNECT client sends.
@@ -938,7 +841,7 @@ impl<'a> Index<'a> {
     }
 
     /// Every ready endpoint of the Service's port named `port_name`, sorted and unique.
-    fn backends(&self, service: &Service, port_name: &str) -> Vec<BackendDoc> {
+    fn backends(&self, service: &Service, port_name: &str) -> Vec<RawBackend> {
         let key = (service.meta.namespace.as_str(), service.meta.name.as_str());
         // Sorted and deduplicated at the end, the first endpoint of an address keeping it.
         let mut out: Vec<(SocketAddr, &Option<String>)> = Vec::new();
@@ -968,7 +871,7 @@ impl<'a> Index<'a> {
         });
         out.dedup_by_key(|(address, _)| *address);
         out.into_iter()
-            .map(|(address, zone)| BackendDoc {
+            .map(|(address, zone)| RawBackend {
                 address: address_text(address),
                 zone: zone.clone(),
             })
@@ -990,6 +893,13 @@ mod tests {
         BackendRef, DestinationRule, Endpoint, EnvoyFilter, Namespace, Server, ServicePort,
         TlsRoute, TlsRouteObject, VirtualService,
     };
+    use crate::route::ProxyVersion;
+
+    /// The table and report (the files are the tunnel tests' business).
+    fn translate(snapshot: &Snapshot, target: &Target) -> (Table, Report) {
+        let rendered = super::translate(snapshot, target);
+        (rendered.table, rendered.report)
+    }
 
     fn meta(ns: &str, name: &str, created: &str) -> Meta {
         Meta {
@@ -1134,7 +1044,7 @@ mod tests {
         ));
     }
 
-    fn route<'a>(t: &'a Table, name: &str) -> &'a RouteDoc {
+    fn route<'a>(t: &'a Table, name: &str) -> &'a RawRoute {
         t.routes
             .iter()
             .find(|r| r.name == name)
@@ -1145,7 +1055,7 @@ mod tests {
         t.routes.iter().map(|r| r.name.as_str()).collect()
     }
 
-    fn addresses(r: &RouteDoc) -> Vec<&str> {
+    fn addresses(r: &RawRoute) -> Vec<&str> {
         r.backends.iter().map(|b| b.address.as_str()).collect()
     }
 
@@ -1160,30 +1070,6 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}\n{json}"))
         .table
-    }
-
-    #[test]
-    fn the_controllers_own_route_names_are_reserved_and_shoots_renamed_off_them() {
-        for name in [
-            FALLBACK_ROUTE,
-            FALLBACK_CONNECT_ROUTE,
-            FALLBACK_CONNECT_LEGACY_ROUTE,
-            "fallback-anything-later",
-        ] {
-            assert!(is_reserved(name), "{name}");
-            let renamed = shoot_route_name(name.to_owned());
-            assert_eq!(renamed, format!("ns.{name}"));
-            assert!(!is_reserved(&renamed), "{renamed}");
-        }
-        for name in [
-            "fallbacks",
-            "shoot--p--fallback",
-            "ns.fallback",
-            "fallback_x",
-        ] {
-            assert!(!is_reserved(name), "{name}");
-            assert_eq!(shoot_route_name(name.to_owned()), name);
-        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! The live path of `trellis controller`: one kube-rs watcher per kind, the controller's own
-//! stores of projections, a debounced render through [`translate`], the table written to a
-//! file (temporary file + rename) only when its bytes change.
+//! The live path of `trellis controller`: one kube-rs watcher per kind (per label selector
+//! for Secrets), the controller's own stores of projections, a debounced render through
+//! [`translate`], the table and the egress TLS files it names written beside it by
+//! [`super::output`] (temporary file + rename) only when their bytes change.
 //!
 //! Each kind's store is a map of projections keyed by namespace and name; an object is
 //! projected ([`manifest::project`], the same function `render` uses) as soon as it arrives
@@ -17,7 +18,7 @@
 //! Kinds not served are looked for again every [`RECHECK`].
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,7 +36,8 @@ use tokio::time::Instant;
 
 use super::kinds::{WATCHED, WatchedKind};
 use super::model::{Object, Snapshot};
-use super::{Target, manifest, temporary_file, to_json, translate};
+use super::output::{Writer, Written};
+use super::{Target, manifest, to_json, translate};
 use crate::admin::metrics::{KindLabel, KindVersionLabels, ReasonLabel, ResultLabel};
 use crate::admin::{AdminState, Metrics, Server};
 use crate::config::controller::{ControllerConfig, Output};
@@ -104,10 +106,11 @@ impl WatchedKind {
         })
     }
 
-    /// The projection of an object of this kind as the API sent it. List items and
-    /// metadata-only objects carry no (or another) `apiVersion` and `kind`: the watch knows
-    /// them.
-    fn project(&self, version: &str, object: &impl Serialize) -> Option<(Key, Object)> {
+    /// The key and projection of an object of this kind as the API sent it (`None`: an
+    /// object translation does not read, such as a Secret whose labels changed). List items
+    /// and metadata-only objects carry no (or another) `apiVersion` and `kind`: the watch
+    /// knows them.
+    fn project(&self, version: &str, object: &impl Serialize) -> Option<(Key, Option<Object>)> {
         let mut doc = serde_json::to_value(object).ok()?;
         let map = doc.as_object_mut()?;
         map.insert(
@@ -119,7 +122,7 @@ impl WatchedKind {
             text(&doc, "/metadata/namespace"),
             text(&doc, "/metadata/name"),
         );
-        Some((key, manifest::project(&doc)?))
+        Some((key, manifest::project(&doc)))
     }
 }
 
@@ -240,25 +243,29 @@ fn convert<K: Serialize>(kind: &WatchedKind, version: &str, event: Event<K>) -> 
         Event::InitDone => Change::InitDone,
         Event::InitApply(o) => {
             let (key, object) = kind.project(version, &o)?;
-            Change::InitApply(key, object)
+            Change::InitApply(key, object?)
         }
-        Event::Apply(o) => {
-            let (key, object) = kind.project(version, &o)?;
-            Change::Apply(key, object)
-        }
-        Event::Delete(o) => {
-            let (key, _) = kind.project(version, &o)?;
-            Change::Delete(key)
-        }
+        // An object that no longer projects is gone as far as translation is concerned.
+        Event::Apply(o) => match kind.project(version, &o)? {
+            (key, Some(object)) => Change::Apply(key, object),
+            (key, None) => Change::Delete(key),
+        },
+        // Only the key: a deleted object may no longer project (a Secret whose labels left
+        // the selection is deleted from the watch's point of view).
+        Event::Delete(o) => Change::Delete(kind.project(version, &o)?.0),
     })
 }
 
-/// The watcher of kind `i` at `resource`, retried with kube's default backoff (0.8 s
-/// doubling to 30 s).
+/// The watcher of kind `i` at `resource` (through its label selector, if any), retried with
+/// kube's default backoff (0.8 s doubling to 30 s).
 fn watch(client: &kube::Client, i: usize, resource: &ApiResource) -> Events {
     let api = Api::<DynamicObject>::all_with(client.clone(), resource);
     let version = resource.version.clone();
-    watcher::watcher(api, watcher::Config::default())
+    let mut config = watcher::Config::default();
+    if let Some(selector) = WATCHED[i].selector {
+        config = config.labels(selector);
+    }
+    watcher::watcher(api, config)
         .default_backoff()
         .map_ok(move |e| convert(&WATCHED[i], &version, e))
         .filter_map(move |r| async move { r.transpose().map(|r| (i, r)) })
@@ -431,20 +438,20 @@ async fn client(config: &ControllerConfig) -> Result<kube::Client, WatchError> {
     Ok(kube::Client::try_from(kube_config)?)
 }
 
-/// The last table written and what the next write must say.
-struct Writer {
-    path: PathBuf,
-    last: Option<String>,
+/// The output and when the first change not yet written came.
+struct Rendering {
+    writer: Writer,
     /// When the first change not yet in a written table came.
     pending_since: Option<Instant>,
 }
 
-impl Writer {
-    /// Renders the stores and writes the table if its bytes changed; false when the write
-    /// failed (it is tried again).
+impl Rendering {
+    /// Renders the stores and writes the table and its files if their bytes changed; false
+    /// when a write failed (it is tried again).
     fn render(&mut self, stores: &[Store], target: &Target, metrics: &Metrics) -> bool {
-        let (table, report) = translate(&snapshot(stores), target);
-        let json = to_json(&table);
+        let rendered = translate(&snapshot(stores), target);
+        let report = &rendered.report;
+        let json = to_json(&rendered.table);
         let c = &metrics.controller;
         c.renders.inc();
         c.routes.set(report.routes as i64);
@@ -457,14 +464,18 @@ impl Writer {
                 .set(*n as i64);
         }
         let result = |result| ResultLabel { result };
-        if self.last.as_deref() == Some(json.as_str()) {
-            c.writes.get_or_create(&result("unchanged")).inc();
-            self.pending_since = None;
-            tracing::debug!(routes = report.routes, "table unchanged");
-            return true;
-        }
-        match write_atomic(&self.path, json.as_bytes()) {
-            Ok(()) => {
+        match self.writer.write(&json, &rendered.files) {
+            Ok(written) if !written.changed() => {
+                c.writes.get_or_create(&result("unchanged")).inc();
+                self.pending_since = None;
+                tracing::debug!(routes = report.routes, "table unchanged");
+                true
+            }
+            Ok(Written {
+                table,
+                files,
+                removed,
+            }) => {
                 c.writes.get_or_create(&result("written")).inc();
                 if let Some(since) = self.pending_since.take() {
                     c.change_to_write.observe(since.elapsed().as_secs_f64());
@@ -472,31 +483,22 @@ impl Writer {
                 tracing::info!(
                     routes = report.routes,
                     bytes = json.len(),
+                    table,
+                    files_written = files,
+                    files_removed = removed,
                     skipped = ?report.skipped,
-                    file = %self.path.display(),
+                    file = %self.writer.path().display(),
                     "routing table written"
                 );
-                self.last = Some(json);
                 true
             }
             Err(e) => {
                 c.writes.get_or_create(&result("failed")).inc();
-                tracing::error!(file = %self.path.display(), error = %e, "writing the routing table failed");
+                tracing::error!(file = %self.writer.path().display(), error = %e, "writing the routing table failed");
                 false
             }
         }
     }
-}
-
-/// Writes `bytes` to a temporary file beside `path` and renames it over `path`, so a reader
-/// sees the old table or the new one, never a part.
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = temporary_file(path);
-    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
 }
 
 /// Runs the controller until SIGTERM or SIGINT.
@@ -532,7 +534,7 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
         let kind = WATCHED[i];
         match resource {
             Some(resource) => {
-                tracing::info!(kind = kind.kind, api_version = %resource.api_version, "watching");
+                tracing::info!(kind = kind.kind, api_version = %resource.api_version, selector = kind.selector, "watching");
                 watchers.start(i, &resource);
             }
             None => {
@@ -561,15 +563,14 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
     };
     let mut recheck = tokio::time::interval_at(Instant::now() + RECHECK, RECHECK);
     recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut writer = Writer {
-        path,
-        last: None,
+    let mut writer = Rendering {
+        writer: Writer::new(path),
         pending_since: None,
     };
     let mut render_at: Option<Instant> = None;
     tracing::info!(
         kinds = WATCHED.len(),
-        file = %writer.path.display(),
+        file = %writer.writer.path().display(),
         "controller watching"
     );
     // Nothing to wait for when no kind is served at all.
@@ -681,12 +682,17 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
             _ = sigint.recv() => break,
         }
         for &i in &changed {
+            // A kind watched through several selectors: their objects together.
             let kind = WATCHED[i].kind;
+            let objects: usize = (0..WATCHED.len())
+                .filter(|&j| WATCHED[j].kind == kind)
+                .map(|j| stores[j].len())
+                .sum();
             metrics
                 .controller
                 .objects
                 .get_or_create(&KindLabel { kind })
-                .set(stores[i].len() as i64);
+                .set(objects as i64);
         }
         if !changed.is_empty() {
             writer.pending_since.get_or_insert_with(Instant::now);
@@ -806,6 +812,36 @@ mod tests {
         assert!(!s.apply(Change::Delete(k)));
     }
 
+    /// A Secret whose labels leave what translation reads is gone from its store, whether
+    /// the watch says so (DELETED, the selector's view) or sends it changed.
+    #[test]
+    fn a_secret_that_no_longer_projects_is_deleted() {
+        let peers = &WATCHED[9];
+        assert_eq!(
+            peers.selector,
+            Some(super::super::kinds::TUNNEL_PEERS_SELECTOR)
+        );
+        let secret = |role: &str| {
+            serde_json::json!({"metadata": {"name": "p", "namespace": "shoot--a--b",
+                "labels": {"trellis.gardener.cloud/role": role}}, "data": {}})
+        };
+        let mut store = Store::default();
+        store.apply(Change::InitDone);
+        let add = convert(peers, "v1", Event::Apply(secret("tunnel-peers"))).unwrap();
+        assert!(store.apply(add));
+        assert_eq!(store.len(), 1);
+        let changed = convert(peers, "v1", Event::Apply(secret("other"))).unwrap();
+        assert!(matches!(changed, Change::Delete(_)), "{changed:?}");
+        assert!(store.apply(changed));
+        assert!(store.is_empty());
+        store.apply(convert(peers, "v1", Event::Apply(secret("tunnel-peers"))).unwrap());
+        let deleted = convert(peers, "v1", Event::Delete(secret("other"))).unwrap();
+        assert!(store.apply(deleted));
+        assert!(store.is_empty());
+        // A list item that does not project is left out of the list.
+        assert!(convert(peers, "v1", Event::InitApply(secret("other"))).is_none());
+    }
+
     #[test]
     fn list_items_without_types_are_projected_as_their_kind() {
         let item = serde_json::json!({
@@ -815,7 +851,7 @@ mod tests {
         assert_eq!(namespace.kind, "Namespace");
         let (key, object) = namespace.project("v1", &item).unwrap();
         assert_eq!(key, (String::new(), "a".to_owned()));
-        let Object::Namespace(n) = object else {
+        let Some(Object::Namespace(n)) = object else {
             panic!("{object:?}")
         };
         assert_eq!(n.meta.created.as_deref(), Some("2024-01-01T00:00:00Z"));
@@ -823,6 +859,6 @@ mod tests {
         let meta = serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
             "metadata": {"name": "x-istio-tls-termination", "namespace": "x"}});
         let (_, object) = WATCHED[3].project("v1alpha3", &meta).unwrap();
-        assert!(matches!(object, Object::EnvoyFilter(_)), "{object:?}");
+        assert!(matches!(object, Some(Object::EnvoyFilter(_))), "{object:?}");
     }
 }

@@ -13,10 +13,8 @@ use tokio::sync::watch;
 
 use crate::admin::Metrics;
 use crate::config::ConfigError;
-use crate::config::duration_text;
-use crate::config::routes::{self, LoadedTable};
+use crate::config::routes::{self, LoadedTable, RawRoute, RawRoutingTable};
 use crate::route::{BackendRegistry, RoutingTable};
-use crate::route::{RouteKeyList, RouteTimeouts};
 use crate::serve::watch::{Clock, DirWatches, Tracked, Trigger, Watched};
 #[cfg(test)]
 use crate::serve::watch::{RACY_STAMP, Stamp};
@@ -378,7 +376,8 @@ impl Tables {
         self.to_json_live(None)
     }
 
-    /// [`Tables::to_json`] with each tunnel peer's live state from `live(route, peer)`.
+    /// [`Tables::to_json`] with each tunnel peer's live state from `live(route, peer)`: the
+    /// table in the file's schema ([`RawRoute`]), after what was applied when.
     pub(crate) fn to_json_live(&self, live: Option<&LiveState<'_>>) -> String {
         #[derive(Serialize)]
         #[serde(rename_all = "camelCase")]
@@ -387,81 +386,22 @@ impl Tables {
             hash: &'a str,
             applied_at: u64,
             file: &'a Path,
-            api_version: &'static str,
-            kind: &'static str,
-            routes: Vec<RouteView<'a>>,
-        }
-        #[derive(Serialize)]
-        #[serde(rename_all = "camelCase")]
-        struct RouteView<'a> {
-            name: &'a str,
-            #[serde(skip_serializing_if = "RouteKeyList::is_empty")]
-            sni: RouteKeyList<'a>,
-            #[serde(skip_serializing_if = "RouteKeyList::is_empty")]
-            destinations: RouteKeyList<'a>,
-            #[serde(skip_serializing_if = "<[_]>::is_empty")]
-            proxy_destinations: &'a [std::net::SocketAddr],
-            backends: Vec<BackendView<'a>>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            timeouts: Option<TimeoutsView>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            max_connection_duration: Option<String>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            allowed_source_ranges: Option<&'a crate::route::SourceRanges>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            send_proxy_protocol: Option<&'static str>,
-            #[serde(skip_serializing_if = "std::ops::Not::not")]
-            forward_connect: bool,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            egress: Option<&'a crate::route::Egress>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            tunnel: Option<serde_json::Value>,
-        }
-        #[derive(Serialize)]
-        struct BackendView<'a> {
-            address: String,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            zone: Option<&'a str>,
-        }
-        #[derive(Serialize)]
-        struct TimeoutsView {
-            #[serde(skip_serializing_if = "Option::is_none")]
-            connect: Option<String>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            idle: Option<String>,
+            #[serde(flatten)]
+            table: RawRoutingTable,
         }
         let s = self.snapshot();
         let routes = s
             .table()
             .routes()
             .iter()
-            .map(|r| RouteView {
-                name: r.name(),
-                sni: r.sni(),
-                destinations: r.destinations(),
-                proxy_destinations: &r.proxy_destinations,
-                backends: r
-                    .backends
-                    .iter()
-                    .map(|b| BackendView {
-                        address: b.address.to_string(),
-                        zone: b.zone.as_deref(),
-                    })
-                    .collect(),
-                timeouts: (r.timeouts != RouteTimeouts::default()).then(|| TimeoutsView {
-                    connect: r.timeouts.connect.map(duration_text),
-                    idle: r.timeouts.idle.map(duration_text),
-                }),
-                max_connection_duration: r.max_connection_duration.map(duration_text),
-                allowed_source_ranges: r.allowed_sources.as_ref(),
-                send_proxy_protocol: r.send_proxy_protocol.map(|v| v.as_str()),
-                forward_connect: r.forward_connect,
-                egress: r.egress.as_deref(),
-                tunnel: r.tunnel.as_deref().and_then(|t| {
-                    let name = r.name();
-                    let peer = |i: usize| live.and_then(|f| f(name, i));
-                    serde_json::to_value(t.view(Some(&peer))).ok()
-                }),
+            .map(|r| {
+                let mut raw = RawRoute::from(&**r);
+                if let (Some(tunnel), Some(live)) = (&mut raw.tunnel, live) {
+                    for (i, peer) in tunnel.wireguard.peers.iter_mut().enumerate() {
+                        peer.state = live(r.name(), i);
+                    }
+                }
+                raw
             })
             .collect();
         let view = View {
@@ -473,9 +413,7 @@ impl Tables {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             file: &self.file,
-            api_version: crate::config::API_VERSION,
-            kind: routes::KIND,
-            routes,
+            table: RawRoutingTable::new(routes),
         };
         serde_json::to_string_pretty(&view).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
     }
@@ -648,6 +586,50 @@ mod tests {
         let stamp = Stamp::of(&file, later).expect("trusted once the window has passed");
         assert_eq!(stamp.len, table(7001).len() as u64);
         assert_eq!(Stamp::of(&dir.join("missing"), later), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `/routes` is the table in the file's schema, each tunnel peer with the state the hook
+    /// has for its route and index (none where it has nothing).
+    #[test]
+    fn the_routes_view_adds_each_peers_live_state() {
+        let dir = std::env::temp_dir().join(format!("trellis-view-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("routes.yaml");
+        let key = |b: u8| crate::route::WgKey([b; 32]).to_base64();
+        std::fs::write(
+            &file,
+            format!(
+                "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes:\n- name: t\n  tunnel:\n    wireguard:\n      peers:\n      - {{publicKey: \"{}\", allowedIPs: [\"10.250.0.0/16\"]}}\n      - {{publicKey: \"{}\", allowedIPs: [192.168.128.6]}}\n      localAddresses: [192.168.128.1]\n",
+                key(1),
+                key(2)
+            ),
+        )
+        .unwrap();
+        let t = Tables::load(&file, Arc::new(Metrics::gateway())).unwrap();
+        let live = |route: &str, i: usize| {
+            (route == "t" && i == 1).then(|| serde_json::json!({"endpoint": "203.0.113.9:1"}))
+        };
+        let shown: serde_json::Value = serde_json::from_str(&t.to_json_live(Some(&live))).unwrap();
+        assert_eq!(shown["generation"], 1);
+        assert_eq!(shown["kind"], "RoutingTable");
+        assert_eq!(
+            shown["routes"][0],
+            serde_json::json!({"name": "t", "tunnel": {"wireguard": {
+                "peers": [
+                    {"publicKey": key(1), "allowedIPs": ["10.250.0.0/16"]},
+                    {"publicKey": key(2), "allowedIPs": ["192.168.128.6/32"],
+                        "state": {"endpoint": "203.0.113.9:1"}},
+                ],
+                "localAddresses": ["192.168.128.1"],
+            }}})
+        );
+        let plain: serde_json::Value = serde_json::from_str(&t.to_json()).unwrap();
+        assert!(
+            plain["routes"][0]["tunnel"]["wireguard"]["peers"][1]
+                .get("state")
+                .is_none()
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

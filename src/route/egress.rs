@@ -120,35 +120,6 @@ impl Egress {
     }
 }
 
-impl Serialize for Egress {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(None)?;
-        if !self.client_identities.is_empty() {
-            m.serialize_entry("clientIdentities", &self.client_identities)?;
-        }
-        if !self.server_names.is_empty() {
-            m.serialize_entry("serverNames", &self.server_names)?;
-        }
-        if !self.client_sources.is_empty() {
-            let sources: Vec<String> = self.client_sources.iter().map(|n| n.to_string()).collect();
-            m.serialize_entry("clientSources", &sources)?;
-        }
-        if let Some(tls) = &self.tls {
-            m.serialize_entry("tls", tls)?;
-        }
-        let list = |n: &NetSet| n.iter().map(|n| n.to_string()).collect::<Vec<_>>();
-        if !self.allowed_networks.is_empty() {
-            m.serialize_entry("allowedNetworks", &list(&self.allowed_networks))?;
-        }
-        if !self.direct_networks.is_empty() {
-            m.serialize_entry("directNetworks", &list(&self.direct_networks))?;
-        }
-        m.serialize_entry("via", self.via.as_str())?;
-        m.end()
-    }
-}
-
 /// A key two egress routes claimed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EgressConflict {

@@ -28,9 +28,7 @@ pub use backend::{BackendAddress, BackendGuard, BackendRegistry, BackendState};
 pub use egress::{Egress, EgressConflict, EgressIndex, EgressPath, TlsFiles, Via};
 pub use net::{Net, NetError, NetSet, NetTable};
 pub use ranges::{RangesError, SourceRanges};
-pub use tunnel::{
-    KeyError, KeyFileError, PeerState, Tunnel, TunnelPeer, TunnelView, WgKey, read_key_file,
-};
+pub use tunnel::{KeyError, KeyFileError, Tunnel, TunnelPeer, WgKey, read_key_file};
 
 pub use crate::wire::proxy::ProxyVersion;
 

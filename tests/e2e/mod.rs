@@ -157,6 +157,25 @@ pub(crate) fn served_routes(gw: &Gateway) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The public keys of route `route`'s tunnel peers as the gateway serves them (its debug
+/// `/routes`).
+pub(crate) fn served_peer_keys(gw: &Gateway, route: &str) -> Vec<String> {
+    http_get(gw.debug, "/routes")
+        .and_then(|(_, body)| serde_json::from_str::<Value>(&body).ok())
+        .and_then(|t| {
+            let routes = t["routes"].as_array()?.clone();
+            let r = routes.into_iter().find(|r| r["name"] == route)?;
+            let peers = r["tunnel"]["wireguard"]["peers"].as_array()?.clone();
+            Some(
+                peers
+                    .iter()
+                    .filter_map(|p| p["publicKey"].as_str().map(str::to_owned))
+                    .collect(),
+            )
+        })
+        .unwrap_or_default()
+}
+
 /// The API server host name of shoot `name` (namespace `shoot--e2e--<name>`).
 pub(crate) fn host(name: &str) -> String {
     format!("api.{name}.e2e.example.com")
@@ -253,6 +272,53 @@ pub(crate) fn delete_shoot(kube: &FakeKube, name: &str) {
     );
     kube.delete("v1", "Service", &ns, "kube-apiserver");
     kube.delete("v1", "Namespace", "", &ns);
+}
+
+/// The Gardener `Cluster` of shoot `name`: its shoot's node, pod and service networks.
+pub(crate) fn cluster(name: &str) -> Value {
+    let ns = namespace(name);
+    json!({"apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Cluster",
+        "metadata": meta("", &ns),
+        "spec": {"shoot": {"apiVersion": "core.gardener.cloud/v1beta1", "kind": "Shoot",
+            "metadata": {"name": name, "namespace": "garden-e2e"},
+            "spec": {"networking": {"type": "calico", "nodes": "10.250.0.0/16",
+                "pods": "100.96.0.0/11", "services": "100.64.0.0/13"}}}}})
+}
+
+/// Shoot `name`'s tunnel peers Secret: one agent, `agent-0`, with `key` (base64) at
+/// 192.168.128.5.
+pub(crate) fn peers_secret(name: &str, key: &str) -> Value {
+    use base64::Engine;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let mut m = meta(&namespace(name), "trellis-tunnel-peers");
+    m["labels"] = json!({"trellis.gardener.cloud/role": "tunnel-peers"});
+    json!({"apiVersion": "v1", "kind": "Secret", "metadata": m, "type": "Opaque",
+        "data": {"agent-0.publicKey": b64(key), "agent-0.addresses": b64("192.168.128.5")}})
+}
+
+/// One of gardenlet's secrets-manager Secrets in shoot `name`'s namespace: `secret` (the
+/// hashed object name) of config name `config` (`vpn-seed-server`, `ca-vpn-bundle`),
+/// created at `created`, with `data` (PEM by key).
+pub(crate) fn managed_secret(
+    name: &str,
+    secret: &str,
+    config: &str,
+    created: &str,
+    data: &[(&str, &str)],
+) -> Value {
+    use base64::Engine;
+    let mut m = meta(&namespace(name), secret);
+    m["creationTimestamp"] = json!(created);
+    m["labels"] = json!({"name": config, "managed-by": "secrets-manager",
+        "manager-identity": "gardenlet", "persist": "true"});
+    let data: serde_json::Map<String, Value> = data
+        .iter()
+        .map(|(k, v)| {
+            let v = base64::engine::general_purpose::STANDARD.encode(v);
+            ((*k).to_owned(), Value::String(v))
+        })
+        .collect();
+    json!({"apiVersion": "v1", "kind": "Secret", "metadata": m, "type": "Opaque", "data": data})
 }
 
 /// The server names every test backend's certificate holds.

@@ -1,0 +1,94 @@
+//! What a translation saw and left out ([`Report`]): objects per kind, routes rendered and
+//! every skip with its [`Reason`], for `render`'s stderr, the controller's logs and its
+//! metrics. Filled by every translation step; pure data, no I/O.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// Why something was not routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// Istio terminates the shoot's TLS; it falls through to the fallback.
+    L7,
+    /// Another, older object claims the same key.
+    Conflict,
+    /// The destination has no ready endpoint.
+    NoEndpoints,
+    /// The namespace is being deleted.
+    NamespaceDeleting,
+    /// The destination Service or its port does not exist.
+    NoService,
+    /// An HTTPS host that is not a shoot API server (left to the fallback).
+    Https,
+    /// A shape trellis does not translate (several destinations, a host outside the cluster,
+    /// a cross-namespace or non-Service backend).
+    Unsupported,
+    /// A source allow-list (RBAC EnvoyFilter) trellis cannot enforce exactly as Envoy does:
+    /// the route admits fewer clients, or the traffic is not routed, or (server names left
+    /// to the fallback) not enforced.
+    AclUnsupported,
+    /// A shoot without tunnel peers (no peers Secret, or none of its peers usable): no
+    /// tunnel and no egress route.
+    NoTunnelPeers,
+    /// A tunnel peer left out: its key or addresses are not valid.
+    InvalidPeer,
+    /// A shoot whose egress server certificate or client CA bundle is missing: no egress.
+    NoEgressTls,
+}
+
+impl Reason {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::L7 => "l7",
+            Reason::Conflict => "conflict",
+            Reason::NoEndpoints => "no_endpoints",
+            Reason::NamespaceDeleting => "namespace_deleting",
+            Reason::NoService => "no_service",
+            Reason::Https => "https",
+            Reason::Unsupported => "unsupported",
+            Reason::AclUnsupported => "acl_unsupported",
+            Reason::NoTunnelPeers => "no_tunnel_peers",
+            Reason::InvalidPeer => "invalid_peer",
+            Reason::NoEgressTls => "no_egress_tls",
+        }
+    }
+}
+
+/// One thing not routed, with the object it comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Skip {
+    /// Why.
+    pub reason: Reason,
+    /// `Kind namespace/name` of the object.
+    pub object: String,
+    /// What exactly.
+    pub detail: String,
+}
+
+/// What a translation saw and left out: for logs and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Report {
+    /// Objects in the snapshot, per kind.
+    pub objects: BTreeMap<&'static str, usize>,
+    /// Routes rendered (the fallback included).
+    pub routes: usize,
+    /// Skips per reason.
+    pub skipped: BTreeMap<Reason, usize>,
+    /// Every skip, in the order found.
+    pub skips: Vec<Skip>,
+}
+
+impl Report {
+    /// Records one skip.
+    pub(super) fn skip(&mut self, reason: Reason, object: String, detail: impl Into<String>) {
+        *self.skipped.entry(reason).or_default() += 1;
+        self.skips.push(Skip {
+            reason,
+            object,
+            detail: detail.into(),
+        });
+    }
+}
