@@ -7,7 +7,8 @@
 //! a peer: see `floor.rs`; `haproxy-b` adds a second HAProxy, the A/A row), `BENCH_ENVOY` (the
 //! Envoy binary to run), `BENCH_IDLE` (idle connections for the memory figure, default
 //! 5000), `BENCH_JOBS` (default
-//! `sni,proxy-destination,http-connect,egress,egress-1000,tunnel`),
+//! `sni,proxy-destination,http-connect,egress,egress-1000,tunnel,ha`; `ha` runs two gateway and
+//! two agent replicas and kills each in turn, see `ha.rs`),
 //! `BENCH_ROUNDS` (default 9), `BENCH_TRELLIS_WORKERS` (default 1, like the peers' single
 //! thread), `BENCH_TRELLIS_BIN` (another trellis binary to measure, e.g. a previous build),
 //! `BENCH_FIGURES` (default `throughput,rate,latency,syscalls,storm`: which figures to
@@ -75,6 +76,8 @@ mod egress;
 mod envoy;
 #[path = "side_by_side/floor.rs"]
 mod floor;
+#[path = "side_by_side/ha.rs"]
+mod ha;
 #[path = "side_by_side/lab.rs"]
 mod lab;
 #[path = "side_by_side/tunnel.rs"]
@@ -1464,7 +1467,7 @@ fn main() {
     let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,envoy,floor");
     let jobs = env(
         "BENCH_JOBS",
-        "sni,proxy-destination,http-connect,egress,egress-1000,tunnel",
+        "sni,proxy-destination,http-connect,egress,egress-1000,tunnel,ha",
     );
     let figures = env("BENCH_FIGURES", "throughput,rate,latency,syscalls,storm");
     let want = |f: &str| figures.split(',').any(|g| g == f);
@@ -1483,7 +1486,7 @@ fn main() {
         .unwrap();
     let rows = rt.block_on(async {
         // Only the tunnel job, which brings its own servers and proxies: nothing to start.
-        if jobs.split(',').all(|j| j == "tunnel") {
+        if jobs.split(',').all(|j| j == "tunnel" || j == "ha") {
             return Vec::new();
         }
         tokio::spawn(backend());
@@ -1529,7 +1532,7 @@ fn main() {
             starters.push(Box::new(|_| start_floor()));
         }
         let mut rows = Vec::new();
-        for job in jobs.split(',').filter(|j| *j != "tunnel") {
+        for job in jobs.split(',').filter(|j| *j != "tunnel" && *j != "ha") {
             // Fresh processes per job; memory first, so no figure inherits a heap another
             // one grew. Then the other figures in interleaved rounds, reported as medians,
             // because a 2-core machine shared by client, proxies and backend is noisy.
@@ -1672,6 +1675,9 @@ fn main() {
     if jobs.split(',').any(|j| j == "tunnel") {
         drop(rt);
         tunnel::run(&work, &target_dir.join("bench-keys"));
+    }
+    if jobs.split(',').any(|j| j == "ha") {
+        ha::run(&work, &target_dir.join("bench-keys"));
     }
     let _ = std::fs::remove_dir_all(&work);
 }

@@ -1529,33 +1529,50 @@ fn agent_rules(objects: &[Value]) -> Result<(), String> {
             "{name} has the tunnel addresses {} of another replica",
             wg["addresses"]
         );
-        let endpoints = wg["gateway"]["endpoints"].as_array().unwrap();
-        ensure!(
-            endpoints[0]["udp"].is_string(),
-            "{name}: the gateway is not tried over UDP first: {}",
-            endpoints[0]
-        );
-        let Some(connect) = endpoints.iter().find_map(|e| e["connect"].as_object()) else {
-            return Err(format!("{name}: no connect endpoint (WireGuard over TCP)"));
+        // A session with each gateway replica, each over UDP first, then over TCP through
+        // the seed's CONNECT port to that replica's own destination.
+        let Some(replicas) = wg["gateway"]["replicas"].as_array() else {
+            return Err(format!("{name}: no session per gateway replica (replicas)"));
         };
         ensure!(
-            port_of(connect["address"].as_str().unwrap()) == 8443,
-            "{name}: the connect endpoint is not the seed's CONNECT port 8443: {connect:?}"
+            replicas.len() == 2,
+            "{name}: {} gateway replicas, not 2",
+            replicas.len()
         );
-        ensure!(
-            connect
-                .get("destinationHeader")
-                .is_none_or(|h| h == "X-Gardener-Destination"),
-            "{name}: {connect:?}"
-        );
-        let destination = connect["destination"].as_str().unwrap();
-        ensure!(
-            destination
-                .strip_prefix("trellis-wireguard-")
-                .and_then(|d| d.strip_suffix(":51820"))
-                .is_some_and(|n| n.parse::<usize>().is_ok()),
-            "{name}: {destination:?} is no tunnel gateway replica's connectDestination"
-        );
+        let mut seen = std::collections::BTreeSet::new();
+        for replica in replicas {
+            let endpoints = replica["endpoints"].as_array().unwrap();
+            ensure!(
+                endpoints[0]["udp"].is_string(),
+                "{name}: the gateway is not tried over UDP first: {}",
+                endpoints[0]
+            );
+            let Some(connect) = endpoints.iter().find_map(|e| e["connect"].as_object()) else {
+                return Err(format!("{name}: no connect endpoint (WireGuard over TCP)"));
+            };
+            ensure!(
+                port_of(connect["address"].as_str().unwrap()) == 8443,
+                "{name}: the connect endpoint is not the seed's CONNECT port 8443: {connect:?}"
+            );
+            ensure!(
+                connect
+                    .get("destinationHeader")
+                    .is_none_or(|h| h == "X-Gardener-Destination"),
+                "{name}: {connect:?}"
+            );
+            let destination = connect["destination"].as_str().unwrap();
+            ensure!(
+                destination
+                    .strip_prefix("trellis-wireguard-")
+                    .and_then(|d| d.strip_suffix(":51820"))
+                    .is_some_and(|n| n.parse::<usize>().is_ok()),
+                "{name}: {destination:?} is no tunnel gateway replica's connectDestination"
+            );
+            ensure!(
+                seen.insert(destination.to_owned()),
+                "{name}: two sessions lead to {destination:?}"
+            );
+        }
     }
     Ok(())
 }
@@ -1690,17 +1707,18 @@ fn a_weakened_agent_fails() {
             |o| {
                 let cm = o.iter_mut().find(|o| o["kind"] == "ConfigMap").unwrap();
                 for v in cm["data"].as_object_mut().unwrap().values_mut() {
-                    // The udp endpoint moved after the connect one.
+                    // The first replica's udp endpoint moved after its connect one.
                     let mut lines: Vec<&str> = v.as_str().unwrap().lines().collect();
                     let udp = lines
                         .iter()
-                        .position(|l| l.starts_with("    - udp:"))
+                        .position(|l| l.starts_with("      - udp:"))
                         .unwrap();
                     let line = lines.remove(udp);
-                    let end = lines
-                        .iter()
-                        .position(|l| l.starts_with("    persistentKeepalive:"))
-                        .unwrap();
+                    let end = udp
+                        + lines[udp..]
+                            .iter()
+                            .position(|l| l.starts_with("    - endpoints:"))
+                            .unwrap();
                     lines.insert(end, line);
                     *v = Value::String(lines.join("\n"));
                 }

@@ -73,19 +73,23 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let keepalive = config
         .persistent_keepalive
         .map(|d| d.as_secs().clamp(1, u64::from(u16::MAX)) as u16);
-    // One lane: the gateway of the configuration, over its endpoints.
+    // One lane per gateway replica (one for a single gateway), each over its endpoints.
     let (tx, mut accepts) = mpsc::channel::<Incoming>(ACCEPT_QUEUE);
-    let spec = LaneSpec {
-        index: 0,
-        gateway: config.gateway_public_key,
-        endpoints: config.endpoints.clone(),
-        addresses: config.addresses.clone(),
-        networks: config.networks.clone().into(),
-        keepalive,
-        connect: config.timeouts.connect,
-        idle: config.timeouts.idle,
-    };
-    let lanes = vec![Lane::start(spec, private, metrics.tunnel.clone(), tx).await?];
+    let mut lanes = Vec::with_capacity(config.lanes.len());
+    for (index, endpoints) in config.lanes.iter().enumerate() {
+        let spec = LaneSpec {
+            index,
+            gateway: config.gateway_public_key,
+            endpoints: endpoints.clone(),
+            addresses: config.addresses.clone(),
+            networks: config.networks.clone().into(),
+            keepalive,
+            connect: config.timeouts.connect,
+            idle: config.timeouts.idle,
+        };
+        lanes.push(Lane::start(spec, private, metrics.tunnel.clone(), tx.clone()).await?);
+    }
+    drop(tx);
     let lanes = Arc::new(lanes);
     tracing::info!(lanes = lanes.len(), admin = %config.admin, "agent started");
     let ready = {

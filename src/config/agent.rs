@@ -22,6 +22,7 @@ mapping_only!(
     RawAgent,
     RawAgentWireGuard,
     RawAgentGateway,
+    RawAgentReplica,
     RawAgentEndpoint,
     RawConnectEndpoint,
     RawAgentTimeouts
@@ -82,10 +83,23 @@ pub struct RawAgentGateway {
     /// agent probes the `udp` ones): at least one.
     #[serde(default)]
     pub endpoints: Vec<RawAgentEndpoint>,
+    /// Instead of `endpoints`: the gateway's replicas, one session with each (every replica
+    /// then has a session with every agent), each with its endpoints in order.
+    #[serde(default)]
+    pub replicas: Vec<RawAgentReplica>,
     /// How often to send a keepalive when nothing else is sent (default `25s`; `0s` = off):
     /// whole seconds up to 65535.
     #[serde(default)]
     pub persistent_keepalive: Option<String>,
+}
+
+/// One gateway replica as written.
+#[derive(Debug, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawAgentReplica {
+    /// Where this replica is, tried in order (UDP preferred): at least one.
+    #[serde(default)]
+    pub endpoints: Vec<RawAgentEndpoint>,
 }
 
 /// One gateway endpoint as written: exactly one of `udp` and `connect`.
@@ -174,8 +188,9 @@ pub struct AgentConfig {
     pub addresses: Vec<IpAddr>,
     /// The gateway device's public key.
     pub gateway_public_key: WgKey,
-    /// Where the gateway is, in the order to try: at least one.
-    pub endpoints: Vec<AgentEndpoint>,
+    /// One entry per session the agent keeps (one per gateway replica; one for a single
+    /// gateway): where that gateway is, in the order to try, at least one endpoint each.
+    pub lanes: Vec<Vec<AgentEndpoint>>,
     /// Keepalive interval; `None` = off.
     pub persistent_keepalive: Option<Duration>,
     /// What the agent dials: at least one network.
@@ -232,7 +247,7 @@ fn build(file: &Path, raw: RawAgent, errors: &mut Errors) -> AgentConfig {
     let gateway_public_key = WgKey::from_base64(&wg.gateway.public_key)
         .map_err(|e| errors.push("wireguard.gateway.publicKey", e))
         .unwrap_or(WgKey([0; 32]));
-    let endpoints = endpoints(errors, &wg.gateway.endpoints);
+    let lanes = lanes(errors, &wg.gateway);
     let persistent_keepalive =
         persistent_keepalive(errors, wg.gateway.persistent_keepalive.as_deref());
     if raw.networks.is_empty() {
@@ -263,7 +278,7 @@ fn build(file: &Path, raw: RawAgent, errors: &mut Errors) -> AgentConfig {
         private_key_file,
         addresses,
         gateway_public_key,
-        endpoints,
+        lanes,
         persistent_keepalive,
         networks,
         admin,
@@ -308,9 +323,45 @@ fn addresses(errors: &mut Errors, raw: &[String]) -> Vec<IpAddr> {
     out
 }
 
-/// The gateway's endpoints in order; at least one.
-fn endpoints(errors: &mut Errors, raw: &[RawAgentEndpoint]) -> Vec<AgentEndpoint> {
-    let path = "wireguard.gateway.endpoints";
+/// Most gateway replicas an agent keeps a session with (each is a socket and a stack).
+pub const MAX_REPLICAS: usize = 8;
+
+/// The sessions to keep: `endpoints` (one gateway) or `replicas` (one per replica).
+fn lanes(errors: &mut Errors, raw: &RawAgentGateway) -> Vec<Vec<AgentEndpoint>> {
+    if raw.replicas.is_empty() {
+        return vec![endpoints(
+            errors,
+            "wireguard.gateway.endpoints",
+            &raw.endpoints,
+        )];
+    }
+    if !raw.endpoints.is_empty() {
+        errors.push(
+            "wireguard.gateway",
+            "either endpoints (one gateway) or replicas (a session with each replica), not both",
+        );
+    }
+    if raw.replicas.len() > MAX_REPLICAS {
+        errors.push(
+            "wireguard.gateway.replicas",
+            format!(
+                "at most {MAX_REPLICAS} replicas, got {}",
+                raw.replicas.len()
+            ),
+        );
+    }
+    raw.replicas
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let path = format!("wireguard.gateway.replicas[{i}].endpoints");
+            endpoints(errors, &path, &r.endpoints)
+        })
+        .collect()
+}
+
+/// A gateway's endpoints in order; at least one.
+fn endpoints(errors: &mut Errors, path: &str, raw: &[RawAgentEndpoint]) -> Vec<AgentEndpoint> {
     let mut out = Vec::with_capacity(raw.len());
     for (i, e) in raw.iter().enumerate() {
         let at_i = format!("{path}[{i}]");
@@ -477,7 +528,7 @@ admin: {{address: \"0.0.0.0:16911\"}}
         assert_eq!(c.gateway_public_key, WgKey([9; 32]));
         assert_eq!(c.addresses.len(), 2);
         assert_eq!(
-            c.endpoints,
+            c.lanes[0],
             [
                 AgentEndpoint::Udp {
                     host: "vpn.seed.example.com".into(),
@@ -527,7 +578,7 @@ admin: {{address: \"0.0.0.0:16911\"}}
         let connect = "    endpoints: [{connect: {address: \"api.example.com:8443\", destination: \"trellis-wireguard:51820\", destinationHeader: Reversed-VPN}}]\n";
         let c = check(&agent(connect, "")).unwrap();
         assert_eq!(
-            c.endpoints,
+            c.lanes[0],
             [AgentEndpoint::Connect {
                 address: "api.example.com:8443".into(),
                 destination: "trellis-wireguard:51820".into(),
@@ -542,13 +593,59 @@ admin: {{address: \"0.0.0.0:16911\"}}
         let both = connect.replace("}}]", "}}, {udp: \"192.0.2.1:51820\"}]");
         let c = check(&agent(&both, "")).unwrap();
         assert!(matches!(
-            &c.endpoints[0],
+            &c.lanes[0][0],
             AgentEndpoint::Connect { destination_header, .. } if destination_header == "Reversed-VPN"
         ));
         assert!(matches!(
-            &c.endpoints[1],
+            &c.lanes[0][1],
             AgentEndpoint::Udp { port: 51820, .. }
         ));
+    }
+
+    /// `replicas` gives one lane per replica, each with its endpoints in order; it excludes
+    /// `endpoints`, needs endpoints in every replica and is bounded.
+    #[test]
+    fn replicas_give_one_lane_each() {
+        let two = "    replicas:
+    - endpoints: [{udp: \"vpn.seed.example.com:51820\"}, {connect: {address: \"api.example.com:8443\", destination: \"trellis-wireguard-0:51820\"}}]
+    - endpoints: [{udp: \"vpn.seed.example.com:51821\"}]
+";
+        let c = check(&agent(two, "")).unwrap();
+        assert_eq!(c.lanes.len(), 2);
+        assert_eq!(c.lanes[0].len(), 2);
+        assert_eq!(
+            c.lanes[1],
+            [AgentEndpoint::Udp {
+                host: "vpn.seed.example.com".into(),
+                port: 51821
+            }]
+        );
+        let single = check(&agent(UDP, "")).unwrap();
+        assert_eq!(single.lanes.len(), 1);
+
+        let both = check(&agent(&format!("{UDP}{two}"), "")).unwrap_err();
+        assert!(
+            both.contains("wireguard.gateway: either endpoints (one gateway) or replicas"),
+            "{both}"
+        );
+        let empty = check(&agent("    replicas: [{endpoints: []}]\n", "")).unwrap_err();
+        assert!(
+            empty.contains(
+                "wireguard.gateway.replicas[0].endpoints: at least one endpoint is required"
+            ),
+            "{empty}"
+        );
+        let many = format!(
+            "    replicas:\n{}",
+            "    - endpoints: [{udp: \"a:1\"}]\n".repeat(MAX_REPLICAS + 1)
+        );
+        let err = check(&agent(&many, "")).unwrap_err();
+        assert!(err.contains("at most 8 replicas, got 9"), "{err}");
+        let err = check(&agent("    replicas: [{endpoints: [{udp: nope}]}]\n", "")).unwrap_err();
+        assert!(
+            err.contains("wireguard.gateway.replicas[0].endpoints[0].udp: expected HOST:PORT"),
+            "{err}"
+        );
     }
 
     #[test]

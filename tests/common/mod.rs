@@ -347,8 +347,19 @@ admin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}
     /// configuration, table, files and ports; returns once it is ready. The log starts
     /// afresh (the earlier one is kept beside it as `gateway-killed.log`).
     pub(crate) fn kill_and_restart(&mut self) {
+        self.kill_only();
+        self.restart();
+    }
+
+    /// Kills the gateway (SIGKILL) and reaps it.
+    pub(crate) fn kill_only(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Starts a killed gateway again on the same configuration, table, files and ports
+    /// (see [`Gateway::kill_and_restart`]).
+    pub(crate) fn restart(&mut self) {
         let log = self.log_dir.path("gateway.log");
         let _ = std::fs::rename(&log, self.log_dir.path("gateway-killed.log"));
         self.child = spawn_gateway(&self.dir, &self.log_dir, None, &[]);
