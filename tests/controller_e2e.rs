@@ -380,7 +380,8 @@ async fn tunnel_key_and_egress_certificate_rotations_reach_the_running_gateway()
     ];
     let first = ca.issue("vpn-seed-server", &sans, true);
     let second = ca.issue("vpn-seed-server", &sans, true);
-    let (client_cert, client_key) = ca.issue("kube-apiserver-http-proxy", &[], false);
+    // The CN Gardener 1.124 and later give the egress client certificate.
+    let (client_cert, client_key) = ca.issue("kube-apiserver-http-proxy-client", &[], false);
     let kube_apiserver = Client {
         trust: ca.pem.clone(),
         cert: Some((client_cert, client_key)),

@@ -19,7 +19,7 @@
 //!   key is copied for a shoot that does not use trellis): `clientSources` are the ready
 //!   endpoints of the `kube-apiserver` EndpointSlices (`/32`, `/128`; one held by an older
 //!   shoot is left out, `conflict`), `clientIdentities` the CN of Gardener's egress client
-//!   certificate ([`EGRESS_IDENTITY`]), `tls` the newest `vpn-seed-server` certificate and
+//!   certificate ([`EGRESS_IDENTITIES`]), `tls` the newest `vpn-seed-server` certificate and
 //!   the newest `ca-vpn` bundle ([`newest`]), `allowedNetworks` the shoot's networks.
 //!   Without both TLS Secrets: `no_egress_tls`; without a ready endpoint: `no_endpoints`.
 //! - A shoot without peers gets neither (`no_tunnel_peers`).
@@ -40,10 +40,14 @@ use crate::config::routes::{RawEgress, RawRoute, RawTunnel, RawTunnelPeer, RawWi
 use crate::config::tls::RawTls;
 use crate::route::{Net, WgKey};
 
-/// The CN of the client certificate Gardener issues every kube-apiserver for its egress
-/// (`kube-apiserver-http-proxy`, signed by the shoot's `ca-vpn`): an egress route requires
-/// it, so no other certificate of that CA (the VPN's own) is taken for the kube-apiserver.
-pub const EGRESS_IDENTITY: &str = "kube-apiserver-http-proxy";
+/// The CNs of the client certificate Gardener issues every kube-apiserver for its egress,
+/// signed by the shoot's `ca-vpn`: `kube-apiserver-http-proxy` before Gardener 1.124,
+/// `kube-apiserver-http-proxy-client` since. An egress route requires one of them, so no
+/// other certificate of that CA (the VPN's own) is taken for the kube-apiserver.
+pub const EGRESS_IDENTITIES: [&str; 2] = [
+    "kube-apiserver-http-proxy",
+    "kube-apiserver-http-proxy-client",
+];
 
 /// The Service whose ready endpoints are a shoot's egress clients.
 const KUBE_APISERVER: &str = "kube-apiserver";
@@ -401,7 +405,7 @@ fn egress<'a>(
         name
     };
     Some(RawEgress {
-        client_identities: vec![EGRESS_IDENTITY.to_owned()],
+        client_identities: EGRESS_IDENTITIES.iter().map(|s| s.to_string()).collect(),
         client_sources,
         tls: Some(RawTls {
             certificate_file: name(EgressFile::Certificate, certificate),
