@@ -497,48 +497,47 @@ timeouts: {{drainDelay: 0s}}
         ),
     )
     .unwrap();
-    let agent_config = dir.join("agent.yaml");
-    std::fs::write(
-        &agent_config,
-        format!(
-            "apiVersion: trellis.gardener.cloud/v1alpha1
+    // The agent over UDP, and one reaching the gateway only through its CONNECT port.
+    let agent = |file: &str, key: &Path, address: &str, endpoints: &str, admin: u16| {
+        let config = dir.join(file);
+        std::fs::write(
+            &config,
+            format!(
+                "apiVersion: trellis.gardener.cloud/v1alpha1
 kind: AgentConfiguration
 wireguard:
   privateKeyFile: \"{}\"
-  addresses: [192.168.131.5]
+  addresses: [{address}]
   gateway:
     publicKey: \"{}\"
-    endpoints: [{{udp: \"{GATEWAY_WG}\"}}]
+    endpoints: [{endpoints}]
     persistentKeepalive: 25s
 networks: [\"100.64.0.0/13\"]
-admin: {{address: \"127.0.0.1:16911\"}}
+admin: {{address: \"127.0.0.1:{admin}\"}}
 ",
-            agent_key.display(),
-            gw.public
+                key.display(),
+                gw.public
+            ),
+        )
+        .unwrap();
+        config
+    };
+    let agent_config = agent(
+        "agent.yaml",
+        &agent_key,
+        "192.168.131.5",
+        &format!("{{udp: \"{GATEWAY_WG}\"}}"),
+        16911,
+    );
+    let agent_tcp_config = agent(
+        "agent-tcp.yaml",
+        &agent_tcp_key,
+        "192.168.132.5",
+        &format!(
+            "{{connect: {{address: \"{GATEWAY_CONNECT}\", destination: \"{CONNECT_DESTINATION}\"}}}}"
         ),
-    )
-    .unwrap();
-    let agent_tcp_config = dir.join("agent-tcp.yaml");
-    std::fs::write(
-        &agent_tcp_config,
-        format!(
-            "apiVersion: trellis.gardener.cloud/v1alpha1
-kind: AgentConfiguration
-wireguard:
-  privateKeyFile: \"{}\"
-  addresses: [192.168.132.5]
-  gateway:
-    publicKey: \"{}\"
-    endpoints: [{{connect: {{address: \"{GATEWAY_CONNECT}\", destination: \"{CONNECT_DESTINATION}\"}}}}]
-    persistentKeepalive: 25s
-networks: [\"100.64.0.0/13\"]
-admin: {{address: \"127.0.0.1:16912\"}}
-",
-            agent_tcp_key.display(),
-            gw.public
-        ),
-    )
-    .unwrap();
+        16912,
+    );
     Setup {
         gateway_config,
         agent_config,
