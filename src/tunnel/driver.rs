@@ -14,6 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
 use boringtun::noise::TunnResult;
+use rustix::net::SendFlags;
 use thiserror::Error;
 use tokio::net::UdpSocket;
 use tokio::sync::{Notify, mpsc};
@@ -121,10 +122,15 @@ pub(crate) struct UdpIo<'a> {
 impl Io for UdpIo<'_> {
     fn send(&mut self, to: Endpoint, datagram: &[u8]) {
         let sent = match to {
-            Endpoint::Udp(to) => match self.inner.socket.try_send_to(datagram, to) {
-                Ok(_) => Ok(()),
-                Err(_) => Err(Drop::Busy),
-            },
+            // Straight to the (non-blocking) socket: tokio's `try_send_to` refuses until
+            // its reactor has seen the socket writable, so a new socket's first datagram (an
+            // agent's first handshake initiation) would be dropped.
+            Endpoint::Udp(to) => {
+                match rustix::net::sendto(&*self.inner.socket, datagram, SendFlags::empty(), &to) {
+                    Ok(_) => Ok(()),
+                    Err(_) => Err(Drop::Busy),
+                }
+            }
             Endpoint::Stream { id, .. } => self.inner.streams.send(id, datagram),
         };
         if let Err(reason) = sent {
@@ -847,5 +853,43 @@ impl Tunnels {
                 _ = self.inner.wake.notified() => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admin::metrics::ReasonLabel;
+
+    /// A new agent device's first handshake initiation leaves at once, before the runtime's
+    /// reactor has looked at the new socket (tokio's own `try_send_to` refuses then, and the
+    /// lane came up only on boringtun's retry 5 s later). The test holds the runtime's only
+    /// thread while it waits, so nothing but that first send can deliver.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_new_agent_sends_its_first_handshake_initiation_at_once() {
+        let gateway = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        gateway
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .unwrap();
+        let metrics = Arc::new(TunnelMetrics::default());
+        let socket = UdpSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .unwrap();
+        let (accepts, _rx) = mpsc::channel(1);
+        let side = AgentSide {
+            gateway: WgKey([9; 32]),
+            addresses: vec!["192.168.128.5".parse().unwrap()],
+            networks: Arc::from(Vec::new()),
+            keepalive: None,
+        };
+        let t = Tunnels::agent(socket, WgKey([7; 32]), side, metrics.clone(), accepts);
+        t.use_endpoint(Endpoint::Udp(gateway.local_addr().unwrap()));
+        let mut buf = [0u8; 256];
+        let got = gateway.recv_from(&mut buf).map(|(n, _)| (n, buf[0]));
+        let busy = metrics
+            .dropped
+            .get_or_create(&ReasonLabel { reason: "busy" })
+            .get();
+        assert_eq!((got.ok(), busy), (Some((148, 1)), 0));
     }
 }
