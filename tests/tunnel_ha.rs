@@ -168,6 +168,16 @@ fn live_peers(gw: &Gateway) -> usize {
     serde_json::from_str(&body).map(|v| count(&v)).unwrap_or(0)
 }
 
+/// Lanes of the agent at `admin` (in `ns`) with a session, from its metrics.
+fn lanes_up(ns: &str, admin: SocketAddr) -> usize {
+    let Some((200, text)) = in_ns(ns, || http_get(admin, "/metrics")) else {
+        return 0;
+    };
+    text.lines()
+        .filter(|l| l.starts_with("trellis_tunnel_endpoint{") && l.ends_with(" 1"))
+        .count()
+}
+
 /// CONNECTs through the front to `target`, echoes one byte; the stream on success.
 async fn attempt(front: SocketAddr, client: &Client, target: SocketAddr) -> Option<Tls> {
     let go = async {
@@ -192,12 +202,14 @@ async fn attempt(front: SocketAddr, client: &Client, target: SocketAddr) -> Opti
         .flatten()
 }
 
-/// Successful connections' completion times, from a client that starts one every 100 ms.
+/// Successful connections' completion times, from a client that starts one every 100 ms
+/// (each on its own, however long the others take).
 type Successes = Arc<Mutex<Vec<Instant>>>;
 
 /// The longest time between two successive successful connections in `[from, to]`.
 fn longest_gap(successes: &Successes, from: Instant, to: Instant) -> Duration {
-    let times = successes.lock().unwrap();
+    let mut times: Vec<Instant> = successes.lock().unwrap().clone();
+    times.sort();
     let mut last = from;
     let mut gap = Duration::ZERO;
     for t in times.iter().filter(|t| **t >= from && **t <= to) {
@@ -314,9 +326,15 @@ routes:
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                         tick.tick().await;
-                        if attempt(front_addr, &client, target).await.is_some() {
-                            successes.lock().unwrap().push(Instant::now());
-                        }
+                        // Each attempt on its own: one established just as its agent died
+                        // hangs (its stream ends only by keepalive), and must not hold back
+                        // the next.
+                        let (successes, client) = (successes.clone(), client.clone());
+                        tokio::spawn(async move {
+                            if attempt(front_addr, &client, target).await.is_some() {
+                                successes.lock().unwrap().push(Instant::now());
+                            }
+                        });
                     }
                 })
             };
@@ -364,11 +382,10 @@ routes:
                 ));
                 let argv: Vec<&str> = agent.args.iter().map(String::as_str).collect();
                 agent.child = lab.spawn(&shoot, &argv, &agent.log);
-                // Its old sessions still look live at the gateways: wait for the new
-                // process's own readiness (a session up).
+                // Its old sessions still look live at the gateways (and `/ready` needs one
+                // lane): wait until the new process has a session with every replica.
                 let ready = wait_for(Duration::from_secs(30), || {
-                    let r = in_ns(&shoot, || http_get(agent.admin, "/ready"));
-                    (r.map(|r| r.0) == Some(200)).then_some(())
+                    (lanes_up(&shoot, agent.admin) == gws.len()).then_some(())
                 });
                 assert!(ready.is_some(), "agent {a} not back\n{}", logs(&lab, &gws));
                 assert!(all_live(&gws), "agent {a} not back\n{}", logs(&lab, &gws));

@@ -39,6 +39,8 @@ const ADMIN: [(&str, &str); 2] = [
     ("127.0.0.1:15040", "127.0.0.1:15042"),
     ("127.0.0.1:15041", "127.0.0.1:15043"),
 ];
+/// The first agent's admin port (the second's is the next).
+const AGENT_ADMIN: u16 = 16921;
 /// The front (load balancer) in front of the egress listeners.
 const FRONT: &str = "127.0.0.1:9449";
 /// Tunneled streams held open for the memory figure.
@@ -90,20 +92,35 @@ async fn attempt(tls: Arc<egress::Client>) -> std::io::Result<Stream> {
     Ok(s)
 }
 
-/// Peers with a live session at the gateway whose debug endpoint is `debug`.
-async fn live_peers(debug: &str) -> usize {
-    let Ok(mut s) = TcpStream::connect(debug).await else {
-        return 0;
+/// The body of `GET path` at `addr` (empty on any failure).
+async fn get(addr: String, path: &str) -> String {
+    let Ok(mut s) = TcpStream::connect(&addr).await else {
+        return String::new();
     };
     use tokio::io::AsyncWriteExt;
-    let req = format!("GET /routes HTTP/1.1\r\nHost: {debug}\r\nConnection: close\r\n\r\n");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     if s.write_all(req.as_bytes()).await.is_err() {
-        return 0;
+        return String::new();
     }
     let mut body = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut body)).await;
     let text = String::from_utf8_lossy(&body);
-    let json = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    text.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+/// Lanes of the agent whose admin port is `port` (in the shoot) that have a session.
+async fn lanes_up(port: u16) -> usize {
+    let text = get(format!("127.0.0.1:{port}"), "/metrics").await;
+    text.lines()
+        .filter(|l| l.starts_with("trellis_tunnel_endpoint{") && l.ends_with(" 1"))
+        .count()
+}
+
+/// Peers with a live session at the gateway whose debug endpoint is `debug`.
+async fn live_peers(debug: &str) -> usize {
+    let json = get(debug.to_string(), "/routes").await;
     fn count(v: &serde_json::Value) -> usize {
         match v {
             serde_json::Value::Object(m) => {
@@ -116,7 +133,7 @@ async fn live_peers(debug: &str) -> usize {
             _ => 0,
         }
     }
-    serde_json::from_str(json).map(|v| count(&v)).unwrap_or(0)
+    serde_json::from_str(&json).map(|v| count(&v)).unwrap_or(0)
 }
 
 /// Waits up to `limit` until every gateway has `n` live peers.
@@ -270,7 +287,7 @@ admin: {{address: \"127.0.0.1:{}\"}}
                 gw.public,
                 WG[0],
                 WG[1],
-                16921 + i
+                usize::from(AGENT_ADMIN) + i
             ),
         )
     };
@@ -294,9 +311,11 @@ fn start(lab: &Lab, ns: &str, role: &str, config: &Path, log: &Path) -> Proc {
 
 /// The longest time between two successive successes in `[from, to]`.
 fn longest_gap(successes: &[Instant], from: Instant, to: Instant) -> Duration {
+    let mut times: Vec<Instant> = successes.to_vec();
+    times.sort();
     let mut last = from;
     let mut gap = Duration::ZERO;
-    for t in successes.iter().filter(|t| **t >= from && **t <= to) {
+    for t in times.iter().filter(|t| **t >= from && **t <= to) {
         gap = gap.max(t.saturating_duration_since(last));
         last = *t;
     }
@@ -470,6 +489,17 @@ pub fn run(work: &Path, cache: &Path) {
                 &log(&format!("agent-{i}-again")),
             ));
         }
+        // A restarted agent's old sessions still look live at the gateways: wait for the
+        // new process's own, with each replica.
+        ctl.block_on(async {
+            let start = Instant::now();
+            while what.starts_with("agent")
+                && on(&shoot, lanes_up(AGENT_ADMIN + u16::from(i == 1))).await < 2
+                && start.elapsed() < Duration::from_secs(60)
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
         if !ctl.block_on(sessions(&seed, 2, Duration::from_secs(60))) {
             println!(
                 "(sessions not all back after {what} restarted; logs in {})",
