@@ -916,3 +916,57 @@ async fn a_silent_connect_stream_ends_at_the_idle_timeout_and_junk_frames_are_dr
     assert_eq!(line["reason"], "idle_timeout", "{line}");
     assert_eq!(lab.gw.metric("trellis_tunnel_tcp_endpoints_active"), 0.0);
 }
+
+/// Whoever can open a CONNECT but holds no peer's key cannot keep a stream: one that keeps
+/// sending frames no key authenticates ends at `timeouts.handshake` (`not_authenticated`),
+/// long before the idle timeout, while the agent's stream under the same bound stays (it is
+/// the only other stream the CONNECT listener ever routed) and carries egress.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connect_stream_without_an_authenticated_packet_ends_at_the_handshake_timeout() {
+    let lab = Lab::start_connect("timeouts: {handshake: 1s, idle: 60s}\n");
+    let endpoints = format!("[{}]", connect_endpoint(lab.gw.addr("connect")));
+    let agent = lab.agent_with(&endpoints, "[\"127.0.0.0/8\"]");
+    agent.wait_metric(&endpoint_kind("connect"), 1.0);
+    let up = std::time::Instant::now();
+    let s = tokio::net::TcpStream::connect(lab.gw.addr("connect"))
+        .await
+        .unwrap();
+    let (mut r, mut w) = s.into_split();
+    let head = format!(
+        "CONNECT {CONNECT_DESTINATION} HTTP/1.1\r\nHost: x\r\nX-Gardener-Destination: {CONNECT_DESTINATION}\r\n\r\n"
+    );
+    w.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0u8; OK.len()];
+    r.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer, OK);
+    let start = std::time::Instant::now();
+    // A frame every 200 ms: never idle, never authenticated.
+    let writer = tokio::spawn(async move {
+        while w.write_all(b"\x00\x04junk").await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), r.read_to_end(&mut rest)).await;
+    let took = start.elapsed();
+    assert!(read.is_ok(), "the stream was not closed");
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_secs(10),
+        "ended after {took:?}"
+    );
+    writer.abort();
+    let line = lab.gw.wait_access_log(|l| {
+        l["listener"] == "connect" && l["periodic"] == false && l["reason"] != "-"
+    });
+    assert_eq!(line["reason"], "not_authenticated", "{line}");
+    // The agent's stream outlives the bound.
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(up.elapsed())).await;
+    let routed = "trellis_downstream_connections_total{listener=\"connect\",outcome=\"routed\"}";
+    assert_eq!(lab.gw.metric(routed), 2.0);
+    assert_eq!(lab.gw.metric("trellis_tunnel_tcp_endpoints_active"), 1.0);
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK, "{}", String::from_utf8_lossy(&answer));
+    echo_exact_with_half_close(tls, 100_000).await;
+    drop(agent);
+}

@@ -37,7 +37,8 @@ pub(super) fn connect_destination(listeners: &[ListenerConfig]) -> Option<(Strin
 
 /// Serves a CONNECT to the device's `connectDestination` (its head consumed): answers `200`
 /// and carries the stream as an endpoint of the device until it ends, for as long as it
-/// sends something within `timeouts.idle`. It is counted `routed` on its listener, and the
+/// sends something within `timeouts.idle`; one that brings no packet a peer's key
+/// authenticates within `timeouts.handshake` is closed (`not_authenticated`). It is counted `routed` on its listener, and the
 /// drain does not wait for it: it ends once the tunneled streams have. One access-log line:
 /// backend `wireguard:<listener>`, the bytes each way (frame headers included) and why it
 /// ended.
@@ -58,7 +59,10 @@ pub(super) async fn carry(
     let endpoint = tunnels.open_stream(record.client);
     tracing::debug!(client = %record.client, endpoint = %endpoint.endpoint(), "WireGuard over TCP: stream opened");
     let idle = shared.config.timeouts.idle;
-    let carried = tunnels.carry(endpoint, stream, early, idle).await;
+    let handshake = shared.config.timeouts.handshake;
+    let carried = tunnels
+        .carry(endpoint, stream, early, idle, Some(handshake))
+        .await;
     record.finish(Reason::Relay(carried.end), carried.stats);
     drop(guard);
 }

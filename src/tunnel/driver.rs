@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
@@ -38,8 +39,9 @@ pub(crate) const ACCEPT_QUEUE: usize = 1024;
 /// Datagrams handled before each touched shoot's stack runs.
 const RECEIVE_BATCH: usize = 64;
 
-/// How long a dial waits for an answer through one peer before it tries another live
-/// peer of the route (and marks the first suspect).
+/// How long a dial waits for an answer through one peer before an attempt through another
+/// live peer of the route joins it (the first is marked suspect, and still wins if it
+/// answers first).
 const FAILOVER_AFTER: Duration = Duration::from_secs(1);
 
 /// How often every peer's timers run (WireGuard's own resolution is coarser).
@@ -187,10 +189,10 @@ pub(crate) struct Batch<'a> {
 }
 
 impl Batch<'_> {
-    /// Handles one datagram from `from`.
-    pub(crate) fn receive(&mut self, from: Endpoint, datagram: &[u8]) {
+    /// Handles one datagram from `from`; whether a peer's key authenticated it.
+    pub(crate) fn receive(&mut self, from: Endpoint, datagram: &[u8]) -> bool {
         let inner = &self.tunnels.inner;
-        if let Some(cell) = device::receive(
+        let Some(cell) = device::receive(
             &self.state.keys,
             &self.state.maps,
             &inner.recovery,
@@ -198,10 +200,13 @@ impl Batch<'_> {
             from,
             datagram,
             &mut inner.io(),
-        ) && !self.touched.iter().any(|c| Arc::ptr_eq(c, &cell))
-        {
+        ) else {
+            return false;
+        };
+        if !self.touched.iter().any(|c| Arc::ptr_eq(c, &cell)) {
             self.touched.push(cell);
         }
+        true
     }
 
     /// Runs the touched shoots' stacks and sends what they produced.
@@ -671,56 +676,103 @@ impl Tunnels {
         };
         let deadline = tokio::time::Instant::now() + timeout;
         let mut tried: Vec<usize> = Vec::new();
+        // Attempts still waiting for an answer: (peer, stream, label). An earlier attempt
+        // keeps running when the next starts, and the first answer wins.
+        let mut pending: Vec<(usize, TunnelStream, String)> = Vec::new();
         loop {
-            let (peer, handle, label, others) = {
+            // The next attempt, through the best live peer not tried yet (if any).
+            let next = {
                 let now = Instant::now();
                 let mut s = lock(&cell);
+                // Peers with somewhere to send first: one whose stream just ended has none
+                // until it is heard from again.
                 let live = |s: &Shoot, tried: &[usize]| {
-                    s.best_peer_except(now, target.ip(), tried)
-                        .filter(|i| s.peers[*i].live(now))
+                    let best = |skip: &[usize]| {
+                        s.best_peer_except(now, target.ip(), skip)
+                            .filter(|i| s.peers[*i].live(now))
+                    };
+                    let nowhere = s
+                        .peers
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, p)| p.endpoint.is_none());
+                    let skip: Vec<usize> = tried
+                        .iter()
+                        .copied()
+                        .chain(nowhere.map(|(i, _)| i))
+                        .collect();
+                    best(&skip).or_else(|| best(tried))
                 };
-                let peer = live(&s, &tried).ok_or(if tried.is_empty() {
-                    DialError::NoLivePeer
-                } else {
-                    DialError::Timeout
-                })?;
-                tried.push(peer);
-                let others = live(&s, &tried).is_some();
-                let key = s.peers[peer].key;
-                let label = match s.peers[peer].endpoint {
-                    Some(e) => format!("{}@{e}", key.to_base64()),
-                    None => key.to_base64(),
-                };
-                let h = s.stack.connect(target, Some(key))?;
-                s.flush(now, &mut self.inner.io());
-                (peer, h, label, others)
-            };
-            self.inner.wake.notify_one();
-            let stream = TunnelStream::new(
-                cell.clone(),
-                handle,
-                self.inner.clone(),
-                self.stream_metrics(route),
-            );
-            // With another live peer to try, this one gets a short budget: a replica that
-            // died still looks live until its session expires, and only an unanswered SYN
-            // tells. An answer of any kind (a reset included) ends the dial.
-            let budget_end = if others {
-                deadline.min(tokio::time::Instant::now() + FAILOVER_AFTER)
-            } else {
-                deadline
-            };
-            match tokio::time::timeout_at(budget_end, stream.established()).await {
-                Ok(Ok(())) => return Ok((stream, label)),
-                Ok(Err(e)) => return Err(e),
-                Err(_) if others && tokio::time::Instant::now() < deadline => {
-                    drop(stream);
-                    if let Some(p) = lock(&cell).peers.get_mut(peer) {
-                        p.suspect = true;
+                match live(&s, &tried) {
+                    None if pending.is_empty() => return Err(DialError::NoLivePeer),
+                    None => None,
+                    Some(peer) => {
+                        tried.push(peer);
+                        let others = live(&s, &tried).is_some();
+                        let key = s.peers[peer].key;
+                        let label = match s.peers[peer].endpoint {
+                            Some(e) => format!("{}@{e}", key.to_base64()),
+                            None => key.to_base64(),
+                        };
+                        let h = s.stack.connect(target, Some(key))?;
+                        s.flush(now, &mut self.inner.io());
+                        Some((peer, h, label, others))
                     }
-                    tracing::debug!(route, peer = %label, "dial unanswered, trying another peer");
                 }
-                Err(_) => return Err(DialError::Timeout),
+            };
+            // With another live peer to try, this attempt gets a head start of
+            // FAILOVER_AFTER before the next one joins it: a replica that died still looks
+            // live until its session expires, and only an unanswered SYN tells.
+            let mut next_at = deadline;
+            if let Some((peer, handle, label, others)) = next {
+                self.inner.wake.notify_one();
+                let stream = TunnelStream::new(
+                    cell.clone(),
+                    handle,
+                    self.inner.clone(),
+                    self.stream_metrics(route),
+                );
+                pending.push((peer, stream, label));
+                if others {
+                    next_at = deadline.min(tokio::time::Instant::now() + FAILOVER_AFTER);
+                }
+            }
+            let answer = tokio::time::timeout_at(
+                next_at,
+                std::future::poll_fn(|cx| {
+                    for (k, (_, stream, _)) in pending.iter().enumerate() {
+                        if let Poll::Ready(r) = stream.poll_established(cx) {
+                            return Poll::Ready((k, r));
+                        }
+                    }
+                    Poll::Pending
+                }),
+            )
+            .await;
+            match answer {
+                // An answer of any kind (a reset included) ends the dial; the other attempts
+                // are dropped (reset).
+                Ok((k, Ok(()))) => {
+                    let (_, stream, label) = pending.swap_remove(k);
+                    return Ok((stream, label));
+                }
+                Ok((_, Err(e))) => return Err(e),
+                Err(_) if tokio::time::Instant::now() >= deadline => {
+                    return Err(DialError::Timeout);
+                }
+                Err(_) => {
+                    // Unanswered for FAILOVER_AFTER: suspect (chosen last until it is heard
+                    // from again), and the next peer joins.
+                    let mut s = lock(&cell);
+                    for (peer, _, label) in &pending {
+                        if let Some(p) = s.peers.get_mut(*peer)
+                            && !p.suspect
+                        {
+                            p.suspect = true;
+                            tracing::debug!(route, peer = %label, "dial unanswered, trying another peer");
+                        }
+                    }
+                }
             }
         }
     }

@@ -37,7 +37,7 @@ use crate::wire::udp_over_tcp::{self, EncodeError, MAX_FRAME};
 /// progress and a full queue); an idle one holds none of it.
 pub(crate) const QUEUE_BYTES: usize = 1024 * 1024;
 
-/// What a stream's read buffer starts with (and returns to when its queue runs empty).
+/// What a stream's read buffer starts with (and returns to when the traffic goes quiet).
 const READ_MIN: usize = 4 * 1024;
 
 /// What a stream's read buffer grows to when reads keep filling it.
@@ -52,6 +52,9 @@ struct Queue {
     state: Mutex<QueueState>,
     /// Wakes the writer: frames were queued, or the stream is to close.
     ready: Notify,
+    /// Wakes the carry when the owner closes the stream (a writer blocked on a peer that
+    /// does not read would never see `closed`).
+    gone: Notify,
 }
 
 #[derive(Debug, Default)]
@@ -88,6 +91,19 @@ impl Queue {
     fn close(&self) {
         self.state().closed = true;
         self.ready.notify_one();
+        self.gone.notify_waiters();
+    }
+
+    /// Resolves once the owner closed the stream.
+    async fn closed(&self) {
+        loop {
+            // Created before the check: a close in between still wakes it.
+            let gone = self.gone.notified();
+            if self.state().closed {
+                return;
+            }
+            gone.await;
+        }
     }
 
     /// Swaps the queued frames into `out` (empty, its capacity reused); an idle queue keeps
@@ -260,7 +276,10 @@ impl Tunnels {
     }
 
     /// Carries `endpoint`'s datagrams over `stream` until it ends (see the module docs).
-    /// `early` holds bytes already read from the stream (behind a CONNECT head). The
+    /// `early` holds bytes already read from the stream (behind a CONNECT head). With
+    /// `authenticate_within`, a stream that has brought no packet a peer's key authenticates
+    /// by then ends ([`End::NotAuthenticated`]): whoever can open a CONNECT cannot hold a
+    /// stream, or fill its queue with the device's answers, without a peer's key. The
     /// endpoint is gone when this returns.
     pub(crate) async fn carry(
         &self,
@@ -268,6 +287,7 @@ impl Tunnels {
         mut stream: TcpStream,
         early: Vec<u8>,
         idle: Duration,
+        authenticate_within: Option<Duration>,
     ) -> Carried {
         let (rx, tx) = (AtomicU64::new(0), AtomicU64::new(0));
         let from = endpoint.endpoint;
@@ -278,19 +298,34 @@ impl Tunnels {
             let mut buf = early;
             buf.reserve(READ_MIN.saturating_sub(buf.len()));
             let mut touched = Vec::new();
+            let mut authenticate_by = authenticate_within.map(|d| tokio::time::Instant::now() + d);
+            // Whether the last read filled all the room it had, and how much it brought.
+            let (mut filled, mut last) = (false, 0);
             loop {
-                self.receive_frames(&mut buf, from, &mut touched);
-                if buf.capacity() == buf.len() {
-                    // Reads fill the buffer: let it grow with the traffic. What is left in it
-                    // is one partial frame, shorter than READ_MAX.
+                if self.receive_frames(&mut buf, from, &mut touched) {
+                    authenticate_by = None;
+                }
+                if filled || buf.capacity() == buf.len() {
+                    // Reads fill the buffer: let it grow with the traffic (what is left in it
+                    // is one partial frame, far shorter than READ_MAX).
                     let grown = (buf.capacity() * 2).clamp(READ_MIN, READ_MAX);
                     buf.reserve(grown.saturating_sub(buf.len()).max(1));
+                } else if buf.is_empty() && last < READ_MIN && buf.capacity() > KEEP_IDLE {
+                    // The traffic has gone quiet: back to the small buffer.
+                    buf = Vec::with_capacity(READ_MIN);
                 }
-                match tokio::time::timeout(idle, r.read_buf(&mut buf)).await {
+                let room = buf.capacity() - buf.len();
+                let by = tokio::time::Instant::now() + idle;
+                let by = authenticate_by.map_or(by, |a| a.min(by));
+                match tokio::time::timeout_at(by, r.read_buf(&mut buf)).await {
+                    Err(_) if authenticate_by.is_some_and(|a| a <= by) => {
+                        return End::NotAuthenticated;
+                    }
                     Err(_) => return End::IdleTimeout,
                     Ok(Ok(0)) => return End::ClientClosed,
                     Ok(Ok(n)) => {
                         rx.fetch_add(n as u64, Ordering::Relaxed);
+                        (filled, last) = (n == room, n);
                     }
                     Ok(Err(e)) => return End::Error(IoKind::of(&e)),
                 }
@@ -316,6 +351,7 @@ impl Tunnels {
         let end = tokio::select! {
             end = read => end,
             end = write => end,
+            () = queue.closed() => End::BackendClosed,
             _ = closing.wait_for(|c| *c) => End::Drain,
         };
         queue.close();
@@ -331,16 +367,24 @@ impl Tunnels {
     }
 
     /// Hands every complete frame in `buf` to the device (one batch) and keeps the partial
-    /// frame at its end.
-    fn receive_frames(&self, buf: &mut Vec<u8>, from: Endpoint, touched: &mut Vec<ShootCell>) {
+    /// frame at its end; whether a peer's key authenticated any of them.
+    fn receive_frames(
+        &self,
+        buf: &mut Vec<u8>,
+        from: Endpoint,
+        touched: &mut Vec<ShootCell>,
+    ) -> bool {
+        let mut authenticated = false;
         let mut frames = udp_over_tcp::frames(buf, MAX_FRAME);
         let Some(first) = frames.next() else {
-            return;
+            return false;
         };
         let mut batch = self.batch(touched);
         for frame in std::iter::once(first).chain(frames.by_ref()) {
             match frame {
-                Ok(datagram) if !datagram.is_empty() => batch.receive(from, datagram),
+                Ok(datagram) if !datagram.is_empty() => {
+                    authenticated |= batch.receive(from, datagram);
+                }
                 // An empty datagram is no WireGuard message; MAX_FRAME is the format's own
                 // cap, so no frame is too large.
                 _ => self.inner.io().dropped(Drop::Invalid),
@@ -349,6 +393,7 @@ impl Tunnels {
         let used = frames.consumed();
         batch.finish();
         buf.drain(..used);
+        authenticated
     }
 }
 
@@ -393,7 +438,7 @@ mod tests {
         let carry = tokio::spawn({
             let t = t.clone();
             async move {
-                t.carry(stream, server, Vec::new(), Duration::from_secs(60))
+                t.carry(stream, server, Vec::new(), Duration::from_secs(60), None)
                     .await
             }
         });

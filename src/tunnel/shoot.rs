@@ -292,11 +292,11 @@ impl Shoot {
             TunnResult::Done => {}
             TunnResult::Err(e) => return Err(e),
             TunnResult::WriteToNetwork(out) => {
-                // The peer's own limiter answered with a cookie: nothing was authenticated.
+                // The peer's own limiter answered with a cookie: nothing was authenticated
+                // (the caller counts it as `cookie`).
                 if out.first() == Some(&3) {
                     io.send(from, out);
-                    io.dropped(Drop::Cookie);
-                    return Ok(());
+                    return Err(WireGuardError::UnderLoad);
                 }
                 io.send(from, out);
                 while let TunnResult::WriteToNetwork(out) = p.tunn.decapsulate(None, &[], buf) {
@@ -306,8 +306,15 @@ impl Shoot {
             TunnResult::WriteToTunnelV4(pkt, src) => inner = Some((pkt.len(), IpAddr::V4(src))),
             TunnResult::WriteToTunnelV6(pkt, src) => inner = Some((pkt.len(), IpAddr::V6(src))),
         }
-        // Authenticated: the peer is where this came from (roaming), and it is alive.
-        p.endpoint = Some(from);
+        // Authenticated: the peer is alive, and where a data packet (or a handshake
+        // response) came from is where it is now (roaming). An initiation moves it only when
+        // it has no endpoint: its response goes to its source anyway, and the initiator's
+        // first packet on the new session then moves the peer. So a path that carries
+        // nothing back (an agent's UDP probe through a one-way firewall) never takes the
+        // peer's traffic away from the path that works.
+        if kind != 1 || p.endpoint.is_none() {
+            p.endpoint = Some(from);
+        }
         p.suspect = false;
         if kind == 1 || kind == 2 {
             p.handshake_at = Some(now);

@@ -157,22 +157,27 @@ impl TunnelStream {
     /// Waits until the connection is established: `Refused` when it was reset (or closed)
     /// first, `RouteRemoved` when its route or peer went away.
     pub(crate) async fn established(&self) -> Result<(), super::DialError> {
-        std::future::poll_fn(|cx| {
-            let mut s = lock(&self.shoot);
-            if s.removed || s.stack.flow(self.handle).is_some_and(|f| f.killed) {
-                return Poll::Ready(Err(super::DialError::RouteRemoved));
+        std::future::poll_fn(|cx| self.poll_established(cx)).await
+    }
+
+    /// [`TunnelStream::established`] as a poll (a dial waits on several at once).
+    pub(crate) fn poll_established(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Result<(), super::DialError>> {
+        let mut s = lock(&self.shoot);
+        if s.removed || s.stack.flow(self.handle).is_some_and(|f| f.killed) {
+            return Poll::Ready(Err(super::DialError::RouteRemoved));
+        }
+        let sock = s.stack.socket(self.handle);
+        match sock.state() {
+            tcp::State::SynSent | tcp::State::SynReceived | tcp::State::Listen => {
+                sock.register_send_waker(cx.waker());
+                Poll::Pending
             }
-            let sock = s.stack.socket(self.handle);
-            match sock.state() {
-                tcp::State::SynSent | tcp::State::SynReceived | tcp::State::Listen => {
-                    sock.register_send_waker(cx.waker());
-                    Poll::Pending
-                }
-                tcp::State::Closed => Poll::Ready(Err(super::DialError::Refused)),
-                _ => Poll::Ready(Ok(())),
-            }
-        })
-        .await
+            tcp::State::Closed => Poll::Ready(Err(super::DialError::Refused)),
+            _ => Poll::Ready(Ok(())),
+        }
     }
 }
 

@@ -573,6 +573,45 @@ fn a_roaming_shoot_is_followed_to_its_new_address() {
     assert_eq!(transfer(&mut p, h, &data, None), data);
 }
 
+/// A handshake initiation from a new address (an agent probing UDP while its traffic goes
+/// over a CONNECT stream, through a firewall that lets nothing back) is answered there but
+/// does not move the peer; the initiator's first packet on the new session does.
+#[test]
+fn an_initiation_from_a_new_address_is_answered_but_only_data_moves_the_peer() {
+    let mut p = Pair::new();
+    p.handshake();
+    let old = Some(Endpoint::Udp(addr(AGENT)));
+    assert_eq!(lock(&p.gw.cell).peers[0].endpoint, old);
+    // A later timestamp than the first initiation's, on either clock.
+    #[cfg(not(feature = "mock-clock"))]
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    #[cfg(feature = "mock-clock")]
+    mock_instant::MockClock::advance(std::time::Duration::from_millis(10));
+    let init = {
+        let mut s = lock(&p.agent.cell);
+        let mut buf = vec![0u8; 256];
+        let boringtun::noise::TunnResult::WriteToNetwork(init) =
+            s.peers[0].tunn.format_handshake_initiation(&mut buf, true)
+        else {
+            panic!("no initiation");
+        };
+        init.to_vec()
+    };
+    let new = addr("10.0.0.2:40999");
+    p.deliver_to_gw(new, &init);
+    assert_eq!(
+        p.wire.to_agent.back().map(|(_, d)| d[0]),
+        Some(2),
+        "answered"
+    );
+    assert_eq!(lock(&p.gw.cell).peers[0].endpoint, old);
+    // The answer reaches the agent, whose keepalive on the new session comes from the new
+    // address: that moves the peer.
+    p.agent_addr = new;
+    p.run();
+    assert_eq!(lock(&p.gw.cell).peers[0].endpoint, Some(Endpoint::Udp(new)));
+}
+
 #[test]
 fn handshakes_beyond_the_device_limit_get_cookie_replies() {
     let mut p = Pair::new();

@@ -135,6 +135,8 @@ pub(crate) enum End {
     MaxDuration,
     /// Cut at the end of a drain.
     Drain,
+    /// A WireGuard-over-TCP stream that carried no authenticated packet in time.
+    NotAuthenticated,
     /// An I/O error.
     Error(IoKind),
 }
@@ -147,6 +149,7 @@ impl fmt::Display for End {
             End::IdleTimeout => "idle_timeout",
             End::MaxDuration => "max_duration",
             End::Drain => "drain",
+            End::NotAuthenticated => "not_authenticated",
             End::Error(kind) => return write!(f, "error:{}", kind.as_str()),
         })
     }
