@@ -45,6 +45,14 @@ pub(crate) const STALE_AFTER: Duration = Duration::from_secs(REKEY_AFTER.as_secs
 const BACKOFF_MIN: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
+/// A lane that stayed up this long was steady: when it is lost, it starts over at once (and
+/// its backoff from the start); one lost sooner waits its backoff, so an endpoint that
+/// answers a handshake and then drops every stream is not redialed in a tight loop.
+const STEADY: Duration = Duration::from_secs(10);
+
+/// How long a lane waits for a name to resolve.
+const RESOLVE_WITHIN: Duration = Duration::from_secs(2);
+
 /// How often a lane looks at its session.
 const LOOK_EVERY: Duration = Duration::from_millis(100);
 
@@ -161,12 +169,18 @@ async fn first_udp(endpoints: &[AgentEndpoint]) -> Option<SocketAddr> {
     None
 }
 
-/// `host:port` resolved anew (its first address).
+/// `host:port` resolved anew (its first address), or nothing after [`RESOLVE_WITHIN`]: a
+/// slow resolver must not hold a lane that watches its stream and session.
 async fn resolve(host: &str, port: u16) -> Option<SocketAddr> {
-    match tokio::net::lookup_host((host, port)).await {
-        Ok(mut addrs) => addrs.next(),
-        Err(e) => {
-            tracing::debug!(endpoint = %format!("{host}:{port}"), error = %e, "cannot resolve");
+    let endpoint = || format!("{host}:{port}");
+    match tokio::time::timeout(RESOLVE_WITHIN, tokio::net::lookup_host((host, port))).await {
+        Ok(Ok(mut addrs)) => addrs.next(),
+        Ok(Err(e)) => {
+            tracing::debug!(endpoint = %endpoint(), error = %e, "cannot resolve");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(endpoint = %endpoint(), "no answer from the resolver in time");
             None
         }
     }
@@ -219,11 +233,12 @@ impl Driver {
                 .chain((0..n).filter(|i| Some(*i) != first));
             let mut was_up = false;
             for i in order {
+                let began = Instant::now();
                 match self.attempt(i).await {
                     Ok(Left::Lost(k)) => {
                         // Down until an endpoint answers again (a change, when it does).
                         self.show(None);
-                        was_up = true;
+                        was_up = began.elapsed() >= STEADY;
                         again = Some(k);
                         break;
                     }
@@ -365,7 +380,13 @@ impl Driver {
             let peer = self.tunnels.gateway_peer();
             if let Some(Endpoint::Udp(addr)) = peer.and_then(|p| p.endpoint) {
                 // A probe was answered over UDP: the peer roamed there.
-                let j = self.udp_index(addr).await.unwrap_or(i);
+                // (Answered from an address no name gives: the first `udp` endpoint.)
+                let first_udp = self
+                    .spec
+                    .endpoints
+                    .iter()
+                    .position(|e| matches!(e, AgentEndpoint::Udp { .. }));
+                let j = self.udp_index(addr).await.or(first_udp).unwrap_or(i);
                 carrying.close();
                 let _ = (&mut carrying.task).await;
                 tracing::info!(lane = self.spec.index, endpoint = j, gateway = %addr, "udp answers again: leaving the CONNECT stream");
@@ -428,7 +449,7 @@ impl Driver {
         let tunnels = self.tunnels.clone();
         let idle = self.spec.idle;
         let task = tokio::spawn(async move {
-            let carried = tunnels.carry(endpoint, stream, early, idle).await;
+            let carried = tunnels.carry(endpoint, stream, early, idle, None).await;
             carried.end
         });
         Ok(Carrying {

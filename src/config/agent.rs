@@ -350,14 +350,31 @@ fn lanes(errors: &mut Errors, raw: &RawAgentGateway) -> Vec<Vec<AgentEndpoint>> 
             ),
         );
     }
-    raw.replicas
+    let lanes: Vec<Vec<AgentEndpoint>> = raw
+        .replicas
         .iter()
         .enumerate()
         .map(|(i, r)| {
             let path = format!("wireguard.gateway.replicas[{i}].endpoints");
             endpoints(errors, &path, &r.endpoints)
         })
-        .collect()
+        .collect();
+    // Two sessions with one replica (one key) would take the peer's session from each
+    // other at every handshake.
+    for (j, lane) in lanes.iter().enumerate() {
+        for (k, e) in lane.iter().enumerate() {
+            if let Some(i) = lanes[..j].iter().position(|l| l.contains(e)) {
+                errors.push(
+                    format!("wireguard.gateway.replicas[{j}].endpoints[{k}]"),
+                    format!(
+                        "also an endpoint of replicas[{i}]: each replica is one gateway, reached \
+                         by its own endpoints"
+                    ),
+                );
+            }
+        }
+    }
+    lanes
 }
 
 /// A gateway's endpoints in order; at least one.
@@ -627,6 +644,17 @@ admin: {{address: \"0.0.0.0:16911\"}}
         assert!(
             both.contains("wireguard.gateway: either endpoints (one gateway) or replicas"),
             "{both}"
+        );
+        let shared = "    replicas:
+    - endpoints: [{udp: \"a:1\"}, {udp: \"b:1\"}]
+    - endpoints: [{udp: \"c:1\"}, {udp: \"b:1\"}]
+";
+        let err = check(&agent(shared, "")).unwrap_err();
+        assert!(
+            err.contains(
+                "wireguard.gateway.replicas[1].endpoints[1]: also an endpoint of replicas[0]"
+            ),
+            "{err}"
         );
         let empty = check(&agent("    replicas: [{endpoints: []}]\n", "")).unwrap_err();
         assert!(
