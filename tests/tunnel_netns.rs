@@ -793,7 +793,7 @@ fn nft(lab: &Lab, ns: &str, rules: &str) {
 /// `trellis agent` as nobody, its UDP to the gateway dropped by nftables in its namespace:
 /// the tunnel comes up through the gateway's CONNECT port and carries 100 MB each way with
 /// half-close; a refused target is 502 and one nobody answers 504. Once the rules are gone,
-/// the agent's probes bring it back to UDP (metrics and `/routes`).
+/// the agent's probes bring it back to UDP (metrics and `/routes`), which carries the same.
 #[test]
 fn agent_over_the_connect_port_with_udp_dropped_then_back_on_udp_needs_root_netns() {
     let name = "agent_over_the_connect_port_with_udp_dropped_then_back_on_udp_needs_root_netns";
@@ -850,11 +850,20 @@ admin: {{address: \"{admin}\"}}
     args.extend([BIN, "--log-format", "json", "agent", "--config"]);
     args.push(config.to_str().unwrap());
     let agent = lab.spawn(&shoot, &args, &log);
+    let get = |path: &str| in_ns(&shoot, || http_get(admin, path)).unwrap_or_default();
     let logs = || {
         let agent = std::fs::read_to_string(&log).unwrap_or_default();
-        format!("agent:\n{agent}\ngateway:\n{}", gw.logs())
+        let tunnel = |text: &str| -> String {
+            let lines = text.lines().filter(|l| l.starts_with("trellis_tunnel_"));
+            lines.map(|l| format!("{l}\n")).collect()
+        };
+        format!(
+            "agent:\n{agent}\ngateway:\n{}\nagent metrics:\n{}gateway metrics:\n{}",
+            gw.logs(),
+            tunnel(&get("/metrics").1),
+            tunnel(&in_ns(&seed, || gw.metrics()))
+        )
     };
-    let get = |path: &str| in_ns(&shoot, || http_get(admin, path)).unwrap_or_default();
     let kind = |k: &str| {
         let series = format!("trellis_tunnel_endpoint{{lane=\"0\",kind=\"{k}\"}}");
         metric_in(&get("/metrics").1, &series)
@@ -882,38 +891,8 @@ admin: {{address: \"{admin}\"}}
 
     in_ns(&seed, || {
         runtime().block_on(async {
-            let target = echo_in(&targets, at("10.250.0.10:0"), b"");
-            let (tls, head, rest) = connect_as(&gw, &pki, "127.0.0.2", target).await;
-            assert_eq!(head, OK, "{}", String::from_utf8_lossy(&head));
-            assert!(rest.is_empty());
-            let took = echo_exact(tls, 100_000_000, None, Duration::from_secs(600)).await;
-            let took = took.unwrap_or_else(|e| panic!("{e}\n{}", logs()));
-            let rate = 100e6 / took.as_secs_f64() / 1e6;
-            eprintln!("100 MB each way over the CONNECT port: {took:?} ({rate:.1} MB/s)");
-            let dropped = |text: &str| -> Vec<String> {
-                let lines = text
-                    .lines()
-                    .filter(|l| l.starts_with("trellis_tunnel_packets_dropped"));
-                lines.map(str::to_owned).collect()
-            };
-            eprintln!(
-                "dropped: gateway {:?}, agent {:?}",
-                dropped(&gw.metrics()),
-                dropped(&get("/metrics").1)
-            );
+            carries(&gw, &pki, &targets, "the CONNECT port", &logs).await;
             assert_eq!(gw.metric("trellis_tunnel_tcp_endpoints_active"), 1.0);
-
-            // Nothing listens on port 9: refused in the shoot, 502. 10.250.7.7 is inside the
-            // agent's networks but the shoot has no route there: nobody answers, 504.
-            for (to, code) in [(at("10.250.0.10:9"), 502), (at("10.250.7.7:80"), 504)] {
-                let (_, head, _) = connect_as(&gw, &pki, "127.0.0.2", to).await;
-                assert_eq!(
-                    status(&head),
-                    code,
-                    "{to}: {}",
-                    String::from_utf8_lossy(&head)
-                );
-            }
         })
     });
 
@@ -934,14 +913,32 @@ admin: {{address: \"{admin}\"}}
     in_ns(&seed, || {
         // The agent left the stream: it ends, and with it the endpoint.
         gw.wait_metric("trellis_tunnel_tcp_endpoints_active", |v| v == 0.0);
-        runtime().block_on(async {
-            let target = echo_in(&targets, at("10.250.0.10:0"), b"");
-            let (tls, head, _) = connect_as(&gw, &pki, "127.0.0.2", target).await;
-            assert_eq!(head, OK);
-            let took = echo_exact(tls, 1_000_000, None, Duration::from_secs(60)).await;
-            took.unwrap_or_else(|e| panic!("{e}\n{}", logs()));
-        })
+        runtime().block_on(carries(&gw, &pki, &targets, "UDP", &logs));
     });
+}
+
+/// What the agent's tunnel must carry over `path`: 100 MB byte-exact each way with
+/// half-close to a target in `targets`; a refused target is 502 and one nobody answers 504.
+async fn carries(gw: &Gateway, pki: &Shoot, targets: &str, path: &str, logs: &dyn Fn() -> String) {
+    let target = echo_in(targets, at("10.250.0.10:0"), b"");
+    let (tls, head, rest) = connect_as(gw, pki, "127.0.0.2", target).await;
+    assert_eq!(head, OK, "{}", String::from_utf8_lossy(&head));
+    assert!(rest.is_empty());
+    let took = echo_exact(tls, 100_000_000, None, Duration::from_secs(600)).await;
+    let took = took.unwrap_or_else(|e| panic!("over {path}: {e}\n{}", logs()));
+    let rate = 100e6 / took.as_secs_f64() / 1e6;
+    eprintln!("100 MB each way over {path}: {took:?} ({rate:.1} MB/s)");
+    // Nothing listens on port 9: refused in the shoot, 502. 10.250.7.7 is inside the
+    // agent's networks but the shoot has no route there: nobody answers, 504.
+    for (to, code) in [(at("10.250.0.10:9"), 502), (at("10.250.7.7:80"), 504)] {
+        let (_, head, _) = connect_as(gw, pki, "127.0.0.2", to).await;
+        assert_eq!(
+            status(&head),
+            code,
+            "over {path}, {to}: {}",
+            String::from_utf8_lossy(&head)
+        );
+    }
 }
 
 /// Kills a process started by the test when dropped.
