@@ -612,19 +612,30 @@ routes:
     );
     assert!(slowest < Duration::from_secs(3), "slowest {slowest:?}");
 
-    // Streams through the dead replica end (keepalive probes go unanswered); the others
-    // go on.
+    // Streams through the dead replica end although nothing is sent on them (keepalive
+    // probes go unanswered, and the gateway aborts after 60 s of silence); the others stay
+    // open and still echo.
+    let waits: Vec<_> = held
+        .into_iter()
+        .map(|mut tls| {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1];
+                let read = tokio::time::timeout(Duration::from_secs(100), tls.read(&mut buf));
+                (read.await.is_ok(), tls)
+            })
+        })
+        .collect();
     let mut ended = 0;
     let mut alive = 0;
-    for (i, mut tls) in held.into_iter().enumerate() {
-        let byte = [100 + i as u8];
-        let _ = tls.write_all(&byte).await;
-        let mut buf = [0u8; 1];
-        match tokio::time::timeout(Duration::from_secs(120), tls.read(&mut buf)).await {
-            Ok(Ok(1)) if buf == byte => alive += 1,
-            Ok(_) => ended += 1,
-            Err(_) => panic!("stream {i} neither answered nor ended in 120 s"),
+    for (i, wait) in waits.into_iter().enumerate() {
+        let (done, mut tls) = wait.await.unwrap();
+        if done {
+            ended += 1;
+            continue;
         }
+        let byte = [100 + i as u8];
+        assert_eq!(echo_round(&mut tls, &byte).await, byte, "stream {i}");
+        alive += 1;
     }
     assert_eq!(
         ended as f64, on_first,
@@ -841,7 +852,8 @@ async fn a_cut_connect_stream_is_reconnected_and_tunneled_connections_survive_it
 
 /// UDP preferred: with UDP blocked the agent falls back to its `connect` endpoint within the
 /// answer bound; once UDP answers again its probes bring it back there and the stream is
-/// closed. A tunneled connection open throughout roams with it both ways.
+/// closed; when UDP is lost again, the silence makes the lane ask and move back to the
+/// stream. A tunneled connection open throughout roams with it each time.
 #[tokio::test(flavor = "multi_thread")]
 async fn blocked_udp_falls_back_to_the_connect_port_and_comes_back_when_udp_answers() {
     let lab = Lab::start_connect("");
@@ -877,9 +889,25 @@ async fn blocked_udp_falls_back_to_the_connect_port_and_comes_back_when_udp_answ
     assert!(!routes.contains("\"tcp:"), "{routes}");
     let data = vec![0xa5; 300_000];
     assert_eq!(echo_round(&mut tls, &data).await, data);
-    let (tls, answer) = lab.connect(&target.to_string()).await;
+    let (fresh, answer) = lab.connect(&target.to_string()).await;
     assert_eq!(answer, OK);
-    echo_exact_with_half_close(tls, 1_000_000).await;
+    echo_exact_with_half_close(fresh, 1_000_000).await;
+
+    // UDP lost while the lane is on it and idle: the lane asks after 20 s of silence and
+    // moves to the CONNECT port when nobody answers (the session alone would keep it for
+    // 140 s), and the connection open throughout follows it.
+    gate.set_open(false);
+    let closed = std::time::Instant::now();
+    let moved = wait_for(Duration::from_secs(70), || {
+        (agent.metric(&endpoint_kind("connect")) == 1.0).then_some(())
+    });
+    assert!(moved.is_some(), "still on udp:\n{}", agent.logs());
+    eprintln!(
+        "on the CONNECT port {:?} after udp was lost",
+        closed.elapsed()
+    );
+    let data = vec![0x3c; 300_000];
+    assert_eq!(echo_round(&mut tls, &data).await, data);
 }
 
 /// A CONNECT to the `connectDestination` is answered with exactly the `200` head; frames

@@ -50,6 +50,9 @@ const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// answers a handshake and then drops every stream is not redialed in a tight loop.
 const STEADY: Duration = Duration::from_secs(10);
 
+/// A lane on UDP that has heard nothing from the gateway this long asks with a handshake.
+const QUIET: Duration = Duration::from_secs(20);
+
 /// How long a lane waits for a name to resolve.
 const RESOLVE_WITHIN: Duration = Duration::from_secs(2);
 
@@ -328,10 +331,14 @@ impl Driver {
             .is_none_or(|at| now.saturating_duration_since(at) >= STALE_AFTER)
     }
 
-    /// Stays on UDP endpoint `i` (at `addr`) until its session goes stale.
+    /// Stays on UDP endpoint `i` (at `addr`) until its session goes stale or the gateway
+    /// stops answering: after [`QUIET`] without an authenticated packet from it, the lane
+    /// asks with a handshake initiation, and one unanswered within [`ANSWER_WITHIN`] loses
+    /// the endpoint (an idle tunnel hears nothing otherwise: keepalives go one way).
     async fn hold_udp(&mut self, i: usize, addr: SocketAddr) -> Left {
         self.show(Some(Kind::Udp));
         tracing::info!(lane = self.spec.index, endpoint = i, gateway = %addr, "tunnel over udp");
+        let mut asked: Option<Instant> = None;
         loop {
             tokio::time::sleep(LOOK_EVERY).await;
             if self.stale() {
@@ -341,6 +348,24 @@ impl Driver {
                     "udp session went stale"
                 );
                 return Left::Lost(i);
+            }
+            let now = Instant::now();
+            let heard = self.tunnels.gateway_peer().and_then(|p| p.heard_at);
+            match asked {
+                Some(at) if heard.is_some_and(|h| h >= at) => asked = None,
+                Some(at) if now.saturating_duration_since(at) >= ANSWER_WITHIN => {
+                    tracing::info!(
+                        lane = self.spec.index,
+                        endpoint = i,
+                        "udp endpoint stopped answering"
+                    );
+                    return Left::Lost(i);
+                }
+                None if heard.is_none_or(|h| now.saturating_duration_since(h) >= QUIET) => {
+                    self.tunnels.probe(Endpoint::Udp(addr));
+                    asked = Some(now);
+                }
+                _ => {}
             }
         }
     }

@@ -267,6 +267,8 @@ pub(crate) struct GatewayPeer {
     pub(crate) endpoint: Option<Endpoint>,
     /// When its last handshake completed.
     pub(crate) handshake_at: Option<Instant>,
+    /// When it last sent an authenticated packet.
+    pub(crate) heard_at: Option<Instant>,
     /// Whether it has a usable session.
     pub(crate) live: bool,
 }
@@ -428,6 +430,7 @@ impl Tunnels {
         Some(GatewayPeer {
             endpoint: p.endpoint,
             handshake_at: p.handshake_at,
+            heard_at: p.heard_at,
             live: p.live(now),
         })
     }

@@ -75,6 +75,8 @@ pub(crate) struct Peer {
     pub(crate) endpoint: Option<Endpoint>,
     /// When its last handshake completed.
     pub(crate) handshake_at: Option<Instant>,
+    /// When it last sent an authenticated packet of any kind.
+    pub(crate) heard_at: Option<Instant>,
     /// When a recovery handshake was last sent to it.
     pub(crate) recovery_at: Option<Instant>,
     /// Where that recovery handshake went (the source of the orphan packet): boringtun's own
@@ -119,6 +121,7 @@ impl Peer {
             allowed,
             endpoint: None,
             handshake_at: None,
+            heard_at: None,
             recovery_at: None,
             recovery_to: None,
             suspect: false,

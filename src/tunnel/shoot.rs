@@ -316,6 +316,7 @@ impl Shoot {
             p.endpoint = Some(from);
         }
         p.suspect = false;
+        p.heard_at = Some(now);
         if kind == 1 || kind == 2 {
             p.handshake_at = Some(now);
             p.recovery_at = None;
