@@ -238,7 +238,7 @@ routes:
   sni: [\"{}\"]
   backends: [{{address: \"{}\"}}, {{address: \"{}\"}}]
 ",
-            egress::route_server_name(0),
+            egress::SERVER_NAME,
             EGRESS[0],
             EGRESS[1]
         ),
@@ -390,6 +390,7 @@ pub fn run(work: &Path, cache: &Path) {
         let idle = tree_rss(pid);
         let mut held = Vec::with_capacity(STREAMS);
         let mut failed = 0;
+        let mut first_error: Option<String> = None;
         for _ in 0..STREAMS / 50 {
             let opened = (0..50).map(|_| {
                 let tls = tls.clone();
@@ -398,7 +399,10 @@ pub fn run(work: &Path, cache: &Path) {
             for h in opened.collect::<Vec<_>>() {
                 match h.await.unwrap() {
                     Ok(s) => held.push(s),
-                    Err(_) => failed += 1,
+                    Err(e) => {
+                        failed += 1;
+                        first_error.get_or_insert_with(|| e.to_string());
+                    }
                 }
             }
         }
@@ -414,6 +418,14 @@ pub fn run(work: &Path, cache: &Path) {
             busy as f64 / 1048576.0,
             per / 1024.0
         );
+        if let Some(e) = first_error {
+            println!("\n(first failure to open: {e})");
+            for name in ["front", "gateway-0", "agent-0"] {
+                let text = std::fs::read_to_string(log(name)).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(4).collect();
+                println!("{name}: {}", tail.join("\n  "));
+            }
+        }
         for s in held.drain(..) {
             s.close().await;
         }
