@@ -725,6 +725,56 @@ async fn a_kind_that_stops_being_served_is_watched_where_it_is_served_or_emptied
     assert!(metrics().await.contains(&served("Gateway", "v1")));
 }
 
+/// Requests (LIST or watch) for resource `plural` so far.
+fn reads(kube: &FakeKube, plural: &str) -> Vec<String> {
+    kube.requests()
+        .into_iter()
+        .filter(|r| r.contains(&format!("/{plural}?")) || r.ends_with(&format!("/{plural}")))
+        .collect()
+}
+
+/// Tunnels are opt-in: a controller whose configuration does not turn them on never reads a
+/// Secret or a Cluster (not even to look for them) and renders no tunnel route, however
+/// many shoots have tunnel peers; one that does reads both and renders the shoot's route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_controller_with_tunnels_on_reads_secrets_and_clusters() {
+    let kube = FakeKube::start().await;
+    seed(&kube, &[]);
+    let name = "tunneled";
+    let ns = e2e::namespace(name);
+    e2e::put_all(
+        &kube,
+        vec![
+            e2e::cluster(name),
+            e2e::peers_secret(name, &trellis::route::WgKey([7; 32]).to_base64()),
+        ],
+    );
+    let tunnel_route = format!("{ns}.tunnel");
+    let off = Controller::start(&kube);
+    let table = off
+        .wait_table("every shoot", |t| route(t, ALPHA).is_some())
+        .await;
+    assert!(route(&table, &tunnel_route).is_none(), "{table}");
+    assert_eq!(off.get("/ready").await.unwrap().0, 200);
+    for plural in ["secrets", "clusters"] {
+        assert_eq!(reads(&kube, plural), Vec::<String>::new(), "{plural}");
+    }
+    drop(off);
+
+    let on = Controller(e2e::Controller::start_with(
+        &kube,
+        "gateway:
+  selector: {app: istio-ingressgateway, istio: ingressgateway, istio-role: seed}
+fallback: {address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}
+tunnel: {enabled: true}",
+    ));
+    on.wait_table("the shoot's tunnel", |t| route(t, &tunnel_route).is_some())
+        .await;
+    for plural in ["secrets", "clusters"] {
+        assert!(!reads(&kube, plural).is_empty(), "{plural} not read");
+    }
+}
+
 #[test]
 fn without_a_config_or_with_no_output_it_says_so() {
     let dir = TestDir::new("controller-bad");

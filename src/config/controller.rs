@@ -1,6 +1,6 @@
 //! `kind: ControllerConfiguration`: the controller's raw schema and validated
-//! [`ControllerConfig`]: which gateway it renders for, the fallback backend, the tunnels'
-//! addresses, the output.
+//! [`ControllerConfig`]: which gateway it renders for, the fallback backend, whether it
+//! renders the shoots' tunnels (and their addresses), the output.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -53,7 +53,8 @@ pub struct RawController {
     /// Where everything trellis does not route itself goes (the Envoy gateway's Service).
     #[serde(default)]
     pub fallback: Option<RawFallback>,
-    /// Shoots' tunnels (default: [`DEFAULT_TUNNEL_LOCAL_ADDRESSES`]).
+    /// Shoots' tunnel and egress routes: rendered only with `enabled: true` (absent: none,
+    /// and neither Clusters nor Secrets are read).
     #[serde(default)]
     pub tunnel: Option<RawTunnel>,
     /// Where the table is written.
@@ -131,9 +132,14 @@ pub struct RawFallback {
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawTunnel {
+    /// Required in the section: `true` renders every shoot's tunnel and egress route (and
+    /// reads Clusters and Secrets for them), `false` none, as when the section is absent.
+    #[serde(default)]
+    pub enabled: Option<bool>,
     /// The gateway's addresses inside every shoot's tunnel (a route's
     /// `tunnel.wireguard.localAddresses`): one or two, at most one per family, outside every
-    /// shoot's networks and agent addresses.
+    /// shoot's networks and agent addresses (default: [`DEFAULT_TUNNEL_LOCAL_ADDRESSES`]).
+    /// Only with `enabled: true`.
     #[serde(default)]
     pub local_addresses: Option<Vec<String>>,
 }
@@ -164,12 +170,29 @@ pub struct ControllerConfig {
     pub fallback_connect_legacy: Option<BackendAddress>,
     /// The PROXY header the fallback routes send, if any.
     pub fallback_proxy_protocol: Option<ProxyVersion>,
-    /// The gateway's addresses inside every shoot's tunnel, at most one per family.
-    pub tunnel_local_addresses: Vec<IpAddr>,
+    /// The shoots' tunnels, when the configuration turns them on (`tunnel.enabled: true`);
+    /// `None`: no tunnel or egress routes, no Cluster or Secret read.
+    pub tunnel: Option<TunnelConfig>,
     /// Where the table goes.
     pub output: Output,
     /// Address of `/ready`, `/live` and `/metrics`, if any.
     pub admin: Option<SocketAddr>,
+}
+
+/// The `tunnel` section of a configuration that turns tunnels on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnelConfig {
+    /// The gateway's addresses inside every shoot's tunnel, at most one per family.
+    pub local_addresses: Vec<IpAddr>,
+}
+
+impl Default for TunnelConfig {
+    /// [`DEFAULT_TUNNEL_LOCAL_ADDRESSES`].
+    fn default() -> Self {
+        TunnelConfig {
+            local_addresses: DEFAULT_TUNNEL_LOCAL_ADDRESSES.to_vec(),
+        }
+    }
 }
 
 /// Where the rendered table goes.
@@ -182,7 +205,7 @@ pub enum Output {
 }
 
 impl Default for ControllerConfig {
-    /// The seed's default ingress gateway, no fallback, no output.
+    /// The seed's default ingress gateway, no fallback, no tunnels, no output.
     fn default() -> Self {
         ControllerConfig {
             kubeconfig: None,
@@ -195,7 +218,7 @@ impl Default for ControllerConfig {
             fallback_connect: None,
             fallback_connect_legacy: None,
             fallback_proxy_protocol: None,
-            tunnel_local_addresses: DEFAULT_TUNNEL_LOCAL_ADDRESSES.to_vec(),
+            tunnel: None,
             output: Output::None,
             admin: None,
         }
@@ -282,8 +305,8 @@ pub(super) fn validate(
             }
         }
     }
-    if let Some(addresses) = raw.tunnel.and_then(|t| t.local_addresses) {
-        config.tunnel_local_addresses = local_addresses(&mut errors, &addresses);
+    if let Some(tunnel) = raw.tunnel {
+        config.tunnel = self::tunnel(&mut errors, tunnel);
     }
     if let Some(output) = raw.output {
         match output.file {
@@ -302,6 +325,36 @@ pub(super) fn validate(
         }
     }
     errors.finish(file, config)
+}
+
+/// The `tunnel` section: on with `enabled: true`, off with `false`; anything else, or
+/// addresses for tunnels that are off, is an error (a section that names addresses but
+/// leaves out `enabled` says neither).
+fn tunnel(errors: &mut Errors, raw: RawTunnel) -> Option<TunnelConfig> {
+    match (raw.enabled, raw.local_addresses) {
+        (Some(true), addresses) => Some(TunnelConfig {
+            local_addresses: match addresses {
+                Some(list) => local_addresses(errors, &list),
+                None => DEFAULT_TUNNEL_LOCAL_ADDRESSES.to_vec(),
+            },
+        }),
+        (Some(false), None) => None,
+        (Some(false), Some(_)) => {
+            errors.push(
+                "tunnel.localAddresses",
+                "set, but tunnels are off (tunnel.enabled: false): remove it, or turn tunnels on",
+            );
+            None
+        }
+        (None, _) => {
+            errors.push(
+                "tunnel.enabled",
+                "required in a tunnel section: true renders the shoots' tunnel and egress routes, \
+                 false (or no tunnel section) renders none",
+            );
+            None
+        }
+    }
 }
 
 /// `tunnel.localAddresses`: one or two unicast addresses, at most one per family.
@@ -360,13 +413,38 @@ mod tests {
             Some("ingressgateway")
         );
         assert_eq!(c.fallback, None);
+        assert_eq!(c.tunnel, None, "tunnels are opt-in");
+    }
+
+    /// Tunnels are rendered only when the configuration says so; the default addresses come
+    /// with `enabled: true` alone; a section that says something else is refused.
+    #[test]
+    fn tunnels_are_on_only_with_enabled_true() {
+        let on = check(&format!("{HEAD}tunnel: {{enabled: true}}\n")).unwrap();
         assert_eq!(
-            c.tunnel_local_addresses,
+            on.tunnel.unwrap().local_addresses,
             [
                 "192.168.128.1".parse::<IpAddr>().unwrap(),
                 "fd8f:6d53:b97a:1::1".parse().unwrap()
             ]
         );
+        let off = check(&format!("{HEAD}tunnel: {{enabled: false}}\n")).unwrap();
+        assert_eq!(off, ControllerConfig::default());
+        for (yaml, needle) in [
+            (
+                "tunnel: {localAddresses: [10.99.0.1]}",
+                "tunnel.enabled: required in a tunnel section",
+            ),
+            ("tunnel: {}", "tunnel.enabled: required in a tunnel section"),
+            (
+                "tunnel: {enabled: false, localAddresses: [10.99.0.1]}",
+                "tunnel.localAddresses: set, but tunnels are off",
+            ),
+            ("tunnel: {enabled: maybe}", "tunnel.enabled"),
+        ] {
+            let err = check(&format!("{HEAD}{yaml}\n")).unwrap_err();
+            assert!(err.contains(needle), "{yaml}: {needle} not in {err}");
+        }
     }
 
     #[test]
@@ -381,14 +459,14 @@ fallback:
   connect: \"istio-ingressgateway.istio-ingress.svc.cluster.local:8443\"
   connectLegacy: \"istio-ingressgateway.istio-ingress.svc.cluster.local:8132\"
   sendProxyProtocol: v2
-tunnel: {{localAddresses: [\"fd00::1\", 10.99.0.1]}}
+tunnel: {{enabled: true, localAddresses: [\"fd00::1\", 10.99.0.1]}}
 output: {{file: routes.json}}
 admin: {{address: \"127.0.0.1:15022\"}}
 "
         ))
         .unwrap();
         assert_eq!(
-            c.tunnel_local_addresses,
+            c.tunnel.unwrap().local_addresses,
             [
                 "fd00::1".parse::<IpAddr>().unwrap(),
                 "10.99.0.1".parse().unwrap()
@@ -426,7 +504,7 @@ admin: {{address: \"127.0.0.1:15022\"}}
 fallback: {{address: nope, connect: \"envoy\", connectLegacy: \"envoy:x\", sendProxyProtocol: v9}}
 output: {{}}
 admin: {{address: nope, debugAddress: \"127.0.0.1:1\"}}
-tunnel: {{localAddresses: [10.0.0.1, 10.0.0.2, nope]}}
+tunnel: {{enabled: true, localAddresses: [10.0.0.1, 10.0.0.2, nope]}}
 "
         ))
         .unwrap_err();

@@ -70,8 +70,8 @@ pub struct Target {
     pub fallback_connect_legacy: Option<String>,
     /// The PROXY header the fallback routes send, if any.
     pub fallback_proxy_protocol: Option<ProxyVersion>,
-    /// The gateway's addresses inside every shoot's tunnel (`localAddresses`); none: no
-    /// tunnel routes.
+    /// The gateway's addresses inside every shoot's tunnel (`localAddresses`); none (tunnels
+    /// off in the configuration): no tunnel routes.
     pub tunnel_local_addresses: Vec<IpAddr>,
 }
 
@@ -88,7 +88,11 @@ impl Target {
                 .as_ref()
                 .map(|f| f.to_string()),
             fallback_proxy_protocol: config.fallback_proxy_protocol,
-            tunnel_local_addresses: config.tunnel_local_addresses.clone(),
+            tunnel_local_addresses: config
+                .tunnel
+                .as_ref()
+                .map(|t| t.local_addresses.clone())
+                .unwrap_or_default(),
         }
     }
 
