@@ -768,7 +768,6 @@ fn gardener_shape_configs_pass_check_where_the_pods_mount_them() {
         "shape-a/agent.yaml",
         "shape-b/agent.yaml",
         "shape-b/routes.yaml",
-        "shape-b/ingress-routes.yaml",
     ] {
         assert!(
             names.iter().any(|n| n == expected),

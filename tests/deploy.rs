@@ -1376,8 +1376,8 @@ fn may_read(
 }
 
 /// `trellis controller render` of the tunnels fixture seed with the controller config of
-/// the seed Deployment `name`: the route names of the table.
-fn routes_rendered_by(objects: &[Value], name: &str) -> Vec<String> {
+/// the seed Deployment `name`: the table.
+fn table_rendered_by(objects: &[Value], name: &str) -> Value {
     let deployment = find(objects, "Deployment", name);
     let root = TestDir::new("deploy-render");
     let config = lay_out(objects, deployment, "controller", &root.0);
@@ -1394,8 +1394,12 @@ fn routes_rendered_by(objects: &[Value], name: &str) -> Vec<String> {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let table: Value = serde_json::from_slice(&out.stdout).unwrap();
-    table["routes"]
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The route names of [`table_rendered_by`].
+fn routes_rendered_by(objects: &[Value], name: &str) -> Vec<String> {
+    table_rendered_by(objects, name)["routes"]
         .as_array()
         .unwrap()
         .iter()
@@ -1988,7 +1992,8 @@ fn listener<'a>(config: &'a Value, protocol: &str) -> Option<&'a Value> {
 /// key Secret and each have a connectDestination of their own; each reached over UDP
 /// through a load balancer Service of its own (its own port, source addresses kept, health
 /// checked through the healthCheckNodePort, never the admin port) and over TCP
-/// through a ClusterIP Service of its own on its CONNECT listener; the kube-apiservers'
+/// through a ClusterIP Service of its own on its CONNECT listener, to which the ingress
+/// gateway's table forwards its connectDestination as received; the kube-apiservers'
 /// egress through one Service to both; a NetworkPolicy that admits every listener's port
 /// and the egress port only from kube-apiserver pods of shoot namespaces; one replica kept
 /// through evictions. `Err` names the first rule broken.
@@ -1999,6 +2004,7 @@ fn tunnel_rules(objects: &[Value]) -> Result<(), String> {
         .iter()
         .map(|n| &find(objects, "Deployment", n)["spec"]["template"])
         .collect();
+    let ingress_routes = table_rendered_by(objects, "trellis-gateway")["routes"].clone();
     let mut key_secrets = std::collections::BTreeSet::new();
     let mut destinations = std::collections::BTreeSet::new();
     let mut udp_ports = std::collections::BTreeSet::new();
@@ -2105,6 +2111,43 @@ fn tunnel_rules(objects: &[Value]) -> Result<(), String> {
                     .iter()
                     .any(|p| container_port(container, &p["targetPort"]) == connect_port)),
             "{name}: no Service of its own leads to its http-connect listener"
+        );
+        // WireGuard over TCP: the ingress gateway forwards its connectDestination, as
+        // received, to a Service of its own that leads to its CONNECT listener.
+        let Some(handoff) = ingress_routes.as_array().unwrap().iter().find(|r| {
+            r["destinations"]
+                .as_array()
+                .is_some_and(|d| d.iter().any(|d| d == destination))
+        }) else {
+            return Err(format!(
+                "{name}: the ingress gateway's table has no route for its connectDestination {destination:?}"
+            ));
+        };
+        ensure!(
+            handoff["forwardConnect"] == true,
+            "{name}: the ingress gateway answers its CONNECTs itself (no forwardConnect): {handoff}"
+        );
+        let backends = handoff["backends"].as_array().unwrap();
+        let leads_here = |b: &Value| {
+            let address = b["address"].as_str().unwrap();
+            let (host, port) = address.rsplit_once(':').unwrap();
+            let mut parts = host.split('.');
+            let (service, namespace) = (parts.next().unwrap(), parts.next().unwrap_or(""));
+            services.iter().any(|s| {
+                s["metadata"]["name"] == service
+                    && s["metadata"]["namespace"] == namespace
+                    && selects(&s["spec"]["selector"], labels)
+                    && !selects(&s["spec"]["selector"], other)
+                    && s["spec"]["ports"].as_array().unwrap().iter().any(|p| {
+                        p["port"].as_u64().map(|p| p.to_string()).as_deref() == Some(port)
+                            && container_port(container, &p["targetPort"]) == connect_port
+                    })
+            })
+        };
+        ensure!(
+            !backends.is_empty() && backends.iter().all(leads_here),
+            "{name}: the ingress gateway's route for {destination:?} does not lead to its \
+             CONNECT listener alone: {handoff}"
         );
     }
     ensure!(
@@ -2219,7 +2262,31 @@ fn a_weakened_tunnel_gateway_fails() {
     }
     let objects = render("seed");
     type Break = fn(&mut Vec<Value>);
-    let breaks: [(&str, Break, &str); 13] = [
+    let breaks: [(&str, Break, &str); 15] = [
+        (
+            "the hand-off of replica 0 to replica 1",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-controller-config",
+                    "trellis-tunnel-0.trellis-ingress",
+                    "trellis-tunnel-1.trellis-ingress",
+                )
+            },
+            "does not lead to its CONNECT listener alone",
+        ),
+        (
+            "the hand-off answered by the ingress",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-controller-config",
+                    "forwardConnect: true",
+                    "forwardConnect: false",
+                )
+            },
+            "no forwardConnect",
+        ),
         (
             "runAsNonRoot dropped",
             |o| {

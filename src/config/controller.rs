@@ -1,6 +1,7 @@
 //! `kind: ControllerConfiguration`: the controller's raw schema and validated
 //! [`ControllerConfig`]: which gateway it renders for, the fallback backend, whether it
-//! renders the shoots' tunnels (and their addresses), the output.
+//! renders the shoots' tunnels (and their addresses), the routes it adds as written
+//! (`extraRoutes`), the output.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -10,8 +11,9 @@ use serde::Deserialize;
 
 use super::decode::{Kind, Raw};
 use super::gateway::RawAdmin;
+use super::routes::RawRoute;
 use super::{ConfigError, Errors};
-use crate::route::{BackendAddress, ProxyVersion};
+use crate::route::{BackendAddress, BackendRegistry, ProxyVersion};
 
 mapping_only!(RawController, RawTarget, RawFallback, RawTunnel, RawOutput);
 
@@ -57,6 +59,12 @@ pub struct RawController {
     /// and neither Clusters nor Secrets are read).
     #[serde(default)]
     pub tunnel: Option<RawTunnel>,
+    /// Routes added to every table as written, in the routing table's schema (routes with
+    /// backends: no `tunnel` or `egress`, no name of the controller's own). They are settled
+    /// before the rendered routes: a rendered route with one's name is left out, and one
+    /// holding one's server name, destination or PROXY destination loses it (`conflict`).
+    #[serde(default)]
+    pub extra_routes: Vec<RawRoute>,
     /// Where the table is written.
     #[serde(default)]
     pub output: Option<RawOutput>,
@@ -173,6 +181,8 @@ pub struct ControllerConfig {
     /// The shoots' tunnels, when the configuration turns them on (`tunnel.enabled: true`);
     /// `None`: no tunnel or egress routes, no Cluster or Secret read.
     pub tunnel: Option<TunnelConfig>,
+    /// Routes added to every table as written (validated as a table's routes are).
+    pub extra_routes: Vec<RawRoute>,
     /// Where the table goes.
     pub output: Output,
     /// Address of `/ready`, `/live` and `/metrics`, if any.
@@ -219,6 +229,7 @@ impl Default for ControllerConfig {
             fallback_connect_legacy: None,
             fallback_proxy_protocol: None,
             tunnel: None,
+            extra_routes: Vec::new(),
             output: Output::None,
             admin: None,
         }
@@ -308,6 +319,8 @@ pub(super) fn validate(
     if let Some(tunnel) = raw.tunnel {
         config.tunnel = self::tunnel(&mut errors, tunnel);
     }
+    extra_routes(&mut errors, &raw.extra_routes, dir);
+    config.extra_routes = raw.extra_routes;
     if let Some(output) = raw.output {
         match output.file {
             Some(f) if f.is_empty() => errors.push("output.file", "must not be empty"),
@@ -325,6 +338,50 @@ pub(super) fn validate(
         }
     }
     errors.finish(file, config)
+}
+
+/// Whether `name` is reserved for the routes the controller adds itself: `fallback` and
+/// every name that starts with `fallback-` (the CONNECT fallbacks, the ACL code's
+/// `fallback-closed` and `fallback-acl-…`, and any the controller adds later).
+pub fn is_reserved_route_name(name: &str) -> bool {
+    name.strip_prefix("fallback")
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
+}
+
+/// `extraRoutes`: valid as a table's routes (names, keys unique among them, backends,
+/// timeouts, …), and routes with backends only, none named like the controller's own.
+fn extra_routes(errors: &mut Errors, routes: &[RawRoute], dir: &Path) {
+    // Validated and indexed as a table's routes are; the controller writes them as given.
+    let _ = super::routes::table_of(
+        "extraRoutes",
+        routes,
+        dir,
+        &BackendRegistry::default(),
+        errors,
+    );
+    for (i, route) in routes.iter().enumerate() {
+        if is_reserved_route_name(&route.name) {
+            errors.push(
+                format!("extraRoutes[{i}].name"),
+                format!(
+                    "{:?} is reserved for the controller's own routes (fallback, fallback-…)",
+                    route.name
+                ),
+            );
+        }
+        for (field, set) in [
+            ("tunnel", route.tunnel.is_some()),
+            ("egress", route.egress.is_some()),
+        ] {
+            if set {
+                errors.push(
+                    format!("extraRoutes[{i}].{field}"),
+                    "not in extraRoutes: the controller renders the shoots' tunnel and egress \
+                     routes itself (tunnel.enabled)",
+                );
+            }
+        }
+    }
 }
 
 /// The `tunnel` section: on with `enabled: true`, off with `false`; anything else, or
@@ -444,6 +501,50 @@ mod tests {
         ] {
             let err = check(&format!("{HEAD}{yaml}\n")).unwrap_err();
             assert!(err.contains(needle), "{yaml}: {needle} not in {err}");
+        }
+    }
+
+    /// `extraRoutes` are routes of the table's schema, validated as a table's routes are
+    /// (paths under `extraRoutes`), with backends only and none of the controller's names.
+    #[test]
+    fn extra_routes_are_validated_as_a_tables_routes() {
+        let c = check(&format!(
+            "{HEAD}extraRoutes:
+- name: trellis-wireguard-0
+  destinations: [\"trellis-wireguard-0:51820\"]
+  backends: [{{address: \"trellis-tunnel-0.trellis-ingress.svc.cluster.local:8443\"}}]
+  forwardConnect: true
+  timeouts: {{idle: 1h}}
+"
+        ))
+        .unwrap();
+        assert_eq!(c.extra_routes.len(), 1);
+        let r = &c.extra_routes[0];
+        assert_eq!(r.destinations, ["trellis-wireguard-0:51820"]);
+        assert!(r.forward_connect);
+        assert_eq!(r.timeouts.as_ref().unwrap().idle.as_deref(), Some("1h"));
+        let err = check(&format!(
+            "{HEAD}extraRoutes:
+- {{name: a, destinations: [x], backends: [{{address: nope}}], bogus: 1}}
+- {{name: b, destinations: [x], backends: [{{address: \"10.0.0.1:1\"}}]}}
+- {{name: fallback-connect, sni: [a.example.com], backends: [{{address: \"10.0.0.1:1\"}}]}}
+- {{name: c, backends: [], tunnel: {{wireguard: {{peers: [], localAddresses: []}}}}}}
+- {{name: d, backends: [{{address: \"10.0.0.1:1\"}}], egress: {{clientIdentities: [x]}}}}
+- {{name: \"e f\", sni: [a.example.com], backends: [{{address: \"10.0.0.1:1\"}}]}}
+"
+        ))
+        .unwrap_err();
+        for needle in [
+            "extraRoutes[0].bogus: unknown field `bogus`",
+            "extraRoutes[0].backends[0].address: expected HOST:PORT",
+            "extraRoutes[1]: ",
+            "(extraRoutes[0])",
+            "extraRoutes[2].name: \"fallback-connect\" is reserved",
+            "extraRoutes[3].tunnel: not in extraRoutes",
+            "extraRoutes[4].egress: not in extraRoutes",
+            "extraRoutes[5].name: invalid route name",
+        ] {
+            assert!(err.contains(needle), "{needle} not in {err}");
         }
     }
 
