@@ -25,7 +25,7 @@
 //!   certificate ([`EGRESS_IDENTITIES`]), `tls` the newest `vpn-seed-server` certificate and
 //!   the newest `ca-vpn` bundle ([`newest`]), `allowedNetworks` the shoot's networks.
 //!   Without both TLS Secrets: `no_egress_tls`; without any endpoint address (a hibernated
-//!   shoot): `no_endpoints`.
+//!   shoot): `no_endpoints`; with addresses that older shoots hold, every one: `conflict`.
 //! - A shoot without peers gets neither (`no_tunnel_peers`).
 //!
 //! Shoots are settled oldest Cluster first (creation time, then name), so a contested key
@@ -382,26 +382,47 @@ fn egress<'a>(
         return None;
     }
     let mut client_sources = Vec::new();
+    // Addresses older shoots hold, and which.
+    let mut taken: Vec<(IpAddr, &str)> = Vec::new();
     for &ip in sources.into_iter().flatten() {
         match held.get(&ip) {
-            Some(older) => report.skip(
-                Reason::Conflict,
-                object(),
-                format!("kube-apiserver address {ip} is an egress client of the older {older}"),
-            ),
+            Some(older) => taken.push((ip, older)),
             None => {
                 held.insert(ip, ns);
                 client_sources.push(Net::host(ip).to_string());
             }
         }
     }
-    if client_sources.is_empty() {
+    if client_sources.is_empty() && taken.is_empty() {
         report.skip(
             Reason::NoEndpoints,
             object(),
             "no kube-apiserver endpoint address: no egress",
         );
         return None;
+    }
+    if client_sources.is_empty() {
+        // Addresses there are, but every one is another shoot's: one conflict, the shoot's.
+        let list: Vec<String> = taken
+            .iter()
+            .map(|(ip, older)| format!("{ip} of {older}"))
+            .collect();
+        report.skip(
+            Reason::Conflict,
+            object(),
+            format!(
+                "every kube-apiserver address is an egress client of an older shoot ({}): no egress",
+                list.join(", ")
+            ),
+        );
+        return None;
+    }
+    for (ip, older) in taken {
+        report.skip(
+            Reason::Conflict,
+            object(),
+            format!("kube-apiserver address {ip} is an egress client of the older {older}"),
+        );
     }
     let mut name = |file: EgressFile, bytes: &SecretBytes| {
         let name = file.name(ns);
@@ -628,11 +649,38 @@ mod tests {
             .find(|r| r.name == "shoot--a--new.tunnel")
             .unwrap();
         assert!(new.tunnel.is_some() && new.egress.is_none());
+        // One conflict, the younger shoot's: it has an address, but not one of its own.
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+        assert_eq!(report.skips[0].object, "Cluster shoot--a--new");
         assert_eq!(
-            report.skipped,
-            BTreeMap::from([(Reason::Conflict, 1), (Reason::NoEndpoints, 1)])
+            report.skips[0].detail,
+            "every kube-apiserver address is an egress client of an older shoot \
+             (100.96.0.10 of shoot--a--old): no egress"
         );
         assert_eq!(files.len(), 3);
+        loads(routes.clone());
+        // An address of its own besides: its egress, from that one, and the other counted.
+        s.endpoint_slices[1]
+            .endpoints
+            .push(crate::controller::model::Endpoint {
+                address: "100.96.0.11".parse().ok(),
+                ..Default::default()
+            });
+        let (routes, files, report) = run(&s, &target());
+        let new = routes
+            .iter()
+            .find(|r| r.name == "shoot--a--new.tunnel")
+            .unwrap();
+        assert_eq!(
+            new.egress.as_ref().unwrap().client_sources,
+            ["100.96.0.11/32"]
+        );
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+        assert_eq!(
+            report.skips[0].detail,
+            "kube-apiserver address 100.96.0.10 is an egress client of the older shoot--a--old"
+        );
+        assert_eq!(files.len(), 6);
         loads(routes);
     }
 
