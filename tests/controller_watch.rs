@@ -775,6 +775,58 @@ tunnel: {enabled: true}",
     }
 }
 
+/// Clusters (each can approach 1.5 MiB) are listed twenty at a time: 45 shoots with
+/// tunnels take three pages, each asking for 20, and every shoot's route is rendered; the
+/// other kinds keep the client's default page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clusters_are_listed_in_pages_of_twenty() {
+    let kube = FakeKube::start().await;
+    seed(&kube, &[]);
+    let shoots = 45;
+    for i in 0..shoots {
+        let name = format!("paged-{i}");
+        let key = trellis::route::WgKey([i as u8 + 1; 32]).to_base64();
+        e2e::put_all(
+            &kube,
+            vec![e2e::cluster(&name), e2e::peers_secret(&name, &key)],
+        );
+    }
+    let c = Controller(e2e::Controller::start_with(
+        &kube,
+        "gateway:
+  selector: {app: istio-ingressgateway, istio: ingressgateway, istio-role: seed}
+fallback: {address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}
+tunnel: {enabled: true}",
+    ));
+    c.wait_table("every shoot's tunnel", |t| {
+        route_names(t)
+            .iter()
+            .filter(|n| n.ends_with(".tunnel"))
+            .count()
+            == shoots
+    })
+    .await;
+    let lists: Vec<String> = reads(&kube, "clusters")
+        .into_iter()
+        .filter(|r| !r.contains("watch=true"))
+        .collect();
+    assert_eq!(lists.len(), 3, "{lists:#?}");
+    assert!(lists.iter().all(|r| r.contains("limit=20")), "{lists:#?}");
+    assert_eq!(
+        lists.iter().filter(|r| r.contains("continue=")).count(),
+        2,
+        "{lists:#?}"
+    );
+    let others: Vec<String> = reads(&kube, "namespaces")
+        .into_iter()
+        .filter(|r| !r.contains("watch=true"))
+        .collect();
+    assert!(
+        others.iter().all(|r| r.contains("limit=500")),
+        "{others:#?}"
+    );
+}
+
 #[test]
 fn without_a_config_or_with_no_output_it_says_so() {
     let dir = TestDir::new("controller-bad");

@@ -1350,6 +1350,7 @@ fn a_miswired_controller_sidecar_fails() {
         plural: "tcproutes",
         selector: None,
         tunnel: false,
+        page_size: None,
     });
     let err = controller_wiring(&objects, "trellis-gateway", &more).unwrap_err();
     assert!(err.contains("the ClusterRoles grant"), "{err}");

@@ -24,6 +24,8 @@ pub struct WatchedKind {
     pub selector: Option<&'static str>,
     /// Read only for the shoots' tunnels: watched only when the configuration turns them on.
     pub tunnel: bool,
+    /// Objects per page of the watch's lists; `None`: the client's default (500).
+    pub page_size: Option<u32>,
 }
 
 impl WatchedKind {
@@ -48,6 +50,12 @@ const ISTIO: &[&str] = &["v1", "v1beta1"];
 
 /// The Secrets of tunnel peers ([`super::model::TUNNEL_PEERS_LABEL`]).
 pub const TUNNEL_PEERS_SELECTOR: &str = "trellis.gardener.cloud/role=tunnel-peers";
+
+/// Objects per page when Clusters are listed: each embeds the shoot's Shoot, Seed and
+/// CloudProfile and can approach 1.5 MiB (a CloudProfile with many machine images and
+/// versions), so a page of the client's default 500 could be hundreds of MiB in one
+/// response, held whole by the API server and the controller; 20 keep a page near 30 MiB.
+pub const CLUSTER_PAGE_SIZE: u32 = 20;
 
 /// Gardener's secrets-manager Secrets an egress route is made of: the `vpn-seed-server`
 /// server certificate and the `ca-vpn` bundle, as gardenlet's secrets manager labels them.
@@ -94,13 +102,17 @@ pub const WATCHED: [WatchedKind; 11] = [
         "TLSRoute",
         "tlsroutes",
     ),
-    // Cluster-scoped, one per shoot namespace: the shoot's networks for its tunnel.
-    tunnel(kind(
-        "extensions.gardener.cloud",
-        &["v1alpha1"],
-        "Cluster",
-        "clusters",
-    )),
+    // Cluster-scoped, one per shoot namespace: the shoot's networks for its tunnel. Large:
+    // listed in small pages.
+    WatchedKind {
+        page_size: Some(CLUSTER_PAGE_SIZE),
+        ..tunnel(kind(
+            "extensions.gardener.cloud",
+            &["v1alpha1"],
+            "Cluster",
+            "clusters",
+        ))
+    },
     tunnel(selected(
         "",
         &["v1"],
@@ -135,6 +147,7 @@ const fn kind(
         plural,
         selector: None,
         tunnel: false,
+        page_size: None,
     }
 }
 
@@ -191,6 +204,15 @@ mod tests {
         );
         assert_eq!(off.len(), WATCHED.len() - 3);
         assert_eq!(watched(true).count(), WATCHED.len());
+    }
+
+    /// Clusters, and only they, are listed in small pages.
+    #[test]
+    fn clusters_are_listed_in_small_pages() {
+        for k in WATCHED {
+            let expected = (k.kind == "Cluster").then_some(CLUSTER_PAGE_SIZE);
+            assert_eq!(k.page_size, expected, "{k:?}");
+        }
     }
 
     #[test]

@@ -258,14 +258,17 @@ fn convert<K: Serialize>(kind: &WatchedKind, version: &str, event: Event<K>) -> 
     })
 }
 
-/// The watcher of kind `i` at `resource` (through its label selector, if any), retried with
-/// kube's default backoff (0.8 s doubling to 30 s).
+/// The watcher of kind `i` at `resource` (through its label selector and in its list page
+/// size, if it has them), retried with kube's default backoff (0.8 s doubling to 30 s).
 fn watch(client: &kube::Client, i: usize, resource: &ApiResource) -> Events {
     let api = Api::<DynamicObject>::all_with(client.clone(), resource);
     let version = resource.version.clone();
     let mut config = watcher::Config::default();
     if let Some(selector) = WATCHED[i].selector {
         config = config.labels(selector);
+    }
+    if let Some(n) = WATCHED[i].page_size {
+        config = config.page_size(n);
     }
     watcher::watcher(api, config)
         .default_backoff()
