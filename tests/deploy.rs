@@ -481,6 +481,7 @@ fn seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas() {
                 "ConfigMap",
                 "StatefulSet",
                 "PodDisruptionBudget",
+                "NetworkPolicy",
             ][..],
         ),
     ] {
@@ -1691,8 +1692,9 @@ fn named_file(config_file: &Path, named: &str) -> PathBuf {
 /// The agents in a shoot (`deploy/agent`), as the deploy notes say: two replicas, each a
 /// peer of its own (a config and a private key no other pod mounts, a tunnel address of its
 /// own), unprivileged, spread over nodes, one kept through evictions, probed on the admin
-/// port, the gateway tried over UDP first, then over TCP through the seed's CONNECT port.
-/// `Err` names the first rule broken.
+/// port, the gateway tried over UDP first, then over TCP through the seed's CONNECT port;
+/// in a Gardener shoot, admitted where Gardener admits vpn-shoot (the from-seed pods) and
+/// free to dial out. `Err` names the first rule broken.
 fn agent_rules(objects: &[Value]) -> Result<(), String> {
     let statefulset = find(objects, "StatefulSet", "trellis-agent");
     let spec = &statefulset["spec"];
@@ -1736,6 +1738,43 @@ fn agent_rules(objects: &[Value]) -> Result<(), String> {
     ensure!(
         budgets.len() == 1 && budgets[0]["spec"]["minAvailable"] == 1,
         "no PodDisruptionBudget keeping one agent (minAvailable: 1): {budgets:?}"
+    );
+    // In a Gardener shoot: the pods Gardener opens to the seed (from-seed=allowed, which its
+    // gardener.cloud--allow-from-seed opens to vpn-shoot's pods alone) admit the agents on
+    // every port, and the agents may dial out (kube-system denies all from Kubernetes 1.33).
+    let namespace = statefulset["metadata"]["namespace"].as_str().unwrap();
+    let policies: Vec<&Value> = objects
+        .iter()
+        .filter(|o| o["kind"] == "NetworkPolicy" && o["metadata"]["namespace"] == namespace)
+        .collect();
+    let from_seed = json!({"networking.gardener.cloud/from-seed": "allowed"});
+    ensure!(
+        policies.iter().any(|p| {
+            p["spec"]["podSelector"]["matchLabels"] == from_seed
+                && p["spec"]["ingress"].as_array().is_some_and(|rules| {
+                    rules.iter().any(|r| {
+                        r["ports"].is_null()
+                            && r["from"].as_array().is_some_and(|from| {
+                                from.iter().any(|f| {
+                                    f["namespaceSelector"].is_null()
+                                        && f["ipBlock"].is_null()
+                                        && selects(&f["podSelector"]["matchLabels"], labels)
+                                })
+                            })
+                    })
+                })
+        }),
+        "no NetworkPolicy admits the agents into the pods labelled \
+         networking.gardener.cloud/from-seed=allowed on every port"
+    );
+    ensure!(
+        policies.iter().any(|p| {
+            selects(&p["spec"]["podSelector"]["matchLabels"], labels)
+                && p["spec"]["egress"]
+                    .as_array()
+                    .is_some_and(|rules| rules.iter().any(|r| r == &json!({})))
+        }),
+        "no NetworkPolicy lets the agents dial out"
     );
     let resources = &container["resources"];
     ensure!(
@@ -1838,7 +1877,38 @@ fn a_weakened_agent_fails() {
     }
     let objects = render("agent");
     type Break = fn(&mut Vec<Value>);
-    let breaks: [(&str, Break, &str); 16] = [
+    let breaks: [(&str, Break, &str); 20] = [
+        (
+            "no admission into the from-seed pods",
+            |o| o.retain(|o| o["metadata"]["name"] != "trellis-allow-from-seed"),
+            "from-seed=allowed",
+        ),
+        (
+            "the from-seed pods open to other pods",
+            |o| {
+                let p = find_mut(o, "NetworkPolicy", "trellis-allow-from-seed");
+                p["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"] =
+                    json!({"app": "vpn-shoot"});
+            },
+            "from-seed=allowed",
+        ),
+        (
+            "the from-seed pods open on one port only",
+            |o| {
+                let p = find_mut(o, "NetworkPolicy", "trellis-allow-from-seed");
+                p["spec"]["ingress"][0]["ports"] = json!([{"port": 443, "protocol": "TCP"}]);
+            },
+            "from-seed=allowed",
+        ),
+        (
+            "no way out",
+            |o| {
+                o.retain(|o| {
+                    !(o["kind"] == "NetworkPolicy" && o["metadata"]["name"] == "trellis-agent")
+                })
+            },
+            "dial out",
+        ),
         (
             "runAsNonRoot dropped",
             |o| {
