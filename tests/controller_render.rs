@@ -270,6 +270,41 @@ fn without_tunnels_on_no_tunnel_route_or_file_is_rendered() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
+/// `config/gardener/shape-b/routes.yaml`, the example of a shoot's route in the tunnel
+/// gateway's table, is what the tunnel replicas' controller (`deploy/seed/tunnel-controller.yaml`)
+/// renders of the `tunnels` case's alpha shoot, field for field: nothing else in its table.
+#[test]
+fn the_shape_b_example_route_is_what_the_tunnel_controller_renders() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let seed = std::env::temp_dir().join(format!("trellis-render-shape-b-{}", std::process::id()));
+    std::fs::create_dir_all(&seed).unwrap();
+    let alpha = "shoot--dev--alpha.yaml";
+    std::fs::copy(data().join("tunnels/seed").join(alpha), seed.join(alpha)).unwrap();
+    let output = trellis()
+        .args(["controller", "render", "--manifests"])
+        .arg(&seed)
+        .arg("--config")
+        .arg(repo.join("deploy/seed/tunnel-controller.yaml"))
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&seed).unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rendered: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let example =
+        std::fs::read_to_string(repo.join("config/gardener/shape-b/routes.yaml")).unwrap();
+    let example: serde_json::Value = serde_saphyr::from_str(&example).unwrap();
+    assert_eq!(
+        example,
+        rendered,
+        "config/gardener/shape-b/routes.yaml is not what the controller renders:\n{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+}
+
 #[test]
 fn a_bad_manifest_or_config_fails_with_its_name() {
     let dir = std::env::temp_dir().join(format!("trellis-render-bad-{}", std::process::id()));
