@@ -152,7 +152,7 @@ async fn tunnel_key_to_served() {
     ];
     kube.put(e2e::cluster("measured"));
     kube.put(e2e::peers_secret("measured", &keys[0]));
-    let c = Controller::start(&kube, SocketAddr::from(([127, 0, 0, 1], 9)));
+    let c = Controller::start_tunnels(&kube, SocketAddr::from(([127, 0, 0, 1], 9)));
     c.wait_table("the seed's tunnels", Duration::from_secs(60), |t| {
         e2e::route_names(t).len() == 2 * SHOOTS + 2
     });

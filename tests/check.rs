@@ -714,7 +714,8 @@ admin: {{address: \"127.0.0.1:{admin}\"}}
 /// `check` where the pods mount them: their absolute paths (the pods' Secrets and the files
 /// the controller writes) are moved under a scratch root that holds the demo material of
 /// `config/egress-pki/` (certificates, keys and CA bundles by name) and `config/wireguard/`
-/// (any other `*.key`); relative paths stay as they are.
+/// (any other `*.key`); relative paths stay as they are, and the egress files a controller
+/// writes beside its table (`egress.<ns>.crt`, `.key`, `.ca.crt`) are demo material too.
 #[test]
 fn gardener_shape_configs_pass_check_where_the_pods_mount_them() {
     let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
@@ -753,6 +754,18 @@ fn gardener_shape_configs_pass_check_where_the_pods_mount_them() {
                 }
                 text = text.replace(prefix, &format!("{}{prefix}", root.display()));
             }
+            // The egress files the controller writes beside a table it renders, named
+            // relative to it: demo material beside the copy.
+            for word in text.split(|c: char| c.is_whitespace() || "\"',{}[]:".contains(c)) {
+                use trellis::controller::tunnel::EgressFile;
+                let demo = match EgressFile::of(word) {
+                    Some(EgressFile::Certificate) => "tls.crt",
+                    Some(EgressFile::Key) => "tls.key",
+                    Some(EgressFile::ClientCa) => "ca.crt",
+                    None => continue,
+                };
+                std::fs::copy(source.join("egress-pki").join(demo), copy.join(word)).unwrap();
+            }
             let target = copy.join(file.file_name().unwrap());
             std::fs::write(&target, text).unwrap();
             files.push(target);
@@ -768,7 +781,6 @@ fn gardener_shape_configs_pass_check_where_the_pods_mount_them() {
         "shape-a/agent.yaml",
         "shape-b/agent.yaml",
         "shape-b/routes.yaml",
-        "shape-b/ingress-routes.yaml",
     ] {
         assert!(
             names.iter().any(|n| n == expected),

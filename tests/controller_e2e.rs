@@ -410,7 +410,7 @@ async fn tunnel_key_and_egress_certificate_rotations_reach_the_running_gateway()
         ],
     );
     let fallback = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
-    let c = Controller::start(&kube, fallback);
+    let c = Controller::start_tunnels(&kube, fallback);
     let route = format!("{ns}.tunnel");
     c.wait_table("the shoot's tunnel and egress", LIMIT, |t| {
         t["routes"].as_array().is_some_and(|rs| {

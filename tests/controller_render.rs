@@ -216,6 +216,95 @@ fn without_output_the_table_goes_to_stdout() {
     assert_eq!(stdout, written);
 }
 
+/// Tunnels are opt-in: the tunnels seed rendered with its configuration but without the
+/// `tunnel` section (or with `enabled: false`) has no tunnel route and writes no file, and
+/// its report counts no Cluster or Secret (the live controller would not read them).
+#[test]
+fn without_tunnels_on_no_tunnel_route_or_file_is_rendered() {
+    let case = data().join("tunnels");
+    let config = std::fs::read_to_string(case.join("controller.yaml")).unwrap();
+    let (head, _) = config.split_once("tunnel:").unwrap();
+    let out = std::env::temp_dir().join(format!("trellis-render-off-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for (what, text) in [
+        ("no tunnel section", head.to_owned()),
+        (
+            "enabled: false",
+            format!("{head}tunnel: {{enabled: false}}\n"),
+        ),
+    ] {
+        let file = out.join("controller.yaml");
+        std::fs::write(&file, &text).unwrap();
+        let written = out.join("written");
+        std::fs::create_dir_all(&written).unwrap();
+        let output = trellis()
+            .args(["controller", "render", "--manifests"])
+            .arg(case.join("seed"))
+            .arg("--config")
+            .arg(&file)
+            .arg("--output")
+            .arg(written.join("routes.json"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8(output.stderr).unwrap();
+        assert!(output.status.success(), "{what}: {stderr}");
+        let table: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(written.join("routes.json")).unwrap())
+                .unwrap();
+        let names: Vec<&str> = table["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["fallback", "shoot--dev--alpha"], "{what}");
+        assert!(
+            files_beside(&written, "routes.json").is_empty(),
+            "{what}: files written"
+        );
+        let report: serde_json::Value = serde_json::from_str(&stderr).unwrap();
+        assert_eq!(report["objects"]["Cluster"], 0, "{what}: {stderr}");
+        assert_eq!(report["objects"]["Secret"], 0, "{what}: {stderr}");
+        std::fs::remove_dir_all(&written).unwrap();
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// `config/gardener/shape-b/routes.yaml`, the example of a shoot's route in the tunnel
+/// gateway's table, is what the tunnel replicas' controller (`deploy/seed/tunnel-controller.yaml`)
+/// renders of the `tunnels` case's alpha shoot, field for field: nothing else in its table.
+#[test]
+fn the_shape_b_example_route_is_what_the_tunnel_controller_renders() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let seed = std::env::temp_dir().join(format!("trellis-render-shape-b-{}", std::process::id()));
+    std::fs::create_dir_all(&seed).unwrap();
+    let alpha = "shoot--dev--alpha.yaml";
+    std::fs::copy(data().join("tunnels/seed").join(alpha), seed.join(alpha)).unwrap();
+    let output = trellis()
+        .args(["controller", "render", "--manifests"])
+        .arg(&seed)
+        .arg("--config")
+        .arg(repo.join("deploy/seed/tunnel-controller.yaml"))
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&seed).unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rendered: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let example =
+        std::fs::read_to_string(repo.join("config/gardener/shape-b/routes.yaml")).unwrap();
+    let example: serde_json::Value = serde_saphyr::from_str(&example).unwrap();
+    assert_eq!(
+        example,
+        rendered,
+        "config/gardener/shape-b/routes.yaml is not what the controller renders:\n{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+}
+
 #[test]
 fn a_bad_manifest_or_config_fails_with_its_name() {
     let dir = std::env::temp_dir().join(format!("trellis-render-bad-{}", std::process::id()));

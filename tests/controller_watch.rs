@@ -725,6 +725,108 @@ async fn a_kind_that_stops_being_served_is_watched_where_it_is_served_or_emptied
     assert!(metrics().await.contains(&served("Gateway", "v1")));
 }
 
+/// Requests (LIST or watch) for resource `plural` so far.
+fn reads(kube: &FakeKube, plural: &str) -> Vec<String> {
+    kube.requests()
+        .into_iter()
+        .filter(|r| r.contains(&format!("/{plural}?")) || r.ends_with(&format!("/{plural}")))
+        .collect()
+}
+
+/// Tunnels are opt-in: a controller whose configuration does not turn them on never reads a
+/// Secret or a Cluster (not even to look for them) and renders no tunnel route, however
+/// many shoots have tunnel peers; one that does reads both and renders the shoot's route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_controller_with_tunnels_on_reads_secrets_and_clusters() {
+    let kube = FakeKube::start().await;
+    seed(&kube, &[]);
+    let name = "tunneled";
+    let ns = e2e::namespace(name);
+    e2e::put_all(
+        &kube,
+        vec![
+            e2e::cluster(name),
+            e2e::peers_secret(name, &trellis::route::WgKey([7; 32]).to_base64()),
+        ],
+    );
+    let tunnel_route = format!("{ns}.tunnel");
+    let off = Controller::start(&kube);
+    let table = off
+        .wait_table("every shoot", |t| route(t, ALPHA).is_some())
+        .await;
+    assert!(route(&table, &tunnel_route).is_none(), "{table}");
+    assert_eq!(off.get("/ready").await.unwrap().0, 200);
+    for plural in ["secrets", "clusters"] {
+        assert_eq!(reads(&kube, plural), Vec::<String>::new(), "{plural}");
+    }
+    drop(off);
+
+    let on = Controller(e2e::Controller::start_with(
+        &kube,
+        "gateway:
+  selector: {app: istio-ingressgateway, istio: ingressgateway, istio-role: seed}
+fallback: {address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}
+tunnel: {enabled: true}",
+    ));
+    on.wait_table("the shoot's tunnel", |t| route(t, &tunnel_route).is_some())
+        .await;
+    for plural in ["secrets", "clusters"] {
+        assert!(!reads(&kube, plural).is_empty(), "{plural} not read");
+    }
+}
+
+/// Clusters (each can approach 1.5 MiB) are listed twenty at a time: 45 shoots with
+/// tunnels take three pages, each asking for 20, and every shoot's route is rendered; the
+/// other kinds keep the client's default page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clusters_are_listed_in_pages_of_twenty() {
+    let kube = FakeKube::start().await;
+    seed(&kube, &[]);
+    let shoots = 45;
+    for i in 0..shoots {
+        let name = format!("paged-{i}");
+        let key = trellis::route::WgKey([i as u8 + 1; 32]).to_base64();
+        e2e::put_all(
+            &kube,
+            vec![e2e::cluster(&name), e2e::peers_secret(&name, &key)],
+        );
+    }
+    let c = Controller(e2e::Controller::start_with(
+        &kube,
+        "gateway:
+  selector: {app: istio-ingressgateway, istio: ingressgateway, istio-role: seed}
+fallback: {address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}
+tunnel: {enabled: true}",
+    ));
+    c.wait_table("every shoot's tunnel", |t| {
+        route_names(t)
+            .iter()
+            .filter(|n| n.ends_with(".tunnel"))
+            .count()
+            == shoots
+    })
+    .await;
+    let lists: Vec<String> = reads(&kube, "clusters")
+        .into_iter()
+        .filter(|r| !r.contains("watch=true"))
+        .collect();
+    assert_eq!(lists.len(), 3, "{lists:#?}");
+    assert!(lists.iter().all(|r| r.contains("limit=20")), "{lists:#?}");
+    assert_eq!(
+        lists.iter().filter(|r| r.contains("continue=")).count(),
+        2,
+        "{lists:#?}"
+    );
+    let others: Vec<String> = reads(&kube, "namespaces")
+        .into_iter()
+        .filter(|r| !r.contains("watch=true"))
+        .collect();
+    assert!(
+        others.iter().all(|r| r.contains("limit=500")),
+        "{others:#?}"
+    );
+}
+
 #[test]
 fn without_a_config_or_with_no_output_it_says_so() {
     let dir = TestDir::new("controller-bad");

@@ -5,8 +5,9 @@
 //! sidecar renders is where the controller writes it); the pods keep the rules a rollout
 //! without refusals depends on (grace period above the drain, probes on the admin port, the
 //! Service ports on the listeners); and the controller sidecar is wired to the gateway
-//! (table volume, startup probe, token in the sidecar only, a ClusterRole of exactly the
-//! kinds the controller watches, read-only). Skipped with a printed reason without kubectl or
+//! (table volume, startup probe, token in the sidecar only, ClusterRoles of exactly the
+//! kinds the controller watches with its configuration, read-only); only the tunnel
+//! replicas render tunnels and may read Secrets. Skipped with a printed reason without kubectl or
 //! kubernetes-validate (`scripts/test` installs the latter into `target/deploy-venv`).
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![allow(clippy::unwrap_used, unreachable_pub)]
@@ -19,7 +20,7 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::{Value, json};
-use trellis::controller::kinds::{WATCHED, WatchedKind};
+use trellis::controller::kinds::WatchedKind;
 
 /// The Kubernetes versions the manifests are validated against: the oldest one they are
 /// meant for and the first with the pod topology labels that fill `TRELLIS_ZONE` by default.
@@ -480,6 +481,7 @@ fn seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas() {
                 "ConfigMap",
                 "StatefulSet",
                 "PodDisruptionBudget",
+                "NetworkPolicy",
             ][..],
         ),
     ] {
@@ -990,11 +992,55 @@ fn controller_wiring(objects: &[Value], name: &str, watched: &[WatchedKind]) -> 
         "{TOKEN_PATH} in the controller holds {paths:?}"
     );
 
-    // RBAC: the pod's account is bound to one ClusterRole that grants list and watch (its
-    // watchers never `get`) on exactly what the controller watches.
+    // RBAC: the pod's account is bound by ClusterRoleBindings (no RoleBinding) to
+    // ClusterRoles that together grant list and watch (its watchers never `get`) on exactly
+    // what the controller watches.
     let account = pod["serviceAccountName"].as_str().unwrap();
     let namespace = deployment["metadata"]["namespace"].as_str().unwrap();
-    let bindings: Vec<&Value> = objects
+    let bindings = bindings_of(objects, namespace, account);
+    ensure!(
+        !bindings.is_empty() && bindings.iter().all(|b| b["kind"] == "ClusterRoleBinding"),
+        "service account {namespace}/{account} has {} bindings, not only ClusterRoleBindings",
+        bindings.len()
+    );
+    let mut granted = std::collections::BTreeSet::new();
+    for binding in bindings {
+        let role_ref = &binding["roleRef"];
+        ensure!(role_ref["kind"] == "ClusterRole", "{role_ref}");
+        let role = find(objects, "ClusterRole", role_ref["name"].as_str().unwrap());
+        for rule in role["rules"].as_array().unwrap() {
+            let mut verbs: Vec<&str> = rule["verbs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_str().unwrap())
+                .collect();
+            verbs.sort();
+            ensure!(
+                verbs == ["list", "watch"],
+                "a rule grants {verbs:?}, not list and watch: {rule}"
+            );
+            ensure!(
+                rule["resourceNames"].is_null() && rule["nonResourceURLs"].is_null(),
+                "{rule}"
+            );
+            granted.extend(rule_resources(rule));
+        }
+    }
+    let wanted: std::collections::BTreeSet<(String, String)> = watched
+        .iter()
+        .map(|k| (k.group.to_owned(), k.plural.to_owned()))
+        .collect();
+    ensure!(
+        granted == wanted,
+        "the ClusterRoles grant {granted:?}; the controller watches {wanted:?}"
+    );
+    Ok(())
+}
+
+/// The RoleBindings and ClusterRoleBindings of service account `namespace/account`.
+fn bindings_of<'a>(objects: &'a [Value], namespace: &str, account: &str) -> Vec<&'a Value> {
+    objects
         .iter()
         .filter(|o| o["kind"] == "ClusterRoleBinding" || o["kind"] == "RoleBinding")
         .filter(|o| {
@@ -1006,50 +1052,42 @@ fn controller_wiring(objects: &[Value], name: &str, watched: &[WatchedKind]) -> 
                 })
             })
         })
-        .collect();
-    ensure!(
-        bindings.len() == 1 && bindings[0]["kind"] == "ClusterRoleBinding",
-        "service account {namespace}/{account} has {} bindings, not one ClusterRoleBinding",
-        bindings.len()
-    );
-    let role_ref = &bindings[0]["roleRef"];
-    ensure!(role_ref["kind"] == "ClusterRole", "{role_ref}");
-    let role = find(objects, "ClusterRole", role_ref["name"].as_str().unwrap());
-    let mut granted = std::collections::BTreeSet::new();
-    for rule in role["rules"].as_array().unwrap() {
-        let mut verbs: Vec<&str> = rule["verbs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_str().unwrap())
-            .collect();
-        verbs.sort();
-        ensure!(
-            verbs == ["list", "watch"],
-            "a rule grants {verbs:?}, not list and watch: {rule}"
-        );
-        ensure!(
-            rule["resourceNames"].is_null() && rule["nonResourceURLs"].is_null(),
-            "{rule}"
-        );
-        for group in rule["apiGroups"].as_array().unwrap() {
-            for resource in rule["resources"].as_array().unwrap() {
-                granted.insert((
-                    group.as_str().unwrap().to_owned(),
-                    resource.as_str().unwrap().to_owned(),
-                ));
-            }
+        .collect()
+}
+
+/// The (API group, resource) pairs an RBAC rule names.
+fn rule_resources(rule: &Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for group in rule["apiGroups"].as_array().unwrap() {
+        for resource in rule["resources"].as_array().unwrap() {
+            out.push((
+                group.as_str().unwrap().to_owned(),
+                resource.as_str().unwrap().to_owned(),
+            ));
         }
     }
-    let wanted: std::collections::BTreeSet<(String, String)> = watched
-        .iter()
-        .map(|k| (k.group.to_owned(), k.plural.to_owned()))
-        .collect();
-    ensure!(
-        granted == wanted,
-        "the ClusterRole grants {granted:?}; the controller watches {wanted:?}"
-    );
-    Ok(())
+    out
+}
+
+/// The controller sidecar's configuration in the seed Deployment `name`, parsed by trellis
+/// itself, as the pod mounts it.
+fn controller_config(
+    objects: &[Value],
+    name: &str,
+) -> trellis::config::controller::ControllerConfig {
+    let deployment = find(objects, "Deployment", name);
+    let root = TestDir::new("deploy-controller");
+    let file = lay_out(objects, deployment, "controller", &root.0);
+    trellis::config::controller::load(&file).unwrap()
+}
+
+/// What the controller sidecar of the seed Deployment `name` watches, with the
+/// configuration the pod mounts.
+fn watched_by(objects: &[Value], name: &str) -> Vec<WatchedKind> {
+    let tunnels = controller_config(objects, name).tunnel.is_some();
+    trellis::controller::kinds::watched(tunnels)
+        .copied()
+        .collect()
 }
 
 /// The controller runs beside each gateway, the ingress gateway's and each tunnel
@@ -1061,7 +1099,8 @@ fn seed_controller_sidecar_writes_where_the_gateway_reads_with_read_only_access(
     }
     let objects = render("seed");
     for name in ["trellis-gateway", "trellis-tunnel-0", "trellis-tunnel-1"] {
-        controller_wiring(&objects, name, &WATCHED).unwrap_or_else(|e| panic!("{name}: {e}"));
+        controller_wiring(&objects, name, &watched_by(&objects, name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
 
@@ -1102,12 +1141,9 @@ fn edit_config(objects: &mut [Value], prefix: &str, from: &str, to: &str) {
     }
 }
 
+/// Rule `i` of the ClusterRole every controller's account is bound to.
 fn rule_mut(objects: &mut [Value], i: usize) -> &mut Value {
-    let role = objects
-        .iter_mut()
-        .find(|o| o["kind"] == "ClusterRole")
-        .unwrap();
-    &mut role["rules"][i]
+    &mut find_mut(objects, "ClusterRole", "trellis-controller")["rules"][i]
 }
 
 /// The control for the test above: each way of breaking the wiring fails the check that
@@ -1118,8 +1154,9 @@ fn a_miswired_controller_sidecar_fails() {
         return;
     }
     let objects = render("seed");
+    let watched = watched_by(&objects, "trellis-gateway");
     type Break = fn(&mut Vec<Value>);
-    let breaks: [(&str, Break, &str); 18] = [
+    let breaks: [(&str, Break, &str); 19] = [
         (
             "a regular init container",
             |o| {
@@ -1237,7 +1274,7 @@ fn a_miswired_controller_sidecar_fails() {
             |o| {
                 rule_mut(o, 0)["resources"].as_array_mut().unwrap().pop();
             },
-            "the ClusterRole grants",
+            "the ClusterRoles grant",
         ),
         (
             "a kind granted that is not watched",
@@ -1247,7 +1284,7 @@ fn a_miswired_controller_sidecar_fails() {
                     .unwrap()
                     .push(json!("configmaps"));
             },
-            "the ClusterRole grants",
+            "the ClusterRoles grant",
         ),
         (
             "a write verb",
@@ -1279,34 +1316,237 @@ fn a_miswired_controller_sidecar_fails() {
         (
             "the binding to another account",
             |o| {
-                let b = o
-                    .iter_mut()
-                    .find(|o| o["kind"] == "ClusterRoleBinding")
-                    .unwrap();
-                b["subjects"][0]["namespace"] = json!("default");
+                let b = find_mut(o, "ClusterRoleBinding", "trellis-controller");
+                for subject in b["subjects"].as_array_mut().unwrap() {
+                    subject["namespace"] = json!("default");
+                }
             },
             "has 0 bindings",
+        ),
+        (
+            "a RoleBinding besides",
+            |o| {
+                let mut b = find_mut(o, "ClusterRoleBinding", "trellis-controller").clone();
+                b["kind"] = json!("RoleBinding");
+                b["metadata"]["namespace"] = json!("trellis-ingress");
+                o.push(b);
+            },
+            "not only ClusterRoleBindings",
         ),
     ];
     for (what, break_it, message) in breaks {
         let mut broken = objects.clone();
         break_it(&mut broken);
-        match controller_wiring(&broken, "trellis-gateway", &WATCHED) {
+        match controller_wiring(&broken, "trellis-gateway", &watched) {
             Ok(()) => panic!("{what}: passed"),
             Err(e) => assert!(e.contains(message), "{what}: {e}"),
         }
     }
     // A kind the controller comes to watch without a rule for it.
-    let mut more = WATCHED.to_vec();
+    let mut more = watched.clone();
     more.push(WatchedKind {
         group: "gateway.networking.k8s.io",
         versions: &["v1alpha2"],
         kind: "TCPRoute",
         plural: "tcproutes",
         selector: None,
+        tunnel: false,
+        page_size: None,
     });
     let err = controller_wiring(&objects, "trellis-gateway", &more).unwrap_err();
-    assert!(err.contains("the ClusterRole grants"), "{err}");
+    assert!(err.contains("the ClusterRoles grant"), "{err}");
+}
+
+/// Whether `namespace/account` is granted `resource` of `group` by any of its bindings.
+fn may_read(
+    objects: &[Value],
+    namespace: &str,
+    account: &str,
+    group: &str,
+    resource: &str,
+) -> bool {
+    bindings_of(objects, namespace, account).iter().any(|b| {
+        let kind = b["roleRef"]["kind"].as_str().unwrap();
+        let name = b["roleRef"]["name"].as_str().unwrap();
+        objects
+            .iter()
+            .filter(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+            .flat_map(|r| r["rules"].as_array().into_iter().flatten())
+            .flat_map(rule_resources)
+            .any(|(g, r)| g == group && (r == resource || r == "*"))
+    })
+}
+
+/// `trellis controller render` of the tunnels fixture seed with the controller config of
+/// the seed Deployment `name`: the table.
+fn table_rendered_by(objects: &[Value], name: &str) -> Value {
+    let deployment = find(objects, "Deployment", name);
+    let root = TestDir::new("deploy-render");
+    let config = lay_out(objects, deployment, "controller", &root.0);
+    let seed = repo().join("tests/data/controller/tunnels/seed");
+    let out = Command::new(BIN)
+        .args(["controller", "render", "--manifests"])
+        .arg(&seed)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The route names of [`table_rendered_by`].
+fn routes_rendered_by(objects: &[Value], name: &str) -> Vec<String> {
+    table_rendered_by(objects, name)["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Tunnels are the tunnel replicas' alone: the ingress gateway's controller renders none
+/// and its account may read neither Secrets nor Clusters; each tunnel replica runs under an
+/// account of its own with a controller that renders the shoots' tunnels, and nothing but
+/// them (its CONNECT listener then answers only its connectDestination). `Err` names the
+/// first rule broken.
+fn tunnel_access(objects: &[Value]) -> Result<(), String> {
+    let ingress = find(objects, "Deployment", "trellis-gateway");
+    let namespace = ingress["metadata"]["namespace"].as_str().unwrap();
+    let account = ingress["spec"]["template"]["spec"]["serviceAccountName"]
+        .as_str()
+        .unwrap();
+    ensure!(
+        controller_config(objects, "trellis-gateway")
+            .tunnel
+            .is_none(),
+        "the ingress gateway's controller renders tunnels"
+    );
+    for (group, resource) in [("", "secrets"), ("extensions.gardener.cloud", "clusters")] {
+        ensure!(
+            !may_read(objects, namespace, account, group, resource),
+            "the ingress gateway's account {account} may read {resource}"
+        );
+    }
+    let routes = routes_rendered_by(objects, "trellis-gateway");
+    ensure!(
+        !routes.iter().any(|r| r.ends_with(".tunnel")),
+        "the ingress gateway's table has tunnel routes: {routes:?}"
+    );
+    for name in ["trellis-tunnel-0", "trellis-tunnel-1"] {
+        let pod = &find(objects, "Deployment", name)["spec"]["template"]["spec"];
+        let tunnel_account = pod["serviceAccountName"].as_str().unwrap();
+        ensure!(
+            tunnel_account != account,
+            "{name} runs under the ingress gateway's account {account}"
+        );
+        ensure!(
+            controller_config(objects, name).tunnel.is_some(),
+            "{name}'s controller does not render tunnels"
+        );
+        let routes = routes_rendered_by(objects, name);
+        ensure!(
+            !routes.is_empty() && routes.iter().all(|r| r.ends_with(".tunnel")),
+            "{name}'s table has routes other than tunnels: {routes:?}"
+        );
+    }
+    Ok(())
+}
+
+/// The seed's tunnel access keeps the rules of [`tunnel_access`].
+#[test]
+fn seed_only_the_tunnel_replicas_render_tunnels_and_read_secrets() {
+    if !kubectl("seed_only_the_tunnel_replicas_render_tunnels_and_read_secrets") {
+        return;
+    }
+    tunnel_access(&render("seed")).unwrap();
+}
+
+/// The control for the test above: each way of giving the ingress gateway the tunnels (or
+/// the tunnels more) fails the rule that names it.
+#[test]
+fn tunnels_or_secrets_in_the_ingress_gateway_fail() {
+    if !kubectl("tunnels_or_secrets_in_the_ingress_gateway_fail") {
+        return;
+    }
+    let objects = render("seed");
+    type Break = fn(&mut Vec<Value>);
+    let breaks: [(&str, Break, &str); 5] = [
+        (
+            "tunnels on in the ingress gateway's controller",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-controller-config",
+                    "output:",
+                    "tunnel: {enabled: true}\noutput:",
+                )
+            },
+            "the ingress gateway's controller renders tunnels",
+        ),
+        (
+            "the ingress gateway's account bound to the tunnels' role",
+            |o| {
+                let b = find_mut(o, "ClusterRoleBinding", "trellis-tunnel-controller");
+                b["subjects"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!({"kind": "ServiceAccount", "name": "trellis-gateway",
+                        "namespace": "trellis-ingress"}));
+            },
+            "account trellis-gateway may read secrets",
+        ),
+        (
+            "a tunnel replica under the ingress gateway's account",
+            |o| {
+                tunnel_pod_mut(o, "trellis-tunnel-1")["serviceAccountName"] =
+                    json!("trellis-gateway")
+            },
+            "runs under the ingress gateway's account",
+        ),
+        (
+            "tunnels off in the tunnel replicas' controller",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-tunnel-controller-config",
+                    "enabled: true",
+                    "enabled: false",
+                );
+                edit_config(
+                    o,
+                    "trellis-tunnel-controller-config",
+                    "  localAddresses: [192.168.128.1, \"fd8f:6d53:b97a:1::1\"]\n",
+                    "",
+                );
+            },
+            "does not render tunnels",
+        ),
+        (
+            "the tunnel replicas' controller serving the ingress gateway's Istio Gateways",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-tunnel-controller-config",
+                    "trellis.gardener.cloud/gateway: tunnel",
+                    "{app: istio-ingressgateway, istio: ingressgateway, istio-role: seed}",
+                )
+            },
+            "has routes other than tunnels",
+        ),
+    ];
+    for (what, break_it, message) in breaks {
+        let mut broken = objects.clone();
+        break_it(&mut broken);
+        match tunnel_access(&broken) {
+            Ok(()) => panic!("{what}: passed"),
+            Err(e) => assert!(e.contains(message), "{what}: {e}"),
+        }
+    }
 }
 
 fn find_mut<'a>(objects: &'a mut [Value], kind: &str, name: &str) -> &'a mut Value {
@@ -1452,8 +1692,9 @@ fn named_file(config_file: &Path, named: &str) -> PathBuf {
 /// The agents in a shoot (`deploy/agent`), as the deploy notes say: two replicas, each a
 /// peer of its own (a config and a private key no other pod mounts, a tunnel address of its
 /// own), unprivileged, spread over nodes, one kept through evictions, probed on the admin
-/// port, the gateway tried over UDP first, then over TCP through the seed's CONNECT port.
-/// `Err` names the first rule broken.
+/// port, the gateway tried over UDP first, then over TCP through the seed's CONNECT port;
+/// in a Gardener shoot, admitted where Gardener admits vpn-shoot (the from-seed pods) and
+/// free to dial out. `Err` names the first rule broken.
 fn agent_rules(objects: &[Value]) -> Result<(), String> {
     let statefulset = find(objects, "StatefulSet", "trellis-agent");
     let spec = &statefulset["spec"];
@@ -1497,6 +1738,43 @@ fn agent_rules(objects: &[Value]) -> Result<(), String> {
     ensure!(
         budgets.len() == 1 && budgets[0]["spec"]["minAvailable"] == 1,
         "no PodDisruptionBudget keeping one agent (minAvailable: 1): {budgets:?}"
+    );
+    // In a Gardener shoot: the pods Gardener opens to the seed (from-seed=allowed, which its
+    // gardener.cloud--allow-from-seed opens to vpn-shoot's pods alone) admit the agents on
+    // every port, and the agents may dial out (kube-system denies all from Kubernetes 1.33).
+    let namespace = statefulset["metadata"]["namespace"].as_str().unwrap();
+    let policies: Vec<&Value> = objects
+        .iter()
+        .filter(|o| o["kind"] == "NetworkPolicy" && o["metadata"]["namespace"] == namespace)
+        .collect();
+    let from_seed = json!({"networking.gardener.cloud/from-seed": "allowed"});
+    ensure!(
+        policies.iter().any(|p| {
+            p["spec"]["podSelector"]["matchLabels"] == from_seed
+                && p["spec"]["ingress"].as_array().is_some_and(|rules| {
+                    rules.iter().any(|r| {
+                        r["ports"].is_null()
+                            && r["from"].as_array().is_some_and(|from| {
+                                from.iter().any(|f| {
+                                    f["namespaceSelector"].is_null()
+                                        && f["ipBlock"].is_null()
+                                        && selects(&f["podSelector"]["matchLabels"], labels)
+                                })
+                            })
+                    })
+                })
+        }),
+        "no NetworkPolicy admits the agents into the pods labelled \
+         networking.gardener.cloud/from-seed=allowed on every port"
+    );
+    ensure!(
+        policies.iter().any(|p| {
+            selects(&p["spec"]["podSelector"]["matchLabels"], labels)
+                && p["spec"]["egress"]
+                    .as_array()
+                    .is_some_and(|rules| rules.iter().any(|r| r == &json!({})))
+        }),
+        "no NetworkPolicy lets the agents dial out"
     );
     let resources = &container["resources"];
     ensure!(
@@ -1599,7 +1877,38 @@ fn a_weakened_agent_fails() {
     }
     let objects = render("agent");
     type Break = fn(&mut Vec<Value>);
-    let breaks: [(&str, Break, &str); 16] = [
+    let breaks: [(&str, Break, &str); 20] = [
+        (
+            "no admission into the from-seed pods",
+            |o| o.retain(|o| o["metadata"]["name"] != "trellis-allow-from-seed"),
+            "from-seed=allowed",
+        ),
+        (
+            "the from-seed pods open to other pods",
+            |o| {
+                let p = find_mut(o, "NetworkPolicy", "trellis-allow-from-seed");
+                p["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"] =
+                    json!({"app": "vpn-shoot"});
+            },
+            "from-seed=allowed",
+        ),
+        (
+            "the from-seed pods open on one port only",
+            |o| {
+                let p = find_mut(o, "NetworkPolicy", "trellis-allow-from-seed");
+                p["spec"]["ingress"][0]["ports"] = json!([{"port": 443, "protocol": "TCP"}]);
+            },
+            "from-seed=allowed",
+        ),
+        (
+            "no way out",
+            |o| {
+                o.retain(|o| {
+                    !(o["kind"] == "NetworkPolicy" && o["metadata"]["name"] == "trellis-agent")
+                })
+            },
+            "dial out",
+        ),
         (
             "runAsNonRoot dropped",
             |o| {
@@ -1754,7 +2063,8 @@ fn listener<'a>(config: &'a Value, protocol: &str) -> Option<&'a Value> {
 /// key Secret and each have a connectDestination of their own; each reached over UDP
 /// through a load balancer Service of its own (its own port, source addresses kept, health
 /// checked through the healthCheckNodePort, never the admin port) and over TCP
-/// through a ClusterIP Service of its own on its CONNECT listener; the kube-apiservers'
+/// through a ClusterIP Service of its own on its CONNECT listener, to which the ingress
+/// gateway's table forwards its connectDestination as received; the kube-apiservers'
 /// egress through one Service to both; a NetworkPolicy that admits every listener's port
 /// and the egress port only from kube-apiserver pods of shoot namespaces; one replica kept
 /// through evictions. `Err` names the first rule broken.
@@ -1765,6 +2075,7 @@ fn tunnel_rules(objects: &[Value]) -> Result<(), String> {
         .iter()
         .map(|n| &find(objects, "Deployment", n)["spec"]["template"])
         .collect();
+    let ingress_routes = table_rendered_by(objects, "trellis-gateway")["routes"].clone();
     let mut key_secrets = std::collections::BTreeSet::new();
     let mut destinations = std::collections::BTreeSet::new();
     let mut udp_ports = std::collections::BTreeSet::new();
@@ -1871,6 +2182,43 @@ fn tunnel_rules(objects: &[Value]) -> Result<(), String> {
                     .iter()
                     .any(|p| container_port(container, &p["targetPort"]) == connect_port)),
             "{name}: no Service of its own leads to its http-connect listener"
+        );
+        // WireGuard over TCP: the ingress gateway forwards its connectDestination, as
+        // received, to a Service of its own that leads to its CONNECT listener.
+        let Some(handoff) = ingress_routes.as_array().unwrap().iter().find(|r| {
+            r["destinations"]
+                .as_array()
+                .is_some_and(|d| d.iter().any(|d| d == destination))
+        }) else {
+            return Err(format!(
+                "{name}: the ingress gateway's table has no route for its connectDestination {destination:?}"
+            ));
+        };
+        ensure!(
+            handoff["forwardConnect"] == true,
+            "{name}: the ingress gateway answers its CONNECTs itself (no forwardConnect): {handoff}"
+        );
+        let backends = handoff["backends"].as_array().unwrap();
+        let leads_here = |b: &Value| {
+            let address = b["address"].as_str().unwrap();
+            let (host, port) = address.rsplit_once(':').unwrap();
+            let mut parts = host.split('.');
+            let (service, namespace) = (parts.next().unwrap(), parts.next().unwrap_or(""));
+            services.iter().any(|s| {
+                s["metadata"]["name"] == service
+                    && s["metadata"]["namespace"] == namespace
+                    && selects(&s["spec"]["selector"], labels)
+                    && !selects(&s["spec"]["selector"], other)
+                    && s["spec"]["ports"].as_array().unwrap().iter().any(|p| {
+                        p["port"].as_u64().map(|p| p.to_string()).as_deref() == Some(port)
+                            && container_port(container, &p["targetPort"]) == connect_port
+                    })
+            })
+        };
+        ensure!(
+            !backends.is_empty() && backends.iter().all(leads_here),
+            "{name}: the ingress gateway's route for {destination:?} does not lead to its \
+             CONNECT listener alone: {handoff}"
         );
     }
     ensure!(
@@ -1985,7 +2333,31 @@ fn a_weakened_tunnel_gateway_fails() {
     }
     let objects = render("seed");
     type Break = fn(&mut Vec<Value>);
-    let breaks: [(&str, Break, &str); 13] = [
+    let breaks: [(&str, Break, &str); 15] = [
+        (
+            "the hand-off of replica 0 to replica 1",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-controller-config",
+                    "trellis-tunnel-0.trellis-ingress",
+                    "trellis-tunnel-1.trellis-ingress",
+                )
+            },
+            "does not lead to its CONNECT listener alone",
+        ),
+        (
+            "the hand-off answered by the ingress",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-controller-config",
+                    "forwardConnect: true",
+                    "forwardConnect: false",
+                )
+            },
+            "no forwardConnect",
+        ),
         (
             "runAsNonRoot dropped",
             |o| {

@@ -1,6 +1,7 @@
 //! `kind: ControllerConfiguration`: the controller's raw schema and validated
-//! [`ControllerConfig`]: which gateway it renders for, the fallback backend, the tunnels'
-//! addresses, the output.
+//! [`ControllerConfig`]: which gateway it renders for, the fallback backend, whether it
+//! renders the shoots' tunnels (and their addresses), the routes it adds as written
+//! (`extraRoutes`), the output.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -10,8 +11,9 @@ use serde::Deserialize;
 
 use super::decode::{Kind, Raw};
 use super::gateway::RawAdmin;
+use super::routes::RawRoute;
 use super::{ConfigError, Errors};
-use crate::route::{BackendAddress, ProxyVersion};
+use crate::route::{BackendAddress, BackendRegistry, ProxyVersion};
 
 mapping_only!(RawController, RawTarget, RawFallback, RawTunnel, RawOutput);
 
@@ -53,9 +55,16 @@ pub struct RawController {
     /// Where everything trellis does not route itself goes (the Envoy gateway's Service).
     #[serde(default)]
     pub fallback: Option<RawFallback>,
-    /// Shoots' tunnels (default: [`DEFAULT_TUNNEL_LOCAL_ADDRESSES`]).
+    /// Shoots' tunnel and egress routes: rendered only with `enabled: true` (absent: none,
+    /// and neither Clusters nor Secrets are read).
     #[serde(default)]
     pub tunnel: Option<RawTunnel>,
+    /// Routes added to every table as written, in the routing table's schema (routes with
+    /// backends: no `tunnel` or `egress`, no name of the controller's own). They are settled
+    /// before the rendered routes: a rendered route with one's name is left out, and one
+    /// holding one's server name, destination or PROXY destination loses it (`conflict`).
+    #[serde(default)]
+    pub extra_routes: Vec<RawRoute>,
     /// Where the table is written.
     #[serde(default)]
     pub output: Option<RawOutput>,
@@ -131,9 +140,14 @@ pub struct RawFallback {
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawTunnel {
+    /// Required in the section: `true` renders every shoot's tunnel and egress route (and
+    /// reads Clusters and Secrets for them), `false` none, as when the section is absent.
+    #[serde(default)]
+    pub enabled: Option<bool>,
     /// The gateway's addresses inside every shoot's tunnel (a route's
     /// `tunnel.wireguard.localAddresses`): one or two, at most one per family, outside every
-    /// shoot's networks and agent addresses.
+    /// shoot's networks and agent addresses (default: [`DEFAULT_TUNNEL_LOCAL_ADDRESSES`]).
+    /// Only with `enabled: true`.
     #[serde(default)]
     pub local_addresses: Option<Vec<String>>,
 }
@@ -164,12 +178,31 @@ pub struct ControllerConfig {
     pub fallback_connect_legacy: Option<BackendAddress>,
     /// The PROXY header the fallback routes send, if any.
     pub fallback_proxy_protocol: Option<ProxyVersion>,
-    /// The gateway's addresses inside every shoot's tunnel, at most one per family.
-    pub tunnel_local_addresses: Vec<IpAddr>,
+    /// The shoots' tunnels, when the configuration turns them on (`tunnel.enabled: true`);
+    /// `None`: no tunnel or egress routes, no Cluster or Secret read.
+    pub tunnel: Option<TunnelConfig>,
+    /// Routes added to every table as written (validated as a table's routes are).
+    pub extra_routes: Vec<RawRoute>,
     /// Where the table goes.
     pub output: Output,
     /// Address of `/ready`, `/live` and `/metrics`, if any.
     pub admin: Option<SocketAddr>,
+}
+
+/// The `tunnel` section of a configuration that turns tunnels on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnelConfig {
+    /// The gateway's addresses inside every shoot's tunnel, at most one per family.
+    pub local_addresses: Vec<IpAddr>,
+}
+
+impl Default for TunnelConfig {
+    /// [`DEFAULT_TUNNEL_LOCAL_ADDRESSES`].
+    fn default() -> Self {
+        TunnelConfig {
+            local_addresses: DEFAULT_TUNNEL_LOCAL_ADDRESSES.to_vec(),
+        }
+    }
 }
 
 /// Where the rendered table goes.
@@ -182,7 +215,7 @@ pub enum Output {
 }
 
 impl Default for ControllerConfig {
-    /// The seed's default ingress gateway, no fallback, no output.
+    /// The seed's default ingress gateway, no fallback, no tunnels, no output.
     fn default() -> Self {
         ControllerConfig {
             kubeconfig: None,
@@ -195,7 +228,8 @@ impl Default for ControllerConfig {
             fallback_connect: None,
             fallback_connect_legacy: None,
             fallback_proxy_protocol: None,
-            tunnel_local_addresses: DEFAULT_TUNNEL_LOCAL_ADDRESSES.to_vec(),
+            tunnel: None,
+            extra_routes: Vec::new(),
             output: Output::None,
             admin: None,
         }
@@ -282,9 +316,11 @@ pub(super) fn validate(
             }
         }
     }
-    if let Some(addresses) = raw.tunnel.and_then(|t| t.local_addresses) {
-        config.tunnel_local_addresses = local_addresses(&mut errors, &addresses);
+    if let Some(tunnel) = raw.tunnel {
+        config.tunnel = self::tunnel(&mut errors, tunnel);
     }
+    extra_routes(&mut errors, &raw.extra_routes, dir);
+    config.extra_routes = raw.extra_routes;
     if let Some(output) = raw.output {
         match output.file {
             Some(f) if f.is_empty() => errors.push("output.file", "must not be empty"),
@@ -302,6 +338,80 @@ pub(super) fn validate(
         }
     }
     errors.finish(file, config)
+}
+
+/// Whether `name` is reserved for the routes the controller adds itself: `fallback` and
+/// every name that starts with `fallback-` (the CONNECT fallbacks, the ACL code's
+/// `fallback-closed` and `fallback-acl-…`, and any the controller adds later).
+pub fn is_reserved_route_name(name: &str) -> bool {
+    name.strip_prefix("fallback")
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
+}
+
+/// `extraRoutes`: valid as a table's routes (names, keys unique among them, backends,
+/// timeouts, …), and routes with backends only, none named like the controller's own.
+fn extra_routes(errors: &mut Errors, routes: &[RawRoute], dir: &Path) {
+    // Validated and indexed as a table's routes are; the controller writes them as given.
+    let _ = super::routes::table_of(
+        "extraRoutes",
+        routes,
+        dir,
+        &BackendRegistry::default(),
+        errors,
+    );
+    for (i, route) in routes.iter().enumerate() {
+        if is_reserved_route_name(&route.name) {
+            errors.push(
+                format!("extraRoutes[{i}].name"),
+                format!(
+                    "{:?} is reserved for the controller's own routes (fallback, fallback-…)",
+                    route.name
+                ),
+            );
+        }
+        for (field, set) in [
+            ("tunnel", route.tunnel.is_some()),
+            ("egress", route.egress.is_some()),
+        ] {
+            if set {
+                errors.push(
+                    format!("extraRoutes[{i}].{field}"),
+                    "not in extraRoutes: the controller renders the shoots' tunnel and egress \
+                     routes itself (tunnel.enabled)",
+                );
+            }
+        }
+    }
+}
+
+/// The `tunnel` section: on with `enabled: true`, off with `false`; anything else, or
+/// addresses for tunnels that are off, is an error (a section that names addresses but
+/// leaves out `enabled` says neither).
+fn tunnel(errors: &mut Errors, raw: RawTunnel) -> Option<TunnelConfig> {
+    match (raw.enabled, raw.local_addresses) {
+        (Some(true), addresses) => Some(TunnelConfig {
+            local_addresses: match addresses {
+                Some(list) => local_addresses(errors, &list),
+                None => DEFAULT_TUNNEL_LOCAL_ADDRESSES.to_vec(),
+            },
+        }),
+        (Some(false), None) => None,
+        (Some(false), Some(_)) => {
+            errors.push(
+                "tunnel.localAddresses",
+                "set, but tunnels are off (tunnel.enabled: false): remove it, or turn tunnels on",
+            );
+            None
+        }
+        (None, _) => {
+            errors.push(
+                "tunnel.enabled",
+                "required in a tunnel section: true renders the shoots' tunnel and egress routes, \
+                 false (or no tunnel section) renders none",
+            );
+            None
+        }
+    }
 }
 
 /// `tunnel.localAddresses`: one or two unicast addresses, at most one per family.
@@ -360,13 +470,82 @@ mod tests {
             Some("ingressgateway")
         );
         assert_eq!(c.fallback, None);
+        assert_eq!(c.tunnel, None, "tunnels are opt-in");
+    }
+
+    /// Tunnels are rendered only when the configuration says so; the default addresses come
+    /// with `enabled: true` alone; a section that says something else is refused.
+    #[test]
+    fn tunnels_are_on_only_with_enabled_true() {
+        let on = check(&format!("{HEAD}tunnel: {{enabled: true}}\n")).unwrap();
         assert_eq!(
-            c.tunnel_local_addresses,
+            on.tunnel.unwrap().local_addresses,
             [
                 "192.168.128.1".parse::<IpAddr>().unwrap(),
                 "fd8f:6d53:b97a:1::1".parse().unwrap()
             ]
         );
+        let off = check(&format!("{HEAD}tunnel: {{enabled: false}}\n")).unwrap();
+        assert_eq!(off, ControllerConfig::default());
+        for (yaml, needle) in [
+            (
+                "tunnel: {localAddresses: [10.99.0.1]}",
+                "tunnel.enabled: required in a tunnel section",
+            ),
+            ("tunnel: {}", "tunnel.enabled: required in a tunnel section"),
+            (
+                "tunnel: {enabled: false, localAddresses: [10.99.0.1]}",
+                "tunnel.localAddresses: set, but tunnels are off",
+            ),
+            ("tunnel: {enabled: maybe}", "tunnel.enabled"),
+        ] {
+            let err = check(&format!("{HEAD}{yaml}\n")).unwrap_err();
+            assert!(err.contains(needle), "{yaml}: {needle} not in {err}");
+        }
+    }
+
+    /// `extraRoutes` are routes of the table's schema, validated as a table's routes are
+    /// (paths under `extraRoutes`), with backends only and none of the controller's names.
+    #[test]
+    fn extra_routes_are_validated_as_a_tables_routes() {
+        let c = check(&format!(
+            "{HEAD}extraRoutes:
+- name: trellis-wireguard-0
+  destinations: [\"trellis-wireguard-0:51820\"]
+  backends: [{{address: \"trellis-tunnel-0.trellis-ingress.svc.cluster.local:8443\"}}]
+  forwardConnect: true
+  timeouts: {{idle: 1h}}
+"
+        ))
+        .unwrap();
+        assert_eq!(c.extra_routes.len(), 1);
+        let r = &c.extra_routes[0];
+        assert_eq!(r.destinations, ["trellis-wireguard-0:51820"]);
+        assert!(r.forward_connect);
+        assert_eq!(r.timeouts.as_ref().unwrap().idle.as_deref(), Some("1h"));
+        let err = check(&format!(
+            "{HEAD}extraRoutes:
+- {{name: a, destinations: [x], backends: [{{address: nope}}], bogus: 1}}
+- {{name: b, destinations: [x], backends: [{{address: \"10.0.0.1:1\"}}]}}
+- {{name: fallback-connect, sni: [a.example.com], backends: [{{address: \"10.0.0.1:1\"}}]}}
+- {{name: c, backends: [], tunnel: {{wireguard: {{peers: [], localAddresses: []}}}}}}
+- {{name: d, backends: [{{address: \"10.0.0.1:1\"}}], egress: {{clientIdentities: [x]}}}}
+- {{name: \"e f\", sni: [a.example.com], backends: [{{address: \"10.0.0.1:1\"}}]}}
+"
+        ))
+        .unwrap_err();
+        for needle in [
+            "extraRoutes[0].bogus: unknown field `bogus`",
+            "extraRoutes[0].backends[0].address: expected HOST:PORT",
+            "extraRoutes[1]: ",
+            "(extraRoutes[0])",
+            "extraRoutes[2].name: \"fallback-connect\" is reserved",
+            "extraRoutes[3].tunnel: not in extraRoutes",
+            "extraRoutes[4].egress: not in extraRoutes",
+            "extraRoutes[5].name: invalid route name",
+        ] {
+            assert!(err.contains(needle), "{needle} not in {err}");
+        }
     }
 
     #[test]
@@ -381,14 +560,14 @@ fallback:
   connect: \"istio-ingressgateway.istio-ingress.svc.cluster.local:8443\"
   connectLegacy: \"istio-ingressgateway.istio-ingress.svc.cluster.local:8132\"
   sendProxyProtocol: v2
-tunnel: {{localAddresses: [\"fd00::1\", 10.99.0.1]}}
+tunnel: {{enabled: true, localAddresses: [\"fd00::1\", 10.99.0.1]}}
 output: {{file: routes.json}}
 admin: {{address: \"127.0.0.1:15022\"}}
 "
         ))
         .unwrap();
         assert_eq!(
-            c.tunnel_local_addresses,
+            c.tunnel.unwrap().local_addresses,
             [
                 "fd00::1".parse::<IpAddr>().unwrap(),
                 "10.99.0.1".parse().unwrap()
@@ -426,7 +605,7 @@ admin: {{address: \"127.0.0.1:15022\"}}
 fallback: {{address: nope, connect: \"envoy\", connectLegacy: \"envoy:x\", sendProxyProtocol: v9}}
 output: {{}}
 admin: {{address: nope, debugAddress: \"127.0.0.1:1\"}}
-tunnel: {{localAddresses: [10.0.0.1, 10.0.0.2, nope]}}
+tunnel: {{enabled: true, localAddresses: [10.0.0.1, 10.0.0.2, nope]}}
 "
         ))
         .unwrap_err();

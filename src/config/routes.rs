@@ -336,40 +336,59 @@ pub(super) fn validate(
     // one is built: the table's allocations then sit together instead of in the holes each
     // freed raw route would leave, so the previous generation's memory can be given back
     // whole after a reload.
-    let mut zones = HashSet::new();
     let dir = file.parent().unwrap_or(Path::new("."));
+    let table = table_of("routes", &raw.routes, dir, registry, &mut errors);
+    errors.finish(file, LoadedTable { table, hash })
+}
+
+/// The routes of the list `field` (a table's `routes`, or another file's list of routes in
+/// the same schema) validated as a table's routes are and indexed; every problem recorded
+/// in `errors` at `field[i]…`. Relative file names are relative to `dir`. The table is
+/// empty when two routes claim one key.
+pub(super) fn table_of(
+    field: &'static str,
+    raw: &[RawRoute],
+    dir: &Path,
+    registry: &BackendRegistry,
+    errors: &mut Errors,
+) -> RoutingTable {
+    let mut zones = HashSet::new();
     let (indexes, routes): (Vec<usize>, Vec<Route>) = raw
-        .routes
         .iter()
         .enumerate()
         .filter_map(|(i, r)| {
-            validate_route(RoutePath(i), r, dir, registry, &mut zones, &mut errors).map(|r| (i, r))
+            let path = RoutePath { field, index: i };
+            validate_route(path, r, dir, registry, &mut zones, errors).map(|r| (i, r))
         })
         .unzip();
     // Indexed even when other errors were found, so that keys claimed twice are reported
     // with them; conflicts count routes as the file does, also when one was left out.
-    let table = match RoutingTable::new(routes) {
+    match RoutingTable::new(routes) {
         Ok(t) => t,
         Err(conflicts) => {
             for c in conflicts {
                 errors.push(
-                    format!("routes[{}]", indexes[c.second_index]),
-                    format!("{c} (routes[{}])", indexes[c.first_index]),
+                    format!("{field}[{}]", indexes[c.second_index]),
+                    format!("{c} ({field}[{}])", indexes[c.first_index]),
                 );
             }
             RoutingTable::default()
         }
-    };
-    errors.finish(file, LoadedTable { table, hash })
+    }
 }
 
-/// `routes[i]`, formatted only when an error needs it.
+/// `routes[i]` (or another list's `field[i]`), formatted only when an error needs it.
 #[derive(Clone, Copy)]
-struct RoutePath(usize);
+struct RoutePath {
+    /// The list's field.
+    field: &'static str,
+    /// The route's index in it.
+    index: usize,
+}
 
 impl std::fmt::Display for RoutePath {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "routes[{}]", self.0)
+        write!(f, "{}[{}]", self.field, self.index)
     }
 }
 

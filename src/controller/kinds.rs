@@ -1,7 +1,9 @@
 //! The API kinds the controller reads: where the API server serves each one. The live watch
 //! ([`super::watch`], cargo feature `controller`) opens one watcher per entry, and the
-//! ClusterRole in `deploy/seed/` grants list and watch on exactly these (group,
-//! resource) pairs, checked against this list by the deploy tests. Secrets are watched only
+//! ClusterRoles in `deploy/seed/` grant list and watch on exactly these (group,
+//! resource) pairs, checked against this list by the deploy tests. The kinds only the
+//! shoots' tunnels need (Clusters, Secrets) are watched only when the configuration turns
+//! tunnels on ([`WatchedKind::is_watched`]). Secrets are watched only
 //! through label selectors, one watch per selector: the controller never lists every Secret
 //! of a seed (RBAC cannot say so; the selectors here do). No Kubernetes client here: the
 //! list is data, available in every build.
@@ -20,9 +22,18 @@ pub struct WatchedKind {
     pub plural: &'static str,
     /// The label selector of the watch (`key=value,key in (a,b)`); `None`: every object.
     pub selector: Option<&'static str>,
+    /// Read only for the shoots' tunnels: watched only when the configuration turns them on.
+    pub tunnel: bool,
+    /// Objects per page of the watch's lists; `None`: the client's default (500).
+    pub page_size: Option<u32>,
 }
 
 impl WatchedKind {
+    /// Whether a controller watches this kind, with tunnels on or off.
+    pub fn is_watched(&self, tunnels: bool) -> bool {
+        tunnels || !self.tunnel
+    }
+
     /// `group/version`, or `version` for the core group.
     pub fn api_version(&self, version: &str) -> String {
         if self.group.is_empty() {
@@ -39,6 +50,12 @@ const ISTIO: &[&str] = &["v1", "v1beta1"];
 
 /// The Secrets of tunnel peers ([`super::model::TUNNEL_PEERS_LABEL`]).
 pub const TUNNEL_PEERS_SELECTOR: &str = "trellis.gardener.cloud/role=tunnel-peers";
+
+/// Objects per page when Clusters are listed: each embeds the shoot's Shoot, Seed and
+/// CloudProfile and can approach 1.5 MiB (a CloudProfile with many machine images and
+/// versions), so a page of the client's default 500 could be hundreds of MiB in one
+/// response, held whole by the API server and the controller; 20 keep a page near 30 MiB.
+pub const CLUSTER_PAGE_SIZE: u32 = 20;
 
 /// Gardener's secrets-manager Secrets an egress route is made of: the `vpn-seed-server`
 /// server certificate and the `ca-vpn` bundle, as gardenlet's secrets manager labels them.
@@ -85,16 +102,37 @@ pub const WATCHED: [WatchedKind; 11] = [
         "TLSRoute",
         "tlsroutes",
     ),
-    // Cluster-scoped, one per shoot namespace: the shoot's networks for its tunnel.
-    kind(
-        "extensions.gardener.cloud",
-        &["v1alpha1"],
-        "Cluster",
-        "clusters",
-    ),
-    selected("", &["v1"], "Secret", "secrets", TUNNEL_PEERS_SELECTOR),
-    selected("", &["v1"], "Secret", "secrets", EGRESS_TLS_SELECTOR),
+    // Cluster-scoped, one per shoot namespace: the shoot's networks for its tunnel. Large:
+    // listed in small pages.
+    WatchedKind {
+        page_size: Some(CLUSTER_PAGE_SIZE),
+        ..tunnel(kind(
+            "extensions.gardener.cloud",
+            &["v1alpha1"],
+            "Cluster",
+            "clusters",
+        ))
+    },
+    tunnel(selected(
+        "",
+        &["v1"],
+        "Secret",
+        "secrets",
+        TUNNEL_PEERS_SELECTOR,
+    )),
+    tunnel(selected(
+        "",
+        &["v1"],
+        "Secret",
+        "secrets",
+        EGRESS_TLS_SELECTOR,
+    )),
 ];
+
+/// The kinds a controller watches, tunnels on or off, in [`WATCHED`] order.
+pub fn watched(tunnels: bool) -> impl Iterator<Item = &'static WatchedKind> {
+    WATCHED.iter().filter(move |k| k.is_watched(tunnels))
+}
 
 const fn kind(
     group: &'static str,
@@ -108,6 +146,16 @@ const fn kind(
         kind,
         plural,
         selector: None,
+        tunnel: false,
+        page_size: None,
+    }
+}
+
+/// `kind`, read only for the shoots' tunnels.
+const fn tunnel(kind: WatchedKind) -> WatchedKind {
+    WatchedKind {
+        tunnel: true,
+        ..kind
     }
 }
 
@@ -144,6 +192,27 @@ mod tests {
             assert!(k.selector.is_some_and(|s| !s.is_empty()), "{k:?}");
         }
         assert_eq!(WATCHED.iter().filter(|k| k.kind == "Secret").count(), 2);
+    }
+
+    /// Without tunnels no Secret and no Cluster is read: nothing the tunnels' RBAC grants.
+    #[test]
+    fn only_tunnels_read_secrets_and_clusters() {
+        let off: Vec<&str> = watched(false).map(|k| k.kind).collect();
+        assert!(
+            !off.contains(&"Secret") && !off.contains(&"Cluster"),
+            "{off:?}"
+        );
+        assert_eq!(off.len(), WATCHED.len() - 3);
+        assert_eq!(watched(true).count(), WATCHED.len());
+    }
+
+    /// Clusters, and only they, are listed in small pages.
+    #[test]
+    fn clusters_are_listed_in_small_pages() {
+        for k in WATCHED {
+            let expected = (k.kind == "Cluster").then_some(CLUSTER_PAGE_SIZE);
+            assert_eq!(k.page_size, expected, "{k:?}");
+        }
     }
 
     #[test]

@@ -31,9 +31,14 @@ pub use target::Target;
 pub use translate::{Files, Rendered, Table, translate};
 
 /// Reads the manifests in `dir` and renders what `config` asks for: the table, the files it
-/// names and the report.
+/// names and the report. The objects of kinds the live controller would not watch with
+/// `config` (Clusters and Secrets without tunnels) are left out, as it never sees them.
 pub fn render(dir: &Path, config: &ControllerConfig) -> Result<Rendered, manifest::ManifestError> {
-    let snapshot = manifest::read_dir(dir)?;
+    let mut snapshot = manifest::read_dir(dir)?;
+    if config.tunnel.is_none() {
+        snapshot.clusters.clear();
+        snapshot.secrets.clear();
+    }
     Ok(translate(&snapshot, &Target::from_config(config)))
 }
 

@@ -14,7 +14,8 @@ pub enum Reason {
     L7,
     /// Another, older object claims the same key.
     Conflict,
-    /// The destination has no ready endpoint.
+    /// The destination has no ready endpoint; for a shoot's egress, its kube-apiserver has
+    /// no endpoint address at all.
     NoEndpoints,
     /// The namespace is being deleted.
     NamespaceDeleting,

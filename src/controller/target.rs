@@ -7,6 +7,7 @@ use std::net::IpAddr;
 
 use super::model::Gateway;
 use crate::config::controller::ControllerConfig;
+use crate::config::routes::RawRoute;
 use crate::route::ProxyVersion;
 
 /// Name of the route that takes everything trellis does not route itself by SNI (the `sni`
@@ -37,8 +38,8 @@ pub fn is_fallback(name: &str) -> bool {
 /// (see [`shoot_route_name`]), so a namespace named `fallback-closed` cannot take the name
 /// of a route the ACL code adds after naming is settled.
 pub fn is_reserved(name: &str) -> bool {
-    name.strip_prefix(FALLBACK_ROUTE)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
+    // The configuration refuses extra routes with these names by the same rule.
+    crate::config::controller::is_reserved_route_name(name)
 }
 
 /// What a route built from a namespace's objects is named when its name would be reserved.
@@ -70,9 +71,11 @@ pub struct Target {
     pub fallback_connect_legacy: Option<String>,
     /// The PROXY header the fallback routes send, if any.
     pub fallback_proxy_protocol: Option<ProxyVersion>,
-    /// The gateway's addresses inside every shoot's tunnel (`localAddresses`); none: no
-    /// tunnel routes.
+    /// The gateway's addresses inside every shoot's tunnel (`localAddresses`); none (tunnels
+    /// off in the configuration): no tunnel routes.
     pub tunnel_local_addresses: Vec<IpAddr>,
+    /// Routes added as written (`extraRoutes`, validated), before the rendered ones.
+    pub extra_routes: Vec<RawRoute>,
 }
 
 impl Target {
@@ -88,7 +91,12 @@ impl Target {
                 .as_ref()
                 .map(|f| f.to_string()),
             fallback_proxy_protocol: config.fallback_proxy_protocol,
-            tunnel_local_addresses: config.tunnel_local_addresses.clone(),
+            tunnel_local_addresses: config
+                .tunnel
+                .as_ref()
+                .map(|t| t.local_addresses.clone())
+                .unwrap_or_default(),
+            extra_routes: config.extra_routes.clone(),
         }
     }
 

@@ -36,13 +36,18 @@
 //! - **Tunnels**: a shoot's `Cluster`, tunnel peers Secret, egress certificate Secrets and
 //!   `kube-apiserver` EndpointSlices become its route `<ns>.tunnel` with `tunnel` and
 //!   `egress`, and the egress TLS files beside the table (see [`super::tunnel`]).
+//! - **Extra routes** of the configuration (`extraRoutes`) are added as written and come
+//!   first: a rendered route with one's name is left out, one holding one's server name,
+//!   destination or PROXY destination loses that key (each `conflict`), and a rendered route
+//!   left with no key is dropped.
 //! - Namespaces being deleted are skipped (`namespace_deleting`); a route without a ready
 //!   endpoint is left out (`no_endpoints`): a route must have a backend, and its server names
 //!   fall through to the fallback, which may still reach it.
 //!
 //! [`translate`] applies these rules one step after the other, each a method of
 //! `Translation`: claims, server names settled, fallback routes, server-name routes, VPN
-//! routes, names and keys settled, the ACL code, then the tunnel routes. The output is ordered by route name,
+//! routes, names and keys settled, the ACL code, the tunnel routes, then the extra routes.
+//! The output is ordered by route name,
 //! each list sorted: the same snapshot gives the same bytes. Nothing here does I/O.
 
 use std::borrow::Cow;
@@ -130,6 +135,7 @@ pub fn translate(snapshot: &Snapshot, target: &Target) -> Rendered {
     let mut routes = t.settle_keys(built);
     super::acl::apply(snapshot, target, &fallback_keys, &mut routes, &mut t.report);
     let files = t.tunnel_routes(&mut routes);
+    t.extra_routes(&mut routes);
     let mut report = t.report;
     report.routes = routes.len();
     Rendered {
@@ -614,6 +620,89 @@ impl<'a> Translation<'a> {
             routes.sort_by(|a, b| a.name.cmp(&b.name));
         }
         files
+    }
+
+    /// The target's extra routes, as written, into `routes` in name order. They come first:
+    /// a rendered route with an extra route's name is left out, and one holding a server
+    /// name, destination or PROXY destination an extra route holds loses that key (each
+    /// reported as `conflict`); a rendered route left with no key (and no tunnel or egress)
+    /// is dropped, as [`Self::settle_keys`] drops one.
+    fn extra_routes(&mut self, routes: &mut Vec<RawRoute>) {
+        let extra = &self.target.extra_routes;
+        if extra.is_empty() {
+            return;
+        }
+        let names: HashSet<&str> = extra.iter().map(|r| r.name.as_str()).collect();
+        let mut server_names: HashMap<String, &str> = HashMap::new();
+        let mut destinations: HashMap<&str, &str> = HashMap::new();
+        let mut proxy_destinations: HashMap<SocketAddr, &str> = HashMap::new();
+        for r in extra {
+            for s in &r.sni {
+                if let Some(s) = crate::route::normalize_sni_pattern(s) {
+                    server_names.insert(s, &r.name);
+                }
+            }
+            for d in &r.destinations {
+                destinations.insert(d, &r.name);
+            }
+            for d in &r.proxy_destinations {
+                if let Ok(d) = d.parse() {
+                    proxy_destinations.insert(d, &r.name);
+                }
+            }
+        }
+        let mut kept: Vec<RawRoute> = Vec::with_capacity(routes.len() + extra.len());
+        for mut route in routes.drain(..) {
+            let object = || format!("route {}", route.name);
+            if names.contains(route.name.as_str()) {
+                self.report.skip(
+                    Reason::Conflict,
+                    object(),
+                    "the configuration's extraRoutes has a route of this name",
+                );
+                continue;
+            }
+            let keys =
+                |r: &RawRoute| r.sni.len() + r.destinations.len() + r.proxy_destinations.len();
+            let had = keys(&route);
+            let mut lost: Vec<(String, &str)> = Vec::new();
+            route.sni.retain(|s| {
+                let holder = crate::route::normalize_sni_pattern(s)
+                    .and_then(|n| server_names.get(&n).copied());
+                holder.map(|h| lost.push((s.clone(), h))).is_none()
+            });
+            route.destinations.retain(|d| {
+                let holder = destinations.get(d.as_str()).copied();
+                holder.map(|h| lost.push((d.clone(), h))).is_none()
+            });
+            route.proxy_destinations.retain(|d| {
+                let holder = d
+                    .parse::<SocketAddr>()
+                    .ok()
+                    .and_then(|a| proxy_destinations.get(&a).copied());
+                holder.map(|h| lost.push((d.clone(), h))).is_none()
+            });
+            for (key, holder) in lost {
+                self.report.skip(
+                    Reason::Conflict,
+                    object(),
+                    format!(
+                        "{key:?} is held by the route {holder} of the configuration's extraRoutes"
+                    ),
+                );
+            }
+            let bare = had > 0
+                && keys(&route) == 0
+                && route.tunnel.is_none()
+                && route.egress.is_none()
+                && !is_fallback(&route.name);
+            if !bare {
+                kept.push(route);
+            }
+        }
+        kept.extend(extra.iter().cloned());
+        kept.sort_by(|a, b| a.name.cmp(&b.name));
+        *routes = kept;
     }
 
     /// Route names and CONNECT/PROXY keys: the oldest route keeps each, the others lose it
@@ -1122,6 +1211,96 @@ mod tests {
         assert_eq!(report.routes, 3);
         assert_eq!(report.skipped, BTreeMap::new());
         assert_eq!(report.objects["EndpointSlice"], 2);
+    }
+
+    /// Extra routes are written as given and come first: a rendered route of the same name
+    /// is left out, one holding an extra route's key (a server name written otherwise, a
+    /// destination, a PROXY destination) loses it, and one left with no key is dropped;
+    /// each counted as a conflict. The table loads.
+    #[test]
+    fn extra_routes_are_added_as_written_and_keep_their_names_and_keys() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--dev--a",
+            "2024-01-01T00:00:00Z",
+            &["api.a.example.com", "api.a2.example.com"],
+            7,
+        );
+        shoot(
+            &mut s,
+            "shoot--dev--b",
+            "2024-01-02T00:00:00Z",
+            &["api.b.example.com"],
+            8,
+        );
+        let extra = |name: &str, sni: &[&str], destinations: &[&str], proxy: &[&str]| RawRoute {
+            name: name.into(),
+            sni: sni.iter().map(|s| s.to_string()).collect(),
+            destinations: destinations.iter().map(|s| s.to_string()).collect(),
+            proxy_destinations: proxy.iter().map(|s| s.to_string()).collect(),
+            backends: vec![RawBackend {
+                address: format!("{name}.trellis-ingress.svc.cluster.local:8443"),
+                zone: None,
+            }],
+            forward_connect: true,
+            ..RawRoute::default()
+        };
+        let with_extra = Target {
+            extra_routes: vec![
+                extra(
+                    "trellis-wireguard-0",
+                    &[],
+                    &["trellis-wireguard-0:51820"],
+                    &[],
+                ),
+                // Takes a's second name (written otherwise) and its CONNECT key.
+                extra(
+                    "static-a",
+                    &["API.A2.example.com."],
+                    &["outbound|443||kube-apiserver.shoot--dev--a.svc.cluster.local"],
+                    &[],
+                ),
+                // b's every key: b's route is left without one.
+                extra(
+                    "static-b",
+                    &["api.b.example.com"],
+                    &["outbound|443||kube-apiserver.shoot--dev--b.svc.cluster.local"],
+                    &["240.0.0.8:443"],
+                ),
+                // The name of a's VPN route.
+                extra("shoot--dev--a--vpn-seed-server", &[], &["static:1"], &[]),
+            ],
+            ..target()
+        };
+        let (t, report) = translate(&s, &with_extra);
+        loads(&t);
+        assert_eq!(
+            names(&t),
+            [
+                "fallback",
+                "shoot--dev--a",
+                "shoot--dev--a--vpn-seed-server",
+                "shoot--dev--b--vpn-seed-server",
+                "static-a",
+                "static-b",
+                "trellis-wireguard-0",
+            ]
+        );
+        for e in &with_extra.extra_routes {
+            assert_eq!(route(&t, &e.name), e, "written as given");
+        }
+        let a = route(&t, "shoot--dev--a");
+        assert_eq!(a.sni, ["api.a.example.com"]);
+        assert!(a.destinations.is_empty());
+        assert_eq!(a.proxy_destinations, ["240.0.0.7:443"]);
+        // a's server name, a's CONNECT key, a's VPN route's name; b's three keys.
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 6)]));
+        assert_eq!(report.routes, 7);
+        // Without extra routes, nothing changes.
+        let (plain, report) = translate(&s, &target());
+        assert_eq!(names(&plain).len(), 5);
+        assert_eq!(report.skipped, BTreeMap::new());
     }
 
     #[test]

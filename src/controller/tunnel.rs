@@ -16,12 +16,16 @@
 //!   addresses hold one cannot be served (the gateway would answer for the shoot's own
 //!   address): `unsupported` / `invalid_peer`.
 //! - **Egress**, for a shoot with a tunnel only (the egress dials through it, and no private
-//!   key is copied for a shoot that does not use trellis): `clientSources` are the ready
-//!   endpoints of the `kube-apiserver` EndpointSlices (`/32`, `/128`; one held by an older
-//!   shoot is left out, `conflict`), `clientIdentities` the CN of Gardener's egress client
+//!   key is copied for a shoot that does not use trellis): `clientSources` are every address
+//!   of the `kube-apiserver` EndpointSlices, ready or not, terminating or not (`/32`,
+//!   `/128`; one held by an older shoot is left out, `conflict`): a source address is the
+//!   shoot's identity here, not a backend to balance over, and Gardener's kube-apiserver
+//!   keeps serving, and calling out, for 15 s after it is marked terminating
+//!   (`--shutdown-delay-duration`), and before it is ready, `clientIdentities` the CN of Gardener's egress client
 //!   certificate ([`EGRESS_IDENTITIES`]), `tls` the newest `vpn-seed-server` certificate and
 //!   the newest `ca-vpn` bundle ([`newest`]), `allowedNetworks` the shoot's networks.
-//!   Without both TLS Secrets: `no_egress_tls`; without a ready endpoint: `no_endpoints`.
+//!   Without both TLS Secrets: `no_egress_tls`; without any endpoint address (a hibernated
+//!   shoot): `no_endpoints`; with addresses that older shoots hold, every one: `conflict`.
 //! - A shoot without peers gets neither (`no_tunnel_peers`).
 //!
 //! Shoots are settled oldest Cluster first (creation time, then name), so a contested key
@@ -49,7 +53,7 @@ pub const EGRESS_IDENTITIES: [&str; 2] = [
     "kube-apiserver-http-proxy-client",
 ];
 
-/// The Service whose ready endpoints are a shoot's egress clients.
+/// The Service whose endpoints are a shoot's egress clients.
 const KUBE_APISERVER: &str = "kube-apiserver";
 
 /// Files a table names, to be written beside it: name (relative to the table's directory)
@@ -378,26 +382,47 @@ fn egress<'a>(
         return None;
     }
     let mut client_sources = Vec::new();
+    // Addresses older shoots hold, and which.
+    let mut taken: Vec<(IpAddr, &str)> = Vec::new();
     for &ip in sources.into_iter().flatten() {
         match held.get(&ip) {
-            Some(older) => report.skip(
-                Reason::Conflict,
-                object(),
-                format!("kube-apiserver address {ip} is an egress client of the older {older}"),
-            ),
+            Some(older) => taken.push((ip, older)),
             None => {
                 held.insert(ip, ns);
                 client_sources.push(Net::host(ip).to_string());
             }
         }
     }
-    if client_sources.is_empty() {
+    if client_sources.is_empty() && taken.is_empty() {
         report.skip(
             Reason::NoEndpoints,
             object(),
-            "no ready kube-apiserver endpoint: no egress",
+            "no kube-apiserver endpoint address: no egress",
         );
         return None;
+    }
+    if client_sources.is_empty() {
+        // Addresses there are, but every one is another shoot's: one conflict, the shoot's.
+        let list: Vec<String> = taken
+            .iter()
+            .map(|(ip, older)| format!("{ip} of {older}"))
+            .collect();
+        report.skip(
+            Reason::Conflict,
+            object(),
+            format!(
+                "every kube-apiserver address is an egress client of an older shoot ({}): no egress",
+                list.join(", ")
+            ),
+        );
+        return None;
+    }
+    for (ip, older) in taken {
+        report.skip(
+            Reason::Conflict,
+            object(),
+            format!("kube-apiserver address {ip} is an egress client of the older {older}"),
+        );
     }
     let mut name = |file: EgressFile, bytes: &SecretBytes| {
         let name = file.name(ns);
@@ -417,7 +442,8 @@ fn egress<'a>(
     })
 }
 
-/// The ready addresses of every namespace's `kube-apiserver` EndpointSlices, sorted.
+/// Every address of every namespace's `kube-apiserver` EndpointSlices (ready, not ready and
+/// terminating alike: the pods that may call out), sorted.
 fn kube_apiserver_addresses(snapshot: &Snapshot) -> HashMap<&str, BTreeSet<IpAddr>> {
     let mut out: HashMap<&str, BTreeSet<IpAddr>> = HashMap::new();
     for slice in &snapshot.endpoint_slices {
@@ -429,7 +455,6 @@ fn kube_apiserver_addresses(snapshot: &Snapshot) -> HashMap<&str, BTreeSet<IpAdd
         let addresses = slice
             .endpoints
             .iter()
-            .filter(|e| e.is_ready())
             .filter_map(|e| e.address)
             .map(|ip| ip.to_canonical());
         out.entry(slice.meta.namespace.as_str())
@@ -489,7 +514,7 @@ mod tests {
         SecretBytes::from(format!("-----BEGIN {what}-----\n...\n").into_bytes())
     }
 
-    /// A shoot with a peer (key byte `key`), its egress Secrets and one ready kube-apiserver
+    /// A shoot with a peer (key byte `key`), its egress Secrets and one (ready) kube-apiserver
     /// endpoint at `source`.
     fn shoot(s: &mut Snapshot, ns: &str, created: &str, key: u8, source: &str) {
         s.clusters.push(cluster(ns, created, &["10.250.0.0/16"]));
@@ -624,11 +649,38 @@ mod tests {
             .find(|r| r.name == "shoot--a--new.tunnel")
             .unwrap();
         assert!(new.tunnel.is_some() && new.egress.is_none());
+        // One conflict, the younger shoot's: it has an address, but not one of its own.
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+        assert_eq!(report.skips[0].object, "Cluster shoot--a--new");
         assert_eq!(
-            report.skipped,
-            BTreeMap::from([(Reason::Conflict, 1), (Reason::NoEndpoints, 1)])
+            report.skips[0].detail,
+            "every kube-apiserver address is an egress client of an older shoot \
+             (100.96.0.10 of shoot--a--old): no egress"
         );
         assert_eq!(files.len(), 3);
+        loads(routes.clone());
+        // An address of its own besides: its egress, from that one, and the other counted.
+        s.endpoint_slices[1]
+            .endpoints
+            .push(crate::controller::model::Endpoint {
+                address: "100.96.0.11".parse().ok(),
+                ..Default::default()
+            });
+        let (routes, files, report) = run(&s, &target());
+        let new = routes
+            .iter()
+            .find(|r| r.name == "shoot--a--new.tunnel")
+            .unwrap();
+        assert_eq!(
+            new.egress.as_ref().unwrap().client_sources,
+            ["100.96.0.11/32"]
+        );
+        assert_eq!(report.skipped, BTreeMap::from([(Reason::Conflict, 1)]));
+        assert_eq!(
+            report.skips[0].detail,
+            "kube-apiserver address 100.96.0.10 is an egress client of the older shoot--a--old"
+        );
+        assert_eq!(files.len(), 6);
         loads(routes);
     }
 
@@ -661,8 +713,11 @@ mod tests {
         assert!(routes.is_empty() && report.skips.is_empty());
     }
 
+    /// Every kube-apiserver address is an egress client: one not ready yet and one
+    /// terminating (it keeps serving, and calling out, through its shutdown delay) as much
+    /// as a ready one. Without any address there is no egress.
     #[test]
-    fn egress_needs_pem_and_a_ready_kube_apiserver() {
+    fn every_kube_apiserver_address_ready_or_not_is_an_egress_client() {
         let mut s = Snapshot::default();
         shoot(
             &mut s,
@@ -671,11 +726,44 @@ mod tests {
             1,
             "100.96.0.10",
         );
-        s.endpoint_slices[0].endpoints[0].ready = Some(false);
+        let endpoint = |ip: &str, ready, terminating| crate::controller::model::Endpoint {
+            address: ip.parse().ok(),
+            ready,
+            terminating,
+            zone: None,
+        };
+        s.endpoint_slices[0].endpoints = vec![
+            endpoint("100.96.0.10", Some(true), Some(false)),
+            endpoint("100.96.0.11", Some(false), Some(false)),
+            endpoint("100.96.0.12", Some(false), Some(true)),
+        ];
+        let (routes, files, report) = run(&s, &target());
+        assert_eq!(
+            routes[0].egress.as_ref().unwrap().client_sources,
+            ["100.96.0.10/32", "100.96.0.11/32", "100.96.0.12/32"]
+        );
+        assert_eq!(files.len(), 3);
+        assert!(report.skipped.is_empty(), "{report:?}");
+        s.endpoint_slices[0].endpoints.clear();
         let (routes, files, report) = run(&s, &target());
         assert!(routes[0].egress.is_none() && files.is_empty());
         assert_eq!(report.skipped, BTreeMap::from([(Reason::NoEndpoints, 1)]));
-        s.endpoint_slices[0].endpoints[0].ready = None;
+        assert_eq!(
+            report.skips[0].detail,
+            "no kube-apiserver endpoint address: no egress"
+        );
+    }
+
+    #[test]
+    fn egress_needs_pem() {
+        let mut s = Snapshot::default();
+        shoot(
+            &mut s,
+            "shoot--a--b",
+            "2024-01-01T00:00:00Z",
+            1,
+            "100.96.0.10",
+        );
         s.secrets[1].content = SecretContent::EgressCertificate {
             issued_at: None,
             certificate: pem("CERTIFICATE"),

@@ -9,6 +9,8 @@
 //! kind's map only at `InitDone`, so a relist after `410 Gone` or an API server restart never
 //! renders from a half-listed kind. Nothing is rendered before every kind's first `InitDone`;
 //! `/ready` answers 200 once the first table is written. Access to the API is read-only.
+//! The kinds only the shoots' tunnels need (Clusters, Secrets) are never watched, nor
+//! looked for, unless the configuration turns tunnels on: their stores stay empty.
 //!
 //! Which version each kind is read at comes from API discovery, at start and again whenever
 //! a list or watch of the kind gets `404 Not Found` (its CRD deleted, or the version watched
@@ -256,14 +258,17 @@ fn convert<K: Serialize>(kind: &WatchedKind, version: &str, event: Event<K>) -> 
     })
 }
 
-/// The watcher of kind `i` at `resource` (through its label selector, if any), retried with
-/// kube's default backoff (0.8 s doubling to 30 s).
+/// The watcher of kind `i` at `resource` (through its label selector and in its list page
+/// size, if it has them), retried with kube's default backoff (0.8 s doubling to 30 s).
 fn watch(client: &kube::Client, i: usize, resource: &ApiResource) -> Events {
     let api = Api::<DynamicObject>::all_with(client.clone(), resource);
     let version = resource.version.clone();
     let mut config = watcher::Config::default();
     if let Some(selector) = WATCHED[i].selector {
         config = config.labels(selector);
+    }
+    if let Some(n) = WATCHED[i].page_size {
+        config = config.page_size(n);
     }
     watcher::watcher(api, config)
         .default_backoff()
@@ -398,12 +403,12 @@ async fn discover(
         .collect())
 }
 
-/// Discovery of every kind, retried (1 s doubling to 30 s) until the API server answers.
-async fn discover_all(client: &kube::Client) -> Vec<(usize, Option<ApiResource>)> {
-    let all: Vec<usize> = (0..WATCHED.len()).collect();
+/// Discovery of `kinds` (indices into [`WATCHED`]), retried (1 s doubling to 30 s) until
+/// the API server answers.
+async fn discover_all(client: &kube::Client, kinds: &[usize]) -> Vec<(usize, Option<ApiResource>)> {
     let mut wait = Duration::from_secs(1);
     loop {
-        match discover(client, &all).await {
+        match discover(client, kinds).await {
             Ok(found) => return found,
             Err(e) => {
                 tracing::warn!(error = %e, retry_in = ?wait, "API discovery failed; retrying");
@@ -524,8 +529,17 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
     let client = client(&config).await?;
     let target = Target::from_config(&config);
     let mut stores: Vec<Store> = WATCHED.iter().map(|_| Store::default()).collect();
+    // The kinds this configuration reads; the others are as good as listed, and empty.
+    let watched: Vec<usize> = (0..WATCHED.len())
+        .filter(|&i| WATCHED[i].is_watched(config.tunnel.is_some()))
+        .collect();
+    for (i, store) in stores.iter_mut().enumerate() {
+        if !watched.contains(&i) {
+            store.absent();
+        }
+    }
     let discovered = tokio::select! {
-        found = discover_all(&client) => found,
+        found = discover_all(&client, &watched) => found,
         _ = sigterm.recv() => return Ok(()),
         _ = sigint.recv() => return Ok(()),
     };
@@ -569,7 +583,8 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
     };
     let mut render_at: Option<Instant> = None;
     tracing::info!(
-        kinds = WATCHED.len(),
+        kinds = watched.len(),
+        tunnels = config.tunnel.is_some(),
         file = %writer.writer.path().display(),
         "controller watching"
     );
@@ -660,7 +675,9 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
                 }
             }
             _ = recheck.tick() => {
-                let missing: Vec<usize> = (0..WATCHED.len())
+                let missing: Vec<usize> = watched
+                    .iter()
+                    .copied()
                     .filter(|&i| watchers.version(i).is_none() && !asking[i])
                     .collect();
                 if !missing.is_empty() {

@@ -40,6 +40,17 @@ impl Controller {
         )
     }
 
+    /// [`Controller::start`] with the shoots' tunnels turned on (`tunnel.enabled: true`).
+    pub(crate) fn start_tunnels(kube: &FakeKube, fallback: SocketAddr) -> Controller {
+        Self::start_with(
+            kube,
+            &format!(
+                "gateway: {{selector: {SELECTOR}}}\nfallback: {{address: \"{fallback}\"}}\n\
+                 tunnel: {{enabled: true}}"
+            ),
+        )
+    }
+
     /// Starts the controller against `kube` with `settings` (the configuration's
     /// `gateway` and `fallback` lines), writing `out/routes.json`.
     pub(crate) fn start_with(kube: &FakeKube, settings: &str) -> Controller {
