@@ -136,6 +136,64 @@ limits: {{maxClientHelloBytes: 1}}
     std::net::TcpListener::bind(("127.0.0.1", admin)).expect("admin port must be free");
 }
 
+/// A listener that accepts PROXY headers from every peer would let any client pick its own
+/// source address (past `allowedSourceRanges`, into `sendProxyProtocol`): without
+/// `trustedSources` that is an error in `check` and at start, saying what to write; with
+/// them the same listener passes.
+#[test]
+fn a_proxy_header_mode_without_trusted_sources_is_refused_by_check_and_at_start() {
+    let dir = TestDir::new("proxytrust");
+    let ports = free_ports(2);
+    let (port, admin) = (ports[0], ports[1]);
+    let config = |proxy: &str| {
+        format!(
+            "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: GatewayConfiguration
+routes: {{file: routes.yaml}}
+listeners:
+- {{name: tls, address: \"127.0.0.1:{port}\", protocol: sni, proxyProtocol: {proxy}}}
+admin: {{address: \"127.0.0.1:{admin}\"}}
+"
+        )
+    };
+    std::fs::write(
+        dir.path("routes.yaml"),
+        "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\n",
+    )
+    .unwrap();
+    let file = dir.path("gateway.yaml");
+    let want = "gateway.yaml: listeners[0].proxyProtocol.trustedSources: required with a PROXY header mode: list the networks of the load balancers that send the header";
+    for mode in ["optional", "required"] {
+        std::fs::write(&file, config(&format!("{{mode: {mode}}}"))).unwrap();
+        let (ok, out) = run(
+            Command::new(BIN).arg("check").arg(&file),
+            b"",
+            Duration::from_secs(20),
+        );
+        assert!(!ok && out.contains(want), "{mode}: {out}");
+        let started = Command::new(BIN)
+            .args(["gateway", "--config"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(!started.status.success(), "{mode}: the gateway started");
+        let err = String::from_utf8_lossy(&started.stderr);
+        assert!(err.contains(want), "{mode}: {err}");
+    }
+    std::net::TcpListener::bind(("127.0.0.1", port)).expect("listener port must be free");
+    std::fs::write(
+        &file,
+        config("{mode: required, trustedSources: [\"10.0.0.0/8\"]}"),
+    )
+    .unwrap();
+    let (ok, out) = run(
+        Command::new(BIN).arg("check").arg(&file),
+        b"",
+        Duration::from_secs(20),
+    );
+    assert!(ok, "{out}");
+}
+
 /// Writes a gateway config whose one listener is on `port` (taken by the test, so the gateway
 /// exits after its start-up checks), with `extra` YAML lines, and an empty routing table.
 fn busy_gateway(dir: &TestDir, port: u16, extra: &str) {

@@ -400,7 +400,11 @@ async fn curl_haproxy_protocol_v1_trusted_untrusted_and_required() {
                 "sni",
                 "  proxyProtocol: {mode: optional, trustedSources: [\"10.0.0.0/8\"]}",
             ),
-            ("required", "sni", "  proxyProtocol: {mode: required}"),
+            (
+                "required",
+                "sni",
+                "  proxyProtocol: {mode: required, trustedSources: [\"127.0.0.0/8\"]}",
+            ),
         ],
         "",
     );

@@ -278,16 +278,15 @@ pub enum ProxyMode {
 pub struct ProxyProtocol {
     /// The mode.
     pub mode: ProxyMode,
-    /// Peers allowed to send a header; empty = every peer.
+    /// Peers allowed to send a header (never empty with a mode other than off: the
+    /// configuration requires it; empty trusts nobody).
     pub trusted_sources: NetSet,
 }
 
 impl ProxyProtocol {
     /// The effective mode for a connection from `peer`: untrusted peers are treated as off.
     pub fn mode_for(&self, peer: std::net::IpAddr) -> ProxyMode {
-        if self.mode == ProxyMode::Off
-            || (!self.trusted_sources.is_empty() && !self.trusted_sources.contains(peer))
-        {
+        if self.mode == ProxyMode::Off || !self.trusted_sources.contains(peer) {
             ProxyMode::Off
         } else {
             self.mode
@@ -616,15 +615,25 @@ fn listener(
     }
     let kind = listener_kind(errors, path, dir, l);
     let proxy_protocol = proxy_protocol(errors, path, l.proxy_protocol.as_ref());
-    if matches!(kind, Some(ListenerKind::EgressConnect { .. }))
-        && proxy_protocol.mode != ProxyMode::Off
+    if proxy_protocol.mode != ProxyMode::Off
         && proxy_protocol.trusted_sources.is_empty()
+        && !matches!(kind, Some(ListenerKind::WireGuard { .. }))
     {
-        // The PROXY source selects egress routes (`clientSources`): a client trusted to
-        // write its own header could pick any shoot's route.
+        // Whoever may write a PROXY header picks its own source address: past
+        // `allowedSourceRanges`, into `sendProxyProtocol` and, on egress listeners, into any
+        // shoot's route (`clientSources`). Nobody is trusted by default.
+        let why = if matches!(kind, Some(ListenerKind::EgressConnect { .. })) {
+            "the PROXY source selects egress routes by clientSources"
+        } else {
+            "the PROXY source is what allowedSourceRanges check and sendProxyProtocol passes on"
+        };
         errors.push(
             at(path, "proxyProtocol.trustedSources"),
-            "required on egress-connect listeners with a PROXY header mode: list the load balancers' networks (the PROXY source selects routes by clientSources)",
+            format!(
+                "required with a PROXY header mode: list the networks of the load balancers that \
+                 send the header, e.g. trustedSources: [\"10.0.0.0/8\"] ({why}; a peer outside \
+                 them may not send one)"
+            ),
         );
     }
     if let Some(r) = &l.default_route
@@ -993,6 +1002,17 @@ fn bounded(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A PROXY mode with no trusted sources trusts nobody (the configuration refuses it;
+    /// this is the second line).
+    #[test]
+    fn an_empty_trusted_set_trusts_nobody() {
+        let p = ProxyProtocol {
+            mode: ProxyMode::Required,
+            trusted_sources: NetSet::new(),
+        };
+        assert_eq!(p.mode_for("127.0.0.1".parse().unwrap()), ProxyMode::Off);
+    }
 
     fn check(yaml: &str) -> Result<GatewayConfig, String> {
         parse(Path::new("/etc/trellis/gateway.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
