@@ -162,7 +162,9 @@ async fn a_forwarded_connect_reaches_the_back_gateway_as_the_client() {
 /// What the backend of a forwarding route receives, byte for byte: the PROXY header (v1
 /// here) with the client the front admits by — a trusted load balancer's PROXY source and
 /// destination when it sent them, else the peer and the listener's address — then the head
-/// exactly as received, and nothing more while it has not accepted: a refusal (its answer,
+/// exactly as received less the `X-Forwarded-*` and `X-Envoy-*` headers a client wrote (the
+/// proxy behind would trust them from the gateway), and nothing more while it has not
+/// accepted: a refusal (its answer,
 /// byte for byte, is all the client hears) closes both sides, so the bytes the client sent
 /// after the head never reach it. A backend that cannot be reached gets the front's own
 /// 502, which the access log does not call forwarded.
@@ -171,6 +173,12 @@ async fn a_forwarded_connect_is_replayed_byte_for_byte_after_the_header() {
     const REPLY: &[u8] = b"HTTP/1.1 407 Proxy Authentication Required\r\ncontent-length: 0\r\n\r\n";
     let head = format!(
         "CONNECT x:1 HTTP/1.0\r\nx-gardener-destination: {UNKNOWN}\r\nX-Other:  kept  as is\r\n\r\n"
+    );
+    // What the client sends: the same head with headers that speak for the gateway.
+    let written = head.replacen(
+        "X-Other:",
+        "X-Forwarded-For: 10.1.2.3\r\nx-envoy-original-dst-host: 10.9.9.9:443\r\nX-Other:",
+        1,
     );
     let cases = [
         // (load balancer header the client sends, header the backend must receive)
@@ -190,7 +198,7 @@ async fn a_forwarded_connect_is_replayed_byte_for_byte_after_the_header() {
         let addr = front.addr("connect");
         let mut c = connect_from([127, 0, 0, 5], addr).await;
         let client = c.local_addr().unwrap();
-        let sent = format!("{}{head}tail", lb.unwrap_or(""));
+        let sent = format!("{}{written}tail", lb.unwrap_or(""));
         c.write_all(sent.as_bytes()).await.unwrap();
         let answer = read_all(&mut c, Duration::from_secs(10)).await.unwrap();
         assert_eq!(

@@ -9,7 +9,8 @@
 //!
 //! A route with `forwardConnect` leads to CONNECT proxies (Envoy's CONNECT listeners behind
 //! a `defaultRoute`): the gateway does not answer the request; once a backend is connected
-//! it sends the head exactly as received and waits for the backend's answer, which reaches
+//! it sends the head as received, less the `X-Forwarded-*` and `X-Envoy-*` headers a client
+//! wrote (the proxy behind trusts them from its peer), and waits for the backend's answer, which reaches
 //! the client; the bytes after the head follow only if the backend accepted (see
 //! [`crate::serve::forward`]). Only a failed connect, or no valid answer, is answered here
 //! (`502`/`504`). Such a head is forwarded only when it names its destination the way this
@@ -74,6 +75,36 @@ fn forwardable(head: &RequestHead, own: &str, known: &[String]) -> Result<(), &'
     }
 }
 
+/// Header name prefixes a CONNECT proxy behind trusts from its own peer (Envoy takes
+/// `X-Forwarded-*` and `X-Envoy-*` from an internal one), compared case-insensitively.
+const TRUSTED_HEADER_PREFIXES: [&str; 2] = ["x-forwarded-", "x-envoy-"];
+
+/// Removes from the request head in `buf[..head_len]` every header line a client could use
+/// to speak for the gateway to the proxy behind ([`TRUSTED_HEADER_PREFIXES`]); the bytes
+/// after the head stay as they are. Returns the head's new length.
+fn strip_trusted_headers(buf: &mut Vec<u8>, head_len: usize) -> usize {
+    let trusted = |line: &[u8]| {
+        let name = line.split(|b| *b == b':').next().unwrap_or(b"");
+        TRUSTED_HEADER_PREFIXES
+            .iter()
+            .any(|p| name.len() >= p.len() && name[..p.len()].eq_ignore_ascii_case(p.as_bytes()))
+    };
+    let head = &buf[..head_len.min(buf.len())];
+    if !head.split(|b| *b == b'\n').skip(1).any(trusted) {
+        return head_len;
+    }
+    let mut kept = Vec::with_capacity(head.len());
+    // Lines with their terminators; the request line first, never a header.
+    for (i, line) in head.split_inclusive(|b| *b == b'\n').enumerate() {
+        if i == 0 || !trusted(line) {
+            kept.extend_from_slice(line);
+        }
+    }
+    let new_len = kept.len();
+    buf.splice(..head_len, kept);
+    new_len
+}
+
 /// Takes one `http-connect` connection from its request head to a linked backend (`None`:
 /// it ended before).
 pub(super) async fn handle(
@@ -133,9 +164,11 @@ pub(super) async fn handle(
             conn.reject_with(&http::response(403, detail)).await;
             return conn.reject(Outcome::NoRoute, detail);
         }
-        // Every byte read stays in the buffer: the head goes to the backend as received,
-        // the bytes after it once the backend accepted. The backend answers after its own
+        // Every byte read stays in the buffer: the head goes to the backend as received
+        // (less the headers a proxy behind would trust, see `strip_trusted_headers`), the
+        // bytes after it once the backend accepted. The backend answers after its own
         // upstream connect: it gets the handshake allowance, from when it is connected.
+        let consumed = strip_trusted_headers(&mut conn.buf, consumed);
         Reply::HttpForwarded(Forwarded {
             head: consumed,
             max_answer: max,
@@ -167,6 +200,22 @@ mod tests {
             "Reversed-VPN".into(),
             "X-Custom".into(),
         ]
+    }
+
+    /// `X-Forwarded-*` and `X-Envoy-*` lines go (any case), everything else stays byte for
+    /// byte, the bytes after the head included.
+    #[test]
+    fn trusted_headers_are_stripped_from_a_forwarded_head() {
+        let head = "CONNECT x:1 HTTP/1.1\r\nX-Gardener-Destination: a\r\nx-forwarded-for: 1.2.3.4\r\nX-Envoy-Original-Dst-Host: 10.0.0.1:443\r\nX-Other:  kept \r\nX-Forwardedness: kept\r\n\r\n";
+        let mut buf = format!("{head}tail").into_bytes();
+        let len = strip_trusted_headers(&mut buf, head.len());
+        let want = "CONNECT x:1 HTTP/1.1\r\nX-Gardener-Destination: a\r\nX-Other:  kept \r\nX-Forwardedness: kept\r\n\r\n";
+        assert_eq!(String::from_utf8_lossy(&buf[..len]), want);
+        assert_eq!(&buf[len..], b"tail");
+        // Nothing to strip: untouched.
+        let mut plain = want.as_bytes().to_vec();
+        assert_eq!(strip_trusted_headers(&mut plain, want.len()), want.len());
+        assert_eq!(plain, want.as_bytes());
     }
 
     #[test]
