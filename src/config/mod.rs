@@ -328,7 +328,14 @@ impl<'de, T: Derived<'de>> Visitor<'de> for MappingOnly<T> {
 /// it kept them, it would refuse more than 32 comment lines between a key and its value.
 /// The limits on alias expansion, nesting depth and key length stay as they are.
 pub(crate) fn yaml_options() -> serde_saphyr::Options {
+    yaml_options_with(serde_saphyr::Budget::default().max_documents)
+}
+
+/// [`yaml_options`] taking up to `max_documents` documents in one stream (the parser's own
+/// default, 1,024, for configuration files; manifests hold one per object).
+pub(crate) fn yaml_options_with(max_documents: usize) -> serde_saphyr::Options {
     let mut budget = serde_saphyr::Budget::default();
+    budget.max_documents = max_documents;
     budget.max_nodes = MAX_FILE_BYTES as usize;
     budget.max_events = MAX_FILE_BYTES as usize;
     // `.inf` and `.nan` where no type is asked for (a value skipped while looking for

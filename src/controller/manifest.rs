@@ -72,7 +72,12 @@ pub fn read_dir(dir: &Path) -> Result<Snapshot, ManifestError> {
     Ok(snapshot)
 }
 
-/// The documents of one file: a JSON document, or every document of a YAML stream.
+/// YAML documents one manifest file may hold: a seed's objects, one per document, are tens
+/// of thousands; a stream of empty documents (`---` lines) stays bounded in memory.
+pub const MAX_DOCUMENTS: usize = 1_000_000;
+
+/// The documents of one file: a JSON document, or every document of a YAML stream (at most
+/// [`MAX_DOCUMENTS`]).
 pub fn documents(file: &Path, bytes: &[u8]) -> Result<Vec<Value>, ManifestError> {
     let parse_err = |message: String| ManifestError::Parse {
         file: file.to_owned(),
@@ -84,8 +89,17 @@ pub fn documents(file: &Path, bytes: &[u8]) -> Result<Vec<Value>, ManifestError>
             .map(|v| vec![v])
             .map_err(|e| parse_err(e.to_string()));
     }
-    serde_saphyr::from_multiple_with_options::<Value>(text, crate::config::yaml_options())
-        .map_err(|e| parse_err(e.to_string()))
+    let options = crate::config::yaml_options_with(MAX_DOCUMENTS);
+    serde_saphyr::from_multiple_with_options::<Value>(text, options).map_err(|e| match e {
+        serde_saphyr::Error::Budget {
+            breach: serde_saphyr::budget::BudgetBreach::Documents { .. },
+            location,
+        } => parse_err(format!(
+            "more than {MAX_DOCUMENTS} YAML documents (at line {}): split the file",
+            location.line()
+        )),
+        e => parse_err(e.to_string()),
+    })
 }
 
 /// Adds one document (an object or a `List` of them) to the snapshot.
@@ -605,6 +619,22 @@ fn peers(data: &BTreeMap<String, Vec<u8>>) -> Vec<PeerEntry> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A manifest holds a document per object: thousands render (the YAML parser's own
+    /// default stopped at 1,024), and past [`MAX_DOCUMENTS`] the error says so in words.
+    #[test]
+    fn a_manifest_takes_thousands_of_documents_and_says_its_limit_in_words() {
+        let file = Path::new("seed.yaml");
+        let many = "kind: Namespace\nmetadata: {name: x}\n---\n".repeat(5_000);
+        assert_eq!(documents(file, many.as_bytes()).unwrap().len(), 5_000);
+        let storm = "---\n".repeat(MAX_DOCUMENTS + 2);
+        let err = documents(file, storm.as_bytes()).unwrap_err().to_string();
+        assert!(
+            err.contains("more than 1000000 YAML documents (at line")
+                && err.contains("split the file"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn lists_and_document_streams_are_unpacked() {
