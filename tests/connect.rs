@@ -289,7 +289,10 @@ fn haproxy_send_proxy_v2(listen: SocketAddr, to: SocketAddr) -> Option<HaProxy> 
         .status()
         .is_err()
     {
-        eprintln!("SKIP: haproxy is not installed (scripts/test installs it)");
+        common::skip(
+            "haproxy_send_proxy_v2",
+            "haproxy is not installed (scripts/test installs it)",
+        );
         return None;
     }
     let dir = TestDir::new("haproxy");

@@ -65,7 +65,7 @@ fn kubectl(test: &str) -> bool {
         .output()
         .is_ok_and(|o| o.status.success());
     if !here {
-        eprintln!("SKIP {test}: kubectl is not installed");
+        common::skip(test, "kubectl is not installed");
     }
     here
 }
@@ -77,9 +77,10 @@ fn tools(test: &str) -> Option<PathBuf> {
     }
     let v = validator();
     if v.is_none() {
-        eprintln!(
-            "SKIP {test}: kubernetes-validate is not installed (scripts/test installs it into \
-             target/deploy-venv)"
+        common::skip(
+            test,
+            "kubernetes-validate is not installed (scripts/test installs it into \
+             target/deploy-venv)",
         );
     }
     v

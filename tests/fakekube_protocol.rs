@@ -4,6 +4,8 @@
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod fakekube;
+#[path = "common/skipped.rs"]
+mod skipped;
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -31,6 +33,7 @@ impl Kubectl {
             .is_err()
         {
             println!("SKIP {test}: kubectl is not installed");
+            skipped::record_skip(test, "kubectl is not installed");
             return None;
         }
         let dir =

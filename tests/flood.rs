@@ -34,9 +34,12 @@ fn memory_returns_after_a_flood_of_slow_clients() {
     let needed = 2 * CLIENTS as u64 + 1_000;
     if limit < needed {
         // The gateway inherits the limit and would cap its connections below the flood.
-        println!(
-            "SKIP memory_returns_after_a_flood_of_slow_clients: the flood needs an open-files \
-             limit of {needed}; this process may raise its own only to {limit}"
+        common::skip(
+            "memory_returns_after_a_flood_of_slow_clients",
+            &format!(
+                "the flood needs an open-files limit of {needed}; this process may raise its \
+                 own only to {limit}"
+            ),
         );
         return;
     }

@@ -112,8 +112,9 @@ fn loaded_by(bin: &str) -> BTreeSet<PathBuf> {
 #[test]
 fn image_is_nonroot_minimal_and_runs_version_and_check_in_runc_needs_root() {
     if let Some(why) = skip_reason() {
-        println!(
-            "SKIP image_is_nonroot_minimal_and_runs_version_and_check_in_runc_needs_root: {why}"
+        common::skip(
+            "image_is_nonroot_minimal_and_runs_version_and_check_in_runc_needs_root",
+            &why,
         );
         return;
     }

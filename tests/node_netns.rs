@@ -20,7 +20,7 @@ const SNI: &str = "kubernetes.default.svc.cluster.local";
 fn skip(test: &str, tools: &[&str]) -> bool {
     match netns::skip_reason(tools) {
         Some(reason) => {
-            eprintln!("SKIP {test}: {reason}");
+            common::skip(test, &reason);
             true
         }
         None => false,

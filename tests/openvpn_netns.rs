@@ -25,7 +25,7 @@ fn setup() -> Option<Lab> {
         reason = Some("no /dev/net/tun".into());
     }
     if let Some(reason) = reason {
-        eprintln!("SKIP openvpn_tunnels_through_gateway_needs_root_netns: {reason}");
+        common::skip("openvpn_tunnels_through_gateway_needs_root_netns", &reason);
         return None;
     }
     let lab = Lab::new(&["seed", "shoot"]);

@@ -34,7 +34,7 @@ fn lab(test: &str, names: &[&str]) -> Option<Lab> {
         reason = Some("no /dev/net/tun".into());
     }
     if let Some(reason) = &reason {
-        eprintln!("SKIP {test}: {reason}");
+        common::skip(test, reason);
         return None;
     }
     Some(Lab::new(names))

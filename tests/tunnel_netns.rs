@@ -51,7 +51,7 @@ fn lab_with(test: &str, names: &[&str], more: &[&str]) -> Option<Lab> {
         reason = Some("no /dev/net/tun".into());
     }
     if let Some(reason) = &reason {
-        eprintln!("SKIP {test}: {reason}");
+        common::skip(test, reason);
         return None;
     }
     Some(Lab::new(names))

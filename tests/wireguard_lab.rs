@@ -23,7 +23,7 @@ fn skip(test: &str) -> bool {
         reason = Some("no /dev/net/tun".into());
     }
     if let Some(reason) = &reason {
-        eprintln!("SKIP {test}: {reason}");
+        common::skip(test, reason);
     }
     reason.is_some()
 }

@@ -4,6 +4,7 @@
 
 pub(crate) mod egress;
 pub(crate) mod netns;
+pub(crate) mod skipped;
 pub(crate) mod urgent;
 pub(crate) mod wg;
 
@@ -15,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+pub(crate) use skipped::record_skip;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -845,4 +847,12 @@ pub(crate) fn raise_nofile(want: u64) -> u64 {
         let _ = setrlimit(Resource::Nofile, soft);
     }
     getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+/// Says why `test` does not run here: on stderr (shown with `--nocapture` or when it fails)
+/// and, when `TRELLIS_SKIPPED` names a file (`scripts/test` sets it), as a line appended to
+/// it, so the test command's summary lists every skip however the output was captured.
+pub(crate) fn skip(test: &str, reason: &str) {
+    eprintln!("SKIP {test}: {reason}");
+    record_skip(test, reason);
 }
