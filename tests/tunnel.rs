@@ -303,31 +303,12 @@ async fn egress_reaches_a_server_behind_the_agent_byte_exact_each_way_with_half_
     let lab = Lab::start();
     let agent = lab.agent("[\"127.0.0.0/8\"]");
     let (target, _) = counting_echo_at("127.0.0.1", b"").await;
-    let (mut tls, answer) = lab.connect(&target.to_string()).await;
+    let (tls, answer) = lab.connect(&target.to_string()).await;
     assert_eq!(answer, OK, "{}", String::from_utf8_lossy(&answer));
 
     // 4 MB each way, written and read concurrently; then the client half-closes and still
     // reads everything the echo sends back.
-    let data: Vec<u8> = (0..4_000_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
-    let (mut r, mut w) = tokio::io::split(&mut tls);
-    let expected = data.clone();
-    let (_, got) = tokio::join!(
-        async {
-            w.write_all(&data).await.unwrap();
-            w.flush().await.unwrap();
-            w.shutdown().await.unwrap();
-        },
-        async {
-            let mut got = Vec::new();
-            tokio::time::timeout(Duration::from_secs(60), r.read_to_end(&mut got))
-                .await
-                .expect("echo in time")
-                .unwrap();
-            got
-        }
-    );
-    assert_eq!(got.len(), expected.len());
-    assert!(got == expected, "bytes differ");
+    echo_exact_with_half_close(tls, 4_000_000).await;
     assert!(
         lab.gw
             .metric("trellis_tunnel_handshakes_total{route=\"shoot--local--a\",result=\"ok\"}")

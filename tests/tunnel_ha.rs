@@ -130,13 +130,7 @@ admin: {{address: \"{admin}\"}}
     );
     let config = lab.dir.path(&format!("agent-{i}.yaml"));
     std::fs::write(&config, yaml).unwrap();
-    let nobody = "setpriv --reuid 65534 --regid 65534 --clear-groups --bounding-set=-all \
-                  --inh-caps=-all";
-    let mut args: Vec<String> = nobody.split_whitespace().map(String::from).collect();
-    for a in [BIN, "--log-format", "json", "agent", "--config"] {
-        args.push(a.to_string());
-    }
-    args.push(config.to_str().unwrap().to_string());
+    let args = netns::agent_as_nobody(&config);
     let log = lab.dir.path(&format!("agent-{i}.log"));
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let child = lab.spawn(ns, &argv, &log);

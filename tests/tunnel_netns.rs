@@ -465,34 +465,14 @@ fn trellis_agent_interoperates_with_wireguard_go_as_the_seed_needs_root_netns() 
             routes: strings(&nets),
         },
     );
-    let key = lab.dir.path("agent.key");
-    std::fs::write(&key, format!("{}\n", agent_keys.private)).unwrap();
-    let admin = at("127.0.0.1:16911");
-    let config = lab.dir.path("agent.yaml");
-    let yaml = format!(
-        "apiVersion: trellis.gardener.cloud/v1alpha1
-kind: AgentConfiguration
-wireguard:
-  privateKeyFile: {key:?}
-  addresses: [192.168.128.5]
-  gateway:
-    publicKey: \"{}\"
-    endpoints: [{{udp: \"10.99.0.1:51820\"}}]
-    persistentKeepalive: 25s
-networks: [\"10.250.0.0/16\"]
-admin: {{address: \"{admin}\"}}
-",
-        seed_keys.public
-    );
-    std::fs::write(&config, yaml).unwrap();
     // As nobody, with no capabilities at all.
-    let log = lab.dir.path("agent.log");
-    let nobody = "setpriv --reuid 65534 --regid 65534 --clear-groups --bounding-set=-all \
-                  --inh-caps=-all";
-    let mut args: Vec<&str> = nobody.split_whitespace().collect();
-    args.extend([BIN, "--log-format", "json", "agent", "--config"]);
-    args.push(config.to_str().unwrap());
-    let agent = lab.spawn(&shoot, &args, &log);
+    let (agent, log, admin) = spawn_agent(
+        &mut lab,
+        &shoot,
+        &agent_keys,
+        &seed_keys.public,
+        "[{udp: \"10.99.0.1:51820\"}]",
+    );
     let logs = || {
         let agent = std::fs::read_to_string(&log).unwrap_or_default();
         format!("agent:\n{agent}\nwireguard-go:\n{}", seed_wg.log())
@@ -821,35 +801,12 @@ fn agent_over_the_connect_port_with_udp_dropped_then_back_on_udp_needs_root_netn
 "
         ),
     );
-    let key = lab.dir.path("agent.key");
-    std::fs::write(&key, format!("{}\n", agent_keys.private)).unwrap();
-    let admin = at("127.0.0.1:16911");
-    let config = lab.dir.path("agent.yaml");
-    let yaml = format!(
-        "apiVersion: trellis.gardener.cloud/v1alpha1
-kind: AgentConfiguration
-wireguard:
-  privateKeyFile: {key:?}
-  addresses: [192.168.128.5]
-  gateway:
-    publicKey: \"{}\"
-    endpoints:
-    - udp: \"10.99.0.1:{wg_port}\"
-    - connect: {{address: \"10.99.0.1:{connect_port}\", destination: \"{CONNECT_DESTINATION}\"}}
-    persistentKeepalive: 25s
-networks: [\"10.250.0.0/16\"]
-admin: {{address: \"{admin}\"}}
-",
-        gw_keys.public
+    let endpoints = format!(
+        "[{{udp: \"10.99.0.1:{wg_port}\"}}, {{connect: {{address: \"10.99.0.1:{connect_port}\", \
+         destination: \"{CONNECT_DESTINATION}\"}}}}]"
     );
-    std::fs::write(&config, yaml).unwrap();
-    let log = lab.dir.path("agent.log");
-    let nobody = "setpriv --reuid 65534 --regid 65534 --clear-groups --bounding-set=-all \
-                  --inh-caps=-all";
-    let mut args: Vec<&str> = nobody.split_whitespace().collect();
-    args.extend([BIN, "--log-format", "json", "agent", "--config"]);
-    args.push(config.to_str().unwrap());
-    let agent = lab.spawn(&shoot, &args, &log);
+    let (agent, log, admin) =
+        spawn_agent(&mut lab, &shoot, &agent_keys, &gw_keys.public, &endpoints);
     let get = |path: &str| in_ns(&shoot, || http_get(admin, path)).unwrap_or_default();
     let logs = || {
         let agent = std::fs::read_to_string(&log).unwrap_or_default();
@@ -939,6 +896,42 @@ async fn carries(gw: &Gateway, pki: &Shoot, targets: &str, path: &str, logs: &dy
             String::from_utf8_lossy(&head)
         );
     }
+}
+
+/// Starts `trellis agent` in `ns` as nobody with no capabilities (its key `keys`, the
+/// gateway's `gateway_public` at `endpoints`, YAML flow list), dialing 10.250.0.0/16;
+/// its process index in the lab, its log and its admin address.
+fn spawn_agent(
+    lab: &mut Lab,
+    ns: &str,
+    keys: &Keypair,
+    gateway_public: &str,
+    endpoints: &str,
+) -> (usize, std::path::PathBuf, SocketAddr) {
+    let key = lab.dir.path("agent.key");
+    std::fs::write(&key, format!("{}\n", keys.private)).unwrap();
+    let admin = at("127.0.0.1:16911");
+    let config = lab.dir.path("agent.yaml");
+    let yaml = format!(
+        "apiVersion: trellis.gardener.cloud/v1alpha1
+kind: AgentConfiguration
+wireguard:
+  privateKeyFile: {key:?}
+  addresses: [192.168.128.5]
+  gateway:
+    publicKey: \"{gateway_public}\"
+    endpoints: {endpoints}
+    persistentKeepalive: 25s
+networks: [\"10.250.0.0/16\"]
+admin: {{address: \"{admin}\"}}
+"
+    );
+    std::fs::write(&config, yaml).unwrap();
+    let log = lab.dir.path("agent.log");
+    let args = netns::agent_as_nobody(&config);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let agent = lab.spawn(ns, &args, &log);
+    (agent, log, admin)
 }
 
 /// Kills a process started by the test when dropped.

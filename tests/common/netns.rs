@@ -403,3 +403,16 @@ pub(crate) fn sha256(data: &[u8]) -> Vec<u8> {
         .as_ref()
         .to_vec()
 }
+
+/// The command line of `trellis agent --config CONFIG` (JSON logs) as nobody with no
+/// capabilities at all, as the agent runs in a shoot.
+pub(crate) fn agent_as_nobody(config: &Path) -> Vec<String> {
+    let nobody = "setpriv --reuid 65534 --regid 65534 --clear-groups --bounding-set=-all \
+                  --inh-caps=-all";
+    let mut args: Vec<String> = nobody.split_whitespace().map(String::from).collect();
+    for a in [super::BIN, "--log-format", "json", "agent", "--config"] {
+        args.push(a.to_string());
+    }
+    args.push(config.to_string_lossy().into_owned());
+    args
+}
