@@ -443,6 +443,10 @@ impl Tables {
             // large table here delays no traffic; staying on one thread also keeps glibc from
             // growing a new heap arena per reload thread.
             if self.reload_with(trigger) == Reload::Applied {
+                // The old table is gone unless a connection still holds it: its backends'
+                // states go with it, and the next applied table sweeps the rest.
+                let backends = self.registry.sweep();
+                tracing::debug!(backends, "backend states swept");
                 crate::serve::memory::release_free_memory();
             }
         }

@@ -172,6 +172,28 @@ impl BackendRegistry {
         reg.map.insert(address.clone(), Arc::downgrade(&s));
         s
     }
+
+    /// Drops the entries of addresses no live table names any more, and the map's spare
+    /// room: after a huge table was replaced by a small one, its dead entries (each a weak
+    /// reference that keeps its state's allocation) would otherwise stay until the map grew
+    /// again. Returns the entries left.
+    pub fn sweep(&self) -> usize {
+        let mut reg = self.states.lock().unwrap_or_else(|e| e.into_inner());
+        reg.map.retain(|_, w| w.strong_count() > 0);
+        reg.map.shrink_to_fit();
+        reg.sweep_at = reg.map.len() * 2;
+        reg.map.len()
+    }
+
+    /// Entries held, dead or alive.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.states
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map
+            .len()
+    }
 }
 
 /// A small xorshift generator for tie-breaking; not for anything secret.
@@ -336,5 +358,22 @@ mod tests {
         let _g = a.track();
         let b = reg.state(&BackendAddress::parse("10.0.0.1:1").unwrap());
         assert_eq!(b.active(), 1);
+    }
+
+    #[test]
+    fn a_sweep_drops_the_states_no_table_holds_and_keeps_the_rest() {
+        let reg = BackendRegistry::default();
+        let kept = reg.state(&BackendAddress::parse("10.0.0.1:1").unwrap());
+        let _g = kept.track();
+        for i in 0..500u16 {
+            drop(reg.state(&BackendAddress::parse(&format!("10.1.0.1:{i}")).unwrap()));
+        }
+        // Fewer entries than the growth sweep needs: the dead ones are still held.
+        assert_eq!(reg.len(), 501);
+        assert_eq!(reg.sweep(), 1);
+        assert_eq!(reg.len(), 1);
+        // The live state is the one handed out again.
+        let again = reg.state(&BackendAddress::parse("10.0.0.1:1").unwrap());
+        assert_eq!(again.active(), 1);
     }
 }
