@@ -965,7 +965,7 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
     std::fs::write(
         dir.join("gateway.yaml"),
         format!(
-            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:8440\", protocol: sni}}\n- {{name: pp, address: \"127.0.0.1:8450\", protocol: proxy-destination}}\n- {{name: connect, address: \"127.0.0.1:8460\", protocol: http-connect}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: {}}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:8440\", protocol: sni}}\n- {{name: pp, address: \"127.0.0.1:8450\", protocol: proxy-destination}}\n- {{name: connect, address: \"127.0.0.1:8460\", protocol: http-connect}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: {}, maxConnectionsPerSource: 0}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
             // Room for the idle connections and the storm, within the open files the host
             // allows (the gateway caps it to that).
             idle_connections().max(storm_clients()) + 1000,
@@ -1217,7 +1217,7 @@ fn write_trellis_egress(dir: &Path, pki: &Path, routes: usize) -> PathBuf {
     std::fs::write(
         &config,
         format!(
-            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: \"{}\"}}\nlisteners:\n- name: egress\n  address: \"{TRELLIS_EGRESS}\"\n  protocol: egress-connect\n  tls: {{certificateFile: \"{}\", keyFile: \"{}\", clientCAFile: \"{}\"}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: {}}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: \"{}\"}}\nlisteners:\n- name: egress\n  address: \"{TRELLIS_EGRESS}\"\n  protocol: egress-connect\n  tls: {{certificateFile: \"{}\", keyFile: \"{}\", clientCAFile: \"{}\"}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: {}, maxConnectionsPerSource: 0}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
             table.display(),
             r0.join("tls.crt").display(),
             r0.join("tls.key").display(),

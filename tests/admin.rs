@@ -257,7 +257,8 @@ fn a_low_open_files_limit_caps_max_connections_and_probes_answer() {
     let nofile = 256;
     let gw = Gateway::start_with_nofile(
         &one_route(),
-        "limits: {maxConnections: 750000}\ntimeouts: {handshake: 60s}\nworkers: 1",
+        // One loopback address stands for many clients.
+        "limits: {maxConnections: 750000, maxConnectionsPerSource: 0}\ntimeouts: {handshake: 60s}\nworkers: 1",
         nofile,
     );
     // One worker with one listener.
@@ -290,7 +291,10 @@ fn a_low_open_files_limit_caps_max_connections_and_probes_answer() {
 /// descriptor, and the data plane's accept loop says so once per interval, not per failure.
 #[test]
 fn out_of_descriptors_probes_still_answer() {
-    let gw = Gateway::start(&one_route(), "timeouts: {handshake: 60s}\nworkers: 1");
+    let gw = Gateway::start(
+        &one_route(),
+        "timeouts: {handshake: 60s}\nworkers: 1\nlimits: {maxConnectionsPerSource: 0}",
+    );
     let nofile = gw.fd_count() as u64 + 100;
     let pid = rustix::process::Pid::from_raw(gw.pid() as i32).unwrap();
     let limit = rustix::process::Rlimit {

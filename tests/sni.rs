@@ -502,6 +502,77 @@ async fn half_close_is_bounded_and_idle_connections_time_out() {
     assert!(logs.is_some(), "{}", gw.logs());
 }
 
+/// A connection from `source` (a loopback address) to `to`, with `hello` sent.
+async fn hello_from(source: &str, to: std::net::SocketAddr, hello: &[u8]) -> TcpStream {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(format!("{source}:0").parse().unwrap()).unwrap();
+    let mut s = sock.connect(to).await.unwrap();
+    s.write_all(hello).await.unwrap();
+    s
+}
+
+/// Whether `s` echoes `hello` back within two seconds.
+async fn echoed(s: &mut TcpStream, hello: &[u8]) -> bool {
+    let mut back = vec![0u8; hello.len()];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), s.read_exact(&mut back)).await,
+        Ok(Ok(_))
+    ) && back == hello
+}
+
+/// Without `maxConnectionsPerSource`, one client address may hold half of `maxConnections`:
+/// its other connections are refused and counted `limited`, and another address still gets
+/// in at once. Set to 0, the first address takes the whole cap and the other waits.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_address_holds_at_most_half_the_connection_cap_by_default() {
+    let echo = echo_backend().await;
+    let routes = routes_yaml(&[R {
+        name: "r",
+        sni: &["r.example.com"],
+        backends: &[echo],
+    }]);
+    let hello = trellis::wire::tls::testing::client_hello(Some("r.example.com"), &[], 0);
+    let limited = "trellis_downstream_connections_total{listener=\"tls\",outcome=\"limited\"}";
+
+    let gw = Gateway::start(&routes, "limits: {maxConnections: 10}");
+    let mut held = Vec::new();
+    for _ in 0..10 {
+        held.push(hello_from("127.0.0.2", gw.tls, &hello).await);
+    }
+    let mut served = 0;
+    for s in &mut held {
+        served += usize::from(echoed(s, &hello).await);
+    }
+    assert_eq!(served, 5, "connections served from one address");
+    gw.wait_metric(limited, |v| v == 5.0);
+    let mut other = hello_from("127.0.0.3", gw.tls, &hello).await;
+    assert!(
+        echoed(&mut other, &hello).await,
+        "another address is kept out"
+    );
+    let logs = gw.logs();
+    assert!(
+        logs.contains("\"max_connections_per_source\":5"),
+        "the start line says the limit: {logs}"
+    );
+    drop((held, other, gw));
+
+    // Unlimited: the first address takes every place, the next waits in the backlog.
+    let gw = Gateway::start(
+        &routes,
+        "limits: {maxConnections: 10, maxConnectionsPerSource: 0}",
+    );
+    let mut held = Vec::new();
+    for _ in 0..10 {
+        let mut s = hello_from("127.0.0.2", gw.tls, &hello).await;
+        assert!(echoed(&mut s, &hello).await);
+        held.push(s);
+    }
+    let mut other = hello_from("127.0.0.3", gw.tls, &hello).await;
+    assert!(!echoed(&mut other, &hello).await, "served past the cap");
+    assert_eq!(gw.metric(limited), 0.0);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn max_connection_duration_and_max_connections() {
     let echo = echo_backend().await;
@@ -515,7 +586,11 @@ routes:
   maxConnectionDuration: 1s
 "
     );
-    let gw = Gateway::start(&routes, "limits: {maxConnections: 2}");
+    // One client address opens all: without a per-source limit (0), it may take the cap.
+    let gw = Gateway::start(
+        &routes,
+        "limits: {maxConnections: 2, maxConnectionsPerSource: 0}",
+    );
     let hello = trellis::wire::tls::testing::client_hello(Some("short.example.com"), &[], 0);
     let mut a = TcpStream::connect(gw.tls).await.unwrap();
     a.write_all(&hello).await.unwrap();

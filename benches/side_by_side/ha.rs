@@ -213,7 +213,7 @@ listeners:
   protocol: egress-connect
   tls: {{certificateFile: \"{}\", keyFile: \"{}\", clientCAFile: \"{}\"}}
 admin: {{address: \"{}\", debugAddress: \"{}\"}}
-limits: {{maxConnections: 10000}}
+limits: {{maxConnections: 10000, maxConnectionsPerSource: 0}}
 timeouts: {{drainDelay: 0s}}
 ",
                 routes.display(),
@@ -254,7 +254,7 @@ listeners:
   address: \"{FRONT}\"
   protocol: sni
 admin: {{address: \"127.0.0.1:15044\"}}
-limits: {{maxConnections: 10000}}
+limits: {{maxConnections: 10000, maxConnectionsPerSource: 0}}
 timeouts: {{drainDelay: 0s}}
 ",
             front_routes.display()

@@ -485,7 +485,7 @@ listeners:
   protocol: egress-connect
   tls: {{certificateFile: \"{}\", keyFile: \"{}\", clientCAFile: \"{}\"}}
 admin: {{address: \"{ADMIN}\", debugAddress: \"127.0.0.1:15003\"}}
-limits: {{maxConnections: 10000}}
+limits: {{maxConnections: 10000, maxConnectionsPerSource: 0}}
 workers: {workers}
 timeouts: {{drainDelay: 0s}}
 ",

@@ -191,7 +191,8 @@ pub struct RawLimits {
     /// Most client connections open at once (default 100000).
     #[serde(default, deserialize_with = "super::whole_number")]
     pub max_connections: Option<u64>,
-    /// Most connections from one client address (0 = unlimited, the default).
+    /// Most connections from one client address (0 = unlimited; by default half of
+    /// `maxConnections` as admitted, see [`Limits::per_source`]).
     #[serde(default, deserialize_with = "super::whole_number")]
     pub max_connections_per_source: Option<u64>,
     /// Largest ClientHello, record headers included (default 16384).
@@ -343,12 +344,25 @@ pub struct KeepaliveSide {
 pub struct Limits {
     /// Most connections at once.
     pub max_connections: usize,
-    /// Most connections per client address; 0 = unlimited.
-    pub max_connections_per_source: usize,
+    /// Most connections per client address as configured: `Some(0)` = unlimited, `None` =
+    /// the default ([`Limits::per_source`]).
+    pub max_connections_per_source: Option<usize>,
     /// Largest ClientHello.
     pub max_client_hello_bytes: usize,
     /// Largest request head.
     pub max_header_bytes: usize,
+}
+
+impl Limits {
+    /// Most connections one client address may hold (0 = unlimited): as configured, or by
+    /// default half of `maxConnections` (as the descriptor budget admitted it), so that one
+    /// address holding all it may leaves the other half to everyone else. Set it to 0 where
+    /// many clients share one address the gateway sees (a load balancer that rewrites
+    /// sources without a PROXY header).
+    pub fn per_source(&self) -> usize {
+        self.max_connections_per_source
+            .unwrap_or((self.max_connections / 2).max(1))
+    }
 }
 
 /// A validated gateway configuration.
@@ -880,13 +894,15 @@ fn limits(errors: &mut Errors, raw: &RawLimits) -> Limits {
             100_000,
             1..=10_000_000,
         ),
-        max_connections_per_source: bounded(
-            errors,
-            "limits.maxConnectionsPerSource",
-            raw.max_connections_per_source,
-            0,
-            0..=10_000_000,
-        ),
+        max_connections_per_source: raw.max_connections_per_source.map(|v| {
+            bounded(
+                errors,
+                "limits.maxConnectionsPerSource",
+                Some(v),
+                0,
+                0..=10_000_000,
+            )
+        }),
         max_client_hello_bytes: bounded(
             errors,
             "limits.maxClientHelloBytes",

@@ -137,7 +137,7 @@ async fn admit(
     // Set here, before the listener's own protocol: what a client writes after this point
     // (a `proxy-destination` header) never decides which routes admit it.
     conn.source = conn.record.client;
-    let per_source = shared.config.limits.max_connections_per_source;
+    let per_source = shared.config.limits.per_source();
     let client = conn.source.ip();
     if !conn.guard.limit_source(client, per_source) {
         return conn.reject(Outcome::Limited, "per-source connection limit");

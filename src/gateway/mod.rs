@@ -304,7 +304,13 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         threads.push(thread);
     }
     admin_state.set_ready(true);
-    tracing::info!(admin = %shared.config.admin, generation = tables.snapshot().generation, "gateway ready");
+    tracing::info!(
+        admin = %shared.config.admin,
+        generation = tables.snapshot().generation,
+        max_connections = shared.config.limits.max_connections,
+        max_connections_per_source = shared.config.limits.per_source(),
+        "gateway ready"
+    );
 
     loop {
         tokio::select! {
