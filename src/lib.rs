@@ -19,6 +19,8 @@ pub(crate) mod serve;
 pub(crate) mod tunnel;
 pub mod wire;
 
+pub use serve::access_log;
+
 /// The version `trellis --version` prints and `trellis_build_info` carries: the crate
 /// version, or `TRELLIS_VERSION` from the build environment when set (the container image
 /// build sets it to the release or commit it was built from).

@@ -98,6 +98,14 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// The access log's format for `--log-format`.
+fn access_format(format: LogFormat) -> trellis::access_log::Format {
+    match format {
+        LogFormat::Json => trellis::access_log::Format::Json,
+        LogFormat::Text => trellis::access_log::Format::Text,
+    }
+}
+
 fn check(files: &[PathBuf]) -> ExitCode {
     let mut ok = true;
     for file in files {
@@ -295,10 +303,18 @@ fn main() -> ExitCode {
             // clap requires `--config` without a subcommand.
             None => Ok(ExitCode::FAILURE),
         },
-        Command::Gateway { config } => gateway(config),
-        Command::Node { config, cleanup } => node(config, *cleanup),
+        Command::Gateway { config } => {
+            trellis::access_log::init(access_format(cli.log_format));
+            gateway(config)
+        }
+        Command::Node { config, cleanup } => {
+            trellis::access_log::init(access_format(cli.log_format));
+            node(config, *cleanup)
+        }
         Command::Agent { config } => agent(config),
     };
+    // Access-log lines still waiting for their writer thread.
+    trellis::access_log::flush();
     match result {
         Ok(code) => code,
         Err(e) => {

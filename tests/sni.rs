@@ -417,11 +417,7 @@ async fn all_backends_down_closes_the_client() {
         "trellis_upstream_connect_failures_total{route=\"down\"",
         |v| v >= 1.0,
     );
-    let logs = gw.logs();
-    assert!(
-        logs.contains("\"reason\":\"error:connect_failed\""),
-        "{logs}"
-    );
+    gw.wait_access_log(|l| l["reason"] == "error:connect_failed");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -634,8 +630,7 @@ routes:
         0.0
     );
     let _ = read_all(&mut b, Duration::from_secs(10)).await;
-    let logs = gw.logs();
-    assert!(logs.contains("\"reason\":\"max_duration\""), "{logs}");
+    gw.wait_access_log(|l| l["reason"] == "max_duration");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,6 +1,7 @@
 //! What every role shares to serve connections: the accept loop with its admission and
 //! back-off ([`accept`]), connection tracking and limits ([`tracker`]), the per-connection
-//! record that feeds the access log and the metrics exactly once ([`record`]), the path of
+//! record that feeds the access log and the metrics exactly once ([`record`]) and the
+//! access log's writer ([`access_log`]), the path of
 //! a routed connection — dial, relay, record ([`forward`]) — the drain ([`drain`]),
 //! handing freed memory back to the system ([`memory`]), and re-reading files when they
 //! change ([`watch`]).
@@ -9,6 +10,7 @@
 //! or a configuration file format.
 
 pub(crate) mod accept;
+pub mod access_log;
 pub(crate) mod drain;
 pub(crate) mod forward;
 pub(crate) mod memory;

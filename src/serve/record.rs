@@ -4,8 +4,8 @@
 //! (a task cut at shutdown), so no connection goes unrecorded and none is recorded twice.
 //! Long-lived connections may also log periodic lines.
 //!
-//! The lines are `tracing` events on target `trellis::access`, so `--log-format json` turns
-//! each into one JSON object.
+//! The lines go through the access log's own writer ([`super::access_log`]) as target
+//! `trellis::access`, in the shape `--log-format json` gives every event.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -253,26 +253,37 @@ impl ConnRecord {
     }
 
     fn line(&self, stats: Stats, reason: Reason, periodic: bool) {
+        use super::access_log::{self, Value};
+        if !access_log::enabled() {
+            return;
+        }
         // A periodic line says `open`: the connection has not ended.
         let reason: &dyn fmt::Display = if periodic { &"open" } else { &reason };
-        tracing::info!(
-            target: "trellis::access",
-            listener = self.listener(),
-            route = self.route().unwrap_or("-"),
-            client = %self.client,
-            peer = %self.peer,
-            target_name = self.target.as_deref().unwrap_or("-"),
-            identity = self.identity.as_deref().unwrap_or("-"),
-            backend = self.backend.as_deref().unwrap_or("-"),
-            proxy = self.proxy.as_deref().unwrap_or("-"),
-            tunnel_peer = self.tunnel_peer.as_deref().unwrap_or("-"),
-            forwarded = self.forwarded,
-            rx_bytes = stats.rx,
-            tx_bytes = stats.tx,
-            duration_ms = self.accepted_at.elapsed().as_millis() as u64,
-            reason = %reason,
-            periodic,
-            "access"
+        fn or_dash(s: &Option<String>) -> Value<'_> {
+            Value::Str(s.as_deref().unwrap_or("-"))
+        }
+        access_log::line(
+            "access",
+            &[
+                ("listener", Value::Str(self.listener())),
+                ("route", Value::Str(self.route().unwrap_or("-"))),
+                ("client", Value::Fmt(&self.client)),
+                ("peer", Value::Fmt(&self.peer)),
+                ("target_name", or_dash(&self.target)),
+                ("identity", or_dash(&self.identity)),
+                ("backend", or_dash(&self.backend)),
+                ("proxy", or_dash(&self.proxy)),
+                ("tunnel_peer", or_dash(&self.tunnel_peer)),
+                ("forwarded", Value::Bool(self.forwarded)),
+                ("rx_bytes", Value::U64(stats.rx)),
+                ("tx_bytes", Value::U64(stats.tx)),
+                (
+                    "duration_ms",
+                    Value::U64(self.accepted_at.elapsed().as_millis() as u64),
+                ),
+                ("reason", Value::Fmt(reason)),
+                ("periodic", Value::Bool(periodic)),
+            ],
         );
     }
 
