@@ -313,6 +313,8 @@ pub(crate) struct Metrics {
     /// `trellis_default_route_missing`: 1 while a listener's `defaultRoute` is not in the
     /// active table (set at every load).
     pub default_route_missing: Family<ListenerLabel, Gauge>,
+    /// `trellis_ready`: 1 while `/ready` answers 200, 0 otherwise (every role).
+    pub ready: Gauge,
     /// Per-route handles by route name, so a connection resolves them with one lookup.
     route_cache: std::sync::RwLock<std::collections::HashMap<String, std::sync::Arc<RouteMetrics>>>,
     /// The `(route, reason)` label sets of `connect_failures`, so a gone route's can be
@@ -402,6 +404,7 @@ impl Metrics {
             egress_requests: Family::default(),
             tls_loads: Family::default(),
             default_route_missing: Family::default(),
+            ready: Gauge::default(),
             registry: Registry::default(),
             route_cache: Default::default(),
             failure_labels: Default::default(),
@@ -460,6 +463,11 @@ impl Metrics {
                 m.default_route_missing.clone(),
             );
         }
+        r.register(
+            "ready",
+            "1 while the process answers /ready with 200 (serving), 0 while starting or draining",
+            m.ready.clone(),
+        );
         let build_info = Family::<[(&'static str, &'static str); 1], Gauge>::default();
         build_info
             .get_or_create(&[("version", crate::VERSION)])
