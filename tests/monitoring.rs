@@ -36,6 +36,10 @@ const EXTERNAL_METRICS: [&str; 1] = ["up"];
 /// The panel types Grafana 7.5 (and so Plutono) ships that the dashboards may use.
 const PANEL_TYPES: [&str; 3] = ["row", "graph", "stat"];
 
+/// Families the gateway registers with the tunnel's but only the agent records (its endpoint
+/// per lane): on the shoot's dashboard, not the seed's.
+const AGENT_ONLY: [&str; 2] = ["trellis_tunnel_endpoint", "trellis_tunnel_endpoint_changes"];
+
 /// Grafana 7.5's dashboard schema version.
 const SCHEMA_VERSION: u64 = 27;
 
@@ -605,6 +609,9 @@ fn dashboard_covers(
     let mut missing = BTreeSet::new();
     for role in roles {
         for (family, samples) in &exported[role] {
+            if *role != "agent" && AGENT_ONLY.contains(&family.as_str()) {
+                continue;
+            }
             if !samples.iter().any(|s| used.contains(s)) {
                 missing.insert(format!("{family} ({role})"));
             }
