@@ -7,7 +7,8 @@
 
 use std::sync::atomic::AtomicU64;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -206,52 +207,87 @@ pub(crate) struct LaneKindLabels {
 
 impl TunnelMetrics {
     fn register(&self, r: &mut Registry) {
-        r.register(
+        listed(
+            r,
             "tunnel_handshakes",
             "WireGuard handshakes by route and result (ok: completed; recovery: started by trellis for a session it did not hold)",
             self.handshakes.clone(),
         );
-        r.register(
+        listed(
+            r,
             "tunnel_last_handshake_timestamp_seconds",
             "When each peer's last handshake completed (Unix time)",
             self.last_handshake.clone(),
         );
-        r.register(
+        listed(
+            r,
             "tunnel_bytes",
             "Bytes of tunneled streams by route and direction (rx from the shoot, tx into it)",
             self.bytes.clone(),
         );
-        r.register(
+        listed(
+            r,
             "tunnel_streams_active",
             "Tunneled streams open now, by route",
             self.streams.clone(),
         );
-        r.register(
+        listed(
+            r,
             "tunnel_dial_failures",
             "Streams that could not be opened through a tunnel, by route and reason",
             self.dial_failures.clone(),
         );
-        r.register(
+        listed(
+            r,
             "tunnel_packets_dropped",
             "Tunnel packets dropped, by reason",
             self.dropped.clone(),
         );
-        r.register(
+        listed(
+            r,
             "tunnel_tcp_endpoints_active",
             "TCP streams carrying WireGuard (endpoints of the device) open now",
             self.tcp_endpoints.clone(),
         );
-        r.register(
+        listed(
+            r,
             "tunnel_endpoint",
             "The agent's endpoint kind in use per lane (1), the other kind (0)",
             self.endpoint.clone(),
         );
-        r.register(
+        listed(
+            r,
             "tunnel_endpoint_changes",
             "The agent's switches to an endpoint kind, per lane",
             self.endpoint_changes.clone(),
         );
     }
+}
+
+/// A family whose `# HELP` and `# TYPE` lines are encoded also before its first series
+/// (prometheus-client leaves out empty families), so `/metrics` of a fresh process names every
+/// family its role records: what dashboards and alerts may query is visible from the start.
+#[derive(Debug)]
+struct Listed<M>(M);
+
+impl<M: EncodeMetric> EncodeMetric for Listed<M> {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.0.metric_type()
+    }
+}
+
+/// Registers `metric` under `name` as a [`Listed`] family.
+fn listed(
+    r: &mut Registry,
+    name: &str,
+    help: &str,
+    metric: impl EncodeMetric + Send + Sync + std::fmt::Debug + 'static,
+) {
+    r.register(name, help, Listed(metric));
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -313,6 +349,8 @@ pub(crate) struct Metrics {
     /// `trellis_default_route_missing`: 1 while a listener's `defaultRoute` is not in the
     /// active table (set at every load).
     pub default_route_missing: Family<ListenerLabel, Gauge>,
+    /// `trellis_ready`: 1 while `/ready` answers 200, 0 otherwise (every role).
+    pub ready: Gauge,
     /// Per-route handles by route name, so a connection resolves them with one lookup.
     route_cache: std::sync::RwLock<std::collections::HashMap<String, std::sync::Arc<RouteMetrics>>>,
     /// The `(route, reason)` label sets of `connect_failures`, so a gone route's can be
@@ -402,6 +440,7 @@ impl Metrics {
             egress_requests: Family::default(),
             tls_loads: Family::default(),
             default_route_missing: Family::default(),
+            ready: Gauge::default(),
             registry: Registry::default(),
             route_cache: Default::default(),
             failure_labels: Default::default(),
@@ -419,52 +458,67 @@ impl Metrics {
             m.tunnel.register(r);
         }
         if role == Role::Gateway {
-            r.register(
+            listed(
+                r,
                 "client_hello_bytes",
                 "Size of ClientHellos, record headers included",
                 m.client_hello_bytes.clone(),
             );
-            r.register(
+            listed(
+                r,
                 "proxy_protocol_headers",
                 "PROXY protocol headers by result",
                 m.proxy_headers.clone(),
             );
-            r.register(
+            listed(
+                r,
                 "routing_table_routes",
                 "Routes in the active table",
                 m.table_routes.clone(),
             );
-            r.register(
+            listed(
+                r,
                 "routing_table_generation",
                 "Generation of the active table",
                 m.table_generation.clone(),
             );
-            r.register(
+            listed(
+                r,
                 "routing_table_reloads",
                 "Routing table reloads by result",
                 m.table_reloads.clone(),
             );
-            r.register(
+            listed(
+                r,
                 "egress_requests",
                 "Egress (CONNECT over mutual TLS) requests by route and result",
                 m.egress_requests.clone(),
             );
-            r.register(
+            listed(
+                r,
                 "tls_material_loads",
                 "Certificate, key and client CA sets loaded (at start, on a table change or a file change), by result",
                 m.tls_loads.clone(),
             );
-            r.register(
+            listed(
+                r,
                 "default_route_missing",
                 "1 while a listener's defaultRoute is not in the active routing table",
                 m.default_route_missing.clone(),
             );
         }
+        listed(
+            r,
+            "ready",
+            "1 while the process answers /ready with 200 (serving), 0 while starting or draining",
+            m.ready.clone(),
+        );
         let build_info = Family::<[(&'static str, &'static str); 1], Gauge>::default();
         build_info
             .get_or_create(&[("version", crate::VERSION)])
             .set(1);
-        r.register(
+        listed(
+            r,
             "build_info",
             "The running trellis version (always 1)",
             build_info,
@@ -476,52 +530,62 @@ impl Metrics {
     /// Registers the connection families every proxying role records.
     fn register_connections(&self, r: &mut Registry) {
         let m = self;
-        r.register(
+        listed(
+            r,
             "downstream_connections",
             "Client connections by listener and outcome",
             m.downstream_total.clone(),
         );
-        r.register(
+        listed(
+            r,
             "downstream_connections_active",
             "Client connections open now",
             m.downstream_active.clone(),
         );
-        r.register(
+        listed(
+            r,
             "downstream_accept_paused_seconds",
             "Seconds a listener did not accept because the connection limit was reached, summed over its worker loops",
             m.accept_paused.clone(),
         );
-        r.register(
+        listed(
+            r,
             "route_connections",
             "Connections routed, by route",
             m.route_total.clone(),
         );
-        r.register(
+        listed(
+            r,
             "route_connections_active",
             "Routed connections open now",
             m.route_active.clone(),
         );
-        r.register(
+        listed(
+            r,
             "route_bytes",
             "Bytes relayed, rx from client, tx to client",
             m.route_bytes.clone(),
         );
-        r.register(
+        listed(
+            r,
             "upstream_connect_failures",
             "Failed backend connects by reason",
             m.connect_failures.clone(),
         );
-        r.register(
+        listed(
+            r,
             "upstream_connect_duration_seconds",
             "Time to connect to a backend",
             m.connect_duration.clone(),
         );
-        r.register(
+        listed(
+            r,
             "connection_duration_seconds",
             "Lifetime of client connections",
             m.connection_duration.clone(),
         );
-        r.register(
+        listed(
+            r,
             "half_closed_connections",
             "Connections with one direction closed",
             m.half_closed.clone(),
@@ -531,38 +595,50 @@ impl Metrics {
     /// Registers the controller's families.
     fn register_controller(&self, r: &mut Registry) {
         let c = &self.controller;
-        r.register(
+        listed(
+            r,
             "controller_objects",
             "Objects in the controller's stores, per kind",
             c.objects.clone(),
         );
-        r.register(
+        listed(
+            r,
             "controller_routes",
             "Routes in the last table rendered",
             c.routes.clone(),
         );
-        r.register(
+        listed(
+            r,
             "controller_skipped",
             "What the last render left out, per reason",
             c.skipped.clone(),
         );
-        r.register("controller_renders", "Tables rendered", c.renders.clone());
-        r.register(
+        listed(
+            r,
+            "controller_renders",
+            "Tables rendered",
+            c.renders.clone(),
+        );
+        listed(
+            r,
             "controller_writes",
             "Table writes by result (written, unchanged, failed)",
             c.writes.clone(),
         );
-        r.register(
+        listed(
+            r,
             "controller_change_to_write_seconds",
             "From the first object change a table holds to that table written",
             c.change_to_write.clone(),
         );
-        r.register(
+        listed(
+            r,
             "controller_watch_errors",
             "Failed lists and watches per kind (each retried with a backoff)",
             c.watch_errors.clone(),
         );
-        r.register(
+        listed(
+            r,
             "controller_served",
             "1 for the API version each kind is watched at (none: not served)",
             c.served.clone(),

@@ -83,9 +83,10 @@ impl AdminState {
         }
     }
 
-    /// Sets readiness.
+    /// Sets readiness, and the `trellis_ready` gauge with it.
     pub(crate) fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::SeqCst);
+        self.metrics.ready.set(i64::from(ready));
     }
 }
 
