@@ -13,6 +13,7 @@
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod common;
+mod fakekube;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -3002,4 +3003,126 @@ fn a_seed_ingress_beside_the_handler_fails() {
     // A zone's overlay held to the handler's own namespace and selector fails.
     let e = handler_rules(&render("seed/zone"), None, &labels).unwrap_err();
     assert!(e.contains("not in the handler's namespace"), "{e}");
+}
+
+/// The README's lines from the one starting with `first` to the end of its code block.
+fn readme_block(first: &str) -> Vec<String> {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let lines: Vec<&str> = readme.lines().collect();
+    let start = lines
+        .iter()
+        .position(|l| l.starts_with(first))
+        .unwrap_or_else(|| panic!("the README has no line starting with {first:?}"));
+    lines[start..]
+        .iter()
+        .take_while(|l| !l.starts_with("```"))
+        .map(|l| (*l).to_owned())
+        .collect()
+}
+
+/// A README command line as this test runs it: the binary the README names as cargo builds
+/// it is the one under test.
+fn as_tested(line: &str) -> String {
+    line.replace("target/release/trellis", BIN)
+}
+
+/// The README's example of `controller render` on the repository's example seed prints what
+/// the README shows of its output, run exactly as written.
+#[test]
+fn readme_render_example_prints_what_the_readme_shows() {
+    let command = readme_block("target/release/trellis controller render --manifests tests/");
+    assert_eq!(command.len(), 1, "{command:?}");
+    let args: Vec<String> = as_tested(&command[0])
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    let out = Command::new(&args[0])
+        .args(&args[1..])
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let after = &readme[readme.find(&command[0]).unwrap()..];
+    let shown = &after[after.find("```text\n").unwrap() + 8..];
+    let shown = &shown[..shown.find("\n```").unwrap()];
+    let chunks: Vec<&str> = shown.split("\n…\n").collect();
+    assert!(chunks.len() >= 2, "{shown}");
+    for chunk in chunks {
+        assert!(
+            printed.contains(chunk),
+            "the README shows\n{chunk}\nwhich render does not print:\n{printed}"
+        );
+    }
+}
+
+/// The README's commands that save a seed's objects and render them work against an API
+/// server as written (kubectl's current context from `KUBECONFIG`), also on a seed without
+/// the Gateway API's or Gardener's extension CRDs: the table holds the shoot put there.
+#[test]
+fn readme_seed_export_renders_what_the_api_server_holds() {
+    if !kubectl("readme_seed_export_renders_what_the_api_server_holds") {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let kube = rt.block_on(fakekube::FakeKube::start());
+    let _guard = rt.enter();
+    let fixture =
+        std::fs::read_to_string(repo().join("tests/data/controller/seed/shoot--dev--alpha.yaml"))
+            .unwrap();
+    for object in serde_saphyr::from_multiple::<Value>(&fixture).unwrap() {
+        if !object.is_null() {
+            kube.put(object);
+        }
+    }
+    kube.serve_group("gateway.networking.k8s.io", &[]);
+    kube.serve_group("extensions.gardener.cloud", &[]);
+    let dir = TestDir::new("readme-export");
+    kube.write_kubeconfig(&dir.path("kubeconfig"));
+    let work = dir.path("work");
+    std::fs::create_dir_all(&work).unwrap();
+    std::os::unix::fs::symlink(repo().join("config"), work.join("config")).unwrap();
+    let script: Vec<String> = readme_block("mkdir -p seed out")
+        .iter()
+        .map(|l| as_tested(l))
+        .collect();
+    assert!(script.len() >= 6, "{script:?}");
+    let out = Command::new("sh")
+        .args(["-e", "-c", &script.join("\n")])
+        .current_dir(&work)
+        .env("KUBECONFIG", dir.path("kubeconfig"))
+        .env("HOME", dir.path("home"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!work.join("seed/tlsroutes.yaml").exists());
+    let table: Value =
+        serde_json::from_str(&std::fs::read_to_string(work.join("out/routes.json")).unwrap())
+            .unwrap();
+    let names: Vec<&str> = table["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"shoot--dev--alpha"), "{names:?}");
+    drop(kube);
 }
