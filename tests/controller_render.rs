@@ -271,7 +271,7 @@ fn without_tunnels_on_no_tunnel_route_or_file_is_rendered() {
 }
 
 /// `config/gardener/shape-b/routes.yaml`, the example of a shoot's route in the tunnel
-/// gateway's table, is what the tunnel replicas' controller (`deploy/seed/tunnel-controller.yaml`)
+/// gateway's table, is what the tunnel replicas' controller (`deploy/seed/tunnel/tunnel-controller.yaml`)
 /// renders of the `tunnels` case's alpha shoot, field for field: nothing else in its table.
 #[test]
 fn the_shape_b_example_route_is_what_the_tunnel_controller_renders() {
@@ -284,7 +284,7 @@ fn the_shape_b_example_route_is_what_the_tunnel_controller_renders() {
         .args(["controller", "render", "--manifests"])
         .arg(&seed)
         .arg("--config")
-        .arg(repo.join("deploy/seed/tunnel-controller.yaml"))
+        .arg(repo.join("deploy/seed/tunnel/tunnel-controller.yaml"))
         .output()
         .unwrap();
     std::fs::remove_dir_all(&seed).unwrap();

@@ -13,6 +13,7 @@
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod common;
+mod fakekube;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -473,6 +474,10 @@ fn seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas() {
                 "HorizontalPodAutoscaler",
                 "NetworkPolicy",
             ][..],
+        ),
+        (
+            "seed/zone",
+            &["ConfigMap", "Deployment", "Service", "ClusterRoleBinding"][..],
         ),
         ("shoot", &["ConfigMap", "DaemonSet"][..]),
         (
@@ -1497,7 +1502,7 @@ fn tunnels_or_secrets_in_the_ingress_gateway_fail() {
                     .as_array_mut()
                     .unwrap()
                     .push(json!({"kind": "ServiceAccount", "name": "trellis-gateway",
-                        "namespace": "trellis-ingress"}));
+                        "namespace": "istio-ingress-handler-trellis"}));
             },
             "account trellis-gateway may read secrets",
         ),
@@ -2492,4 +2497,632 @@ fn a_weakened_tunnel_gateway_fails() {
             Err(e) => assert!(e.contains(message), "{what}: {e}"),
         }
     }
+}
+
+/// The exposure class handler `deploy/seed/gateway` stands in for (gardenlet's
+/// `exposureClassHandlers[].name`, the ExposureClass's `handler`).
+const HANDLER: &str = "trellis";
+
+/// The namespace gardenlet gives the handler's gateway, and in a zone of a multi-zonal seed
+/// that zone's (`sni.ingress.namespace`'s default `istio-ingress-handler-<name>`, and
+/// `<namespace>--<zone>` from `GetIstioNamespaceForZone` for short lowercase zones).
+fn handler_namespace(zone: Option<&str>) -> String {
+    let base = format!("istio-ingress-handler-{HANDLER}");
+    zone.map_or(base.clone(), |z| format!("{base}--{z}"))
+}
+
+/// The labels of the handler's Envoy pods, the selector of its Service and of the Istio
+/// Gateway gardenlet writes per shoot of the exposure class: the default `sni.ingress.labels`
+/// with `GetMandatoryExposureClassHandlerSNILabels`, then `GetIstioZoneLabels` (whose zone
+/// key is `gardener.cloud/role` where there is no `istio` label).
+fn envoy_labels(zone: Option<&str>) -> Value {
+    let role = zone.map_or("exposureclass-handler".to_owned(), |z| {
+        format!("exposureclass-handler--zone--{z}")
+    });
+    json!({
+        "app": "istio-ingressgateway",
+        "gardener.cloud/role": role,
+        "handler.exposureclass.gardener.cloud/name": HANDLER,
+        "istio-role": "seed",
+    })
+}
+
+/// Envoy's Service ports (port, target port) as gardenlet writes them for every ingress
+/// gateway (`tcp`, `http-proxy`, `tls-tunnel`).
+const ENVOY_PORTS: [(u64, u64); 3] = [(443, 9443), (8443, 8443), (8132, 8132)];
+
+/// The labels gardenlet puts on the handler's namespace (`istio.go`'s gateway namespaces),
+/// plus the one the operator adds (docs/gardener.md, the rollout).
+fn handler_namespace_labels(zone: Option<&str>, operator_label: bool) -> Value {
+    let mut labels = json!({
+        "kubernetes.io/metadata.name": handler_namespace(zone),
+        "istio-operator-managed": "Reconcile",
+        "istio-injection": "disabled",
+        "gardener.cloud/role": envoy_labels(zone)["gardener.cloud/role"],
+        "handler.exposureclass.gardener.cloud/name": HANDLER,
+        "pod-security.kubernetes.io/enforce": "baseline",
+        "high-availability-config.resources.gardener.cloud/consider": "true",
+    });
+    if operator_label {
+        labels["networking.gardener.cloud/access-target-apiserver"] = json!("allowed");
+    }
+    labels
+}
+
+/// A Service in every shoot namespace that trellis must reach, as gardener-resource-manager
+/// reads it: its name, target port and the `networking.resources.gardener.cloud/
+/// namespace-selectors` (a match-labels map, or a key that must exist) and pod label alias
+/// it carries (`apiserverexposure/service.go`, `vpn/seedserver/seedserver.go`).
+struct ShootService {
+    name: &'static str,
+    target_port: u64,
+    selectors: &'static [Selector],
+    alias: &'static str,
+}
+
+/// One namespace selector of a Service's annotation.
+enum Selector {
+    /// `matchLabels` of one label.
+    Label(&'static str, &'static str),
+    /// `matchExpressions` with `operator: Exists`.
+    Exists(&'static str),
+}
+
+const KUBE_APISERVER_SELECTORS: &[Selector] = &[
+    Selector::Label(
+        "networking.gardener.cloud/access-target-apiserver",
+        "allowed",
+    ),
+    Selector::Label("kubernetes.io/metadata.name", "garden"),
+    Selector::Label("gardener.cloud/role", "extension"),
+];
+const VPN_SEED_SERVER_SELECTORS: &[Selector] = &[
+    Selector::Label("gardener.cloud/role", "istio-ingress"),
+    Selector::Exists("handler.exposureclass.gardener.cloud/name"),
+];
+
+/// The shoot Services trellis's routes lead to: the API server (SNI) and the VPN servers
+/// (the reversed VPN's CONNECT to 1194; HA: one per replica).
+const SHOOT_SERVICES: [ShootService; 4] = [
+    ShootService {
+        name: "kube-apiserver",
+        target_port: 443,
+        selectors: KUBE_APISERVER_SELECTORS,
+        alias: "all-shoots",
+    },
+    ShootService {
+        name: "vpn-seed-server",
+        target_port: 1194,
+        selectors: VPN_SEED_SERVER_SELECTORS,
+        alias: "all-shoots",
+    },
+    ShootService {
+        name: "vpn-seed-server-0",
+        target_port: 1194,
+        selectors: VPN_SEED_SERVER_SELECTORS,
+        alias: "all-shoots",
+    },
+    ShootService {
+        name: "vpn-seed-server-1",
+        target_port: 1194,
+        selectors: VPN_SEED_SERVER_SELECTORS,
+        alias: "all-shoots",
+    },
+];
+
+/// gardener-resource-manager's pod label for traffic to `service`'s `port` (TCP): in the
+/// Service's namespace `to-<service>-tcp-<port>`, from another namespace with the alias
+/// infix (`matchLabelsForServiceAndNamespace`).
+fn policy_label(alias: Option<&str>, service: &str, port: u64) -> String {
+    let infix = alias.map(|a| format!("{a}-")).unwrap_or_default();
+    format!("networking.resources.gardener.cloud/to-{infix}{service}-tcp-{port}")
+}
+
+/// The port of an `address:port` string.
+fn address_port(address: &str) -> u64 {
+    address.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// The seed ingress in the handler's namespace (`deploy/seed/gateway`, or a zone's copy):
+/// the namespace gardenlet gives the handler (and `zone`); a `trellis-gateway` LoadBalancer
+/// Service with Envoy's ports and numeric target ports (so that its selector can be pointed
+/// at Envoy's pods) that are the gateway's listeners, admitted from the world by Gardener's
+/// annotation, selecting trellis's pods and never Envoy's, and trellis's pods never
+/// selected by Envoy's Service; the controller rendering for Envoy's selector with Envoy's
+/// Service as every fallback; the pods labelled so that gardener-resource-manager's policies
+/// let them reach every shoot's kube-apiserver and vpn-seed-server (given the namespace's
+/// labels `namespace_labels`) and Envoy, and gardenlet's reach DNS and the seed's API
+/// server. `Err` names the first rule broken.
+fn handler_rules(
+    objects: &[Value],
+    zone: Option<&str>,
+    namespace_labels: &Value,
+) -> Result<(), String> {
+    let deployment = find(objects, "Deployment", "trellis-gateway");
+    let namespace = deployment["metadata"]["namespace"].as_str().unwrap();
+    let expected_namespace = handler_namespace(zone);
+    ensure!(
+        namespace == expected_namespace,
+        "the gateway runs in {namespace}, not in the handler's namespace {expected_namespace}"
+    );
+    let envoy = envoy_labels(zone);
+    let pod_labels = &deployment["spec"]["template"]["metadata"]["labels"];
+    ensure!(
+        !selects(&envoy, pod_labels),
+        "Envoy's Service selects the trellis pods: {pod_labels}"
+    );
+
+    let service = objects
+        .iter()
+        .find(|o| {
+            o["kind"] == "Service"
+                && o["metadata"]["name"] == "trellis-gateway"
+                && o["metadata"]["namespace"] == namespace
+        })
+        .ok_or("no Service trellis-gateway in the handler's namespace")?;
+    ensure!(
+        service["spec"]["type"] == "LoadBalancer",
+        "trellis-gateway is not a LoadBalancer"
+    );
+    let selector = &service["spec"]["selector"];
+    ensure!(
+        selects(selector, pod_labels),
+        "trellis-gateway does not select the trellis pods"
+    );
+    ensure!(
+        !selects(selector, &envoy),
+        "trellis-gateway selects Envoy's pods: {selector}"
+    );
+    let mut ports = Vec::new();
+    for p in service["spec"]["ports"].as_array().unwrap() {
+        let target = p["targetPort"].as_u64().ok_or_else(|| {
+            format!(
+                "port {}: target port {} is not numeric",
+                p["port"], p["targetPort"]
+            )
+        })?;
+        ports.push((p["port"].as_u64().unwrap(), target));
+    }
+    ports.sort_unstable();
+    let mut envoy_ports = ENVOY_PORTS.to_vec();
+    envoy_ports.sort_unstable();
+    ensure!(
+        ports == envoy_ports,
+        "trellis-gateway's ports {ports:?} are not Envoy's {envoy_ports:?}"
+    );
+    let config = config_of(objects, deployment);
+    let listening: Vec<u64> = config["listeners"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| port_of(l["address"].as_str().unwrap()))
+        .collect();
+    for (port, target) in &ports {
+        ensure!(
+            listening.contains(target),
+            "port {port} leads to {target}, where no listener is"
+        );
+    }
+    let world: Vec<Value> = service["metadata"]["annotations"]
+        ["networking.resources.gardener.cloud/from-world-to-ports"]
+        .as_str()
+        .map(|a| serde_json::from_str(a).unwrap())
+        .unwrap_or_default();
+    for (port, target) in &ports {
+        ensure!(
+            world
+                .iter()
+                .any(|w| w["port"] == *target && w["protocol"] == "TCP"),
+            "from-world-to-ports does not admit {target} (port {port}): {world:?}"
+        );
+    }
+
+    let (controller, _) = config_in(objects, deployment, "controller");
+    ensure!(
+        controller["gateway"]["selector"] == envoy,
+        "the controller renders for {}, not for the handler's Envoy {envoy}",
+        controller["gateway"]["selector"]
+    );
+    let envoy_service = format!("istio-ingressgateway.{namespace}.svc.cluster.local");
+    let fallback = &controller["fallback"];
+    for (field, port) in [("address", 443), ("connect", 8443), ("connectLegacy", 8132)] {
+        let expected = format!("{envoy_service}:{port}");
+        ensure!(
+            fallback[field].as_str() == Some(&expected),
+            "fallback.{field} is {}, not the handler's Envoy {expected}",
+            fallback[field]
+        );
+    }
+
+    let has = |label: &str| pod_labels[label] == "allowed";
+    for s in &SHOOT_SERVICES {
+        let admitted = s.selectors.iter().any(|sel| match sel {
+            Selector::Label(k, v) => namespace_labels[*k] == *v,
+            Selector::Exists(k) => !namespace_labels[*k].is_null(),
+        });
+        ensure!(
+            admitted,
+            "{}'s namespace selectors admit no pod of namespace {namespace} ({namespace_labels})",
+            s.name
+        );
+        let label = policy_label(Some(s.alias), s.name, s.target_port);
+        ensure!(
+            has(&label),
+            "the pods lack {label}: {} is out of reach",
+            s.name
+        );
+    }
+    for field in ["address", "connect", "connectLegacy"] {
+        let port = address_port(fallback[field].as_str().unwrap());
+        let target = ENVOY_PORTS.iter().find(|(p, _)| *p == port).unwrap().1;
+        let label = policy_label(None, "istio-ingressgateway", target);
+        ensure!(
+            has(&label),
+            "the pods lack {label}: Envoy's {target} is out of reach"
+        );
+    }
+    for label in [
+        "networking.gardener.cloud/to-dns",
+        "networking.gardener.cloud/to-runtime-apiserver",
+    ] {
+        ensure!(has(label), "the pods lack {label}");
+    }
+    Ok(())
+}
+
+/// What `deploy/seed/gateway`'s controller renders of a shoot exposed through the handler
+/// (the `internet` fixture shoot moved to this handler and, with `zone`, to that zone's
+/// gateway): the route names.
+fn handler_routes(objects: &[Value], zone: Option<&str>) -> Vec<String> {
+    let deployment = find(objects, "Deployment", "trellis-gateway");
+    let root = TestDir::new("deploy-handler");
+    let config = lay_out(objects, deployment, "controller", &root.0);
+    let seed = root.path("seed");
+    std::fs::create_dir_all(&seed).unwrap();
+    let fixture =
+        std::fs::read_to_string(repo().join("tests/data/controller/seed/shoot--dev--exposed.yaml"))
+            .unwrap();
+    let role = envoy_labels(zone)["gardener.cloud/role"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let moved = fixture
+        .replace(
+            "\"handler.exposureclass.gardener.cloud/name\": \"internet\"",
+            &format!("\"handler.exposureclass.gardener.cloud/name\": \"{HANDLER}\""),
+        )
+        .replace(
+            "\"gardener.cloud/role\": \"exposureclass-handler\"",
+            &format!("\"gardener.cloud/role\": \"{role}\""),
+        );
+    assert_ne!(moved, fixture);
+    std::fs::write(seed.join("shoot.yaml"), moved).unwrap();
+    let out = Command::new(BIN)
+        .args(["controller", "render", "--manifests"])
+        .arg(&seed)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table: Value = serde_json::from_slice(&out.stdout).unwrap();
+    table["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The handler's gateway (`deploy/seed`) and a zone's (`deploy/seed/zone`, zone `eu-1a`)
+/// keep [`handler_rules`] with the labels the rollout gives their namespaces, and each
+/// renders the shoots gardenlet exposes through it. The rollout's commands say what the
+/// rules assume: the namespace label, and a rollback patch selecting exactly Envoy's pods.
+#[test]
+fn seed_ingress_is_the_exposure_class_handlers_and_reaches_the_shoots() {
+    if !kubectl("seed_ingress_is_the_exposure_class_handlers_and_reaches_the_shoots") {
+        return;
+    }
+    for (base, zone) in [("seed", None), ("seed/zone", Some("eu-1a"))] {
+        let objects = render(base);
+        handler_rules(&objects, zone, &handler_namespace_labels(zone, true))
+            .unwrap_or_else(|e| panic!("deploy/{base}: {e}"));
+        let routes = handler_routes(&objects, zone);
+        assert!(
+            routes.iter().any(|r| r == "shoot--dev--exposed"),
+            "deploy/{base}: the handler's shoot is not routed: {routes:?}"
+        );
+        // The other zone's gateway, or the handler's own, does not take it.
+        let other = if zone.is_some() { None } else { Some("eu-1a") };
+        let routes = handler_routes(&objects, other);
+        assert!(
+            !routes.iter().any(|r| r == "shoot--dev--exposed"),
+            "deploy/{base} routes another gateway's shoot: {routes:?}"
+        );
+    }
+    let doc = std::fs::read_to_string(repo().join("docs/gardener.md")).unwrap();
+    let label = format!(
+        "kubectl label namespace {} networking.gardener.cloud/access-target-apiserver=allowed",
+        handler_namespace(None)
+    );
+    assert!(
+        doc.contains(&label),
+        "docs/gardener.md does not say `{label}`"
+    );
+    let patch = doc
+        .lines()
+        .find(|l| l.contains("patch service trellis-gateway"))
+        .expect("docs/gardener.md has no rollback patch");
+    let json_text = patch.split('\'').nth(1).unwrap();
+    let ops: Value = serde_json::from_str(json_text).unwrap();
+    assert_eq!(ops[0]["path"], "/spec/selector", "{patch}");
+    assert_eq!(
+        ops[0]["value"],
+        envoy_labels(None),
+        "the rollback does not select Envoy"
+    );
+}
+
+/// The control: each way of breaking [`handler_rules`] fails with the rule it breaks.
+#[test]
+fn a_seed_ingress_beside_the_handler_fails() {
+    if !kubectl("a_seed_ingress_beside_the_handler_fails") {
+        return;
+    }
+    let objects = render("seed");
+    fn gateway_service(o: &mut [Value]) -> &mut Value {
+        find_mut(o, "Service", "trellis-gateway")
+    }
+    fn pod_labels(o: &mut [Value]) -> &mut Value {
+        &mut find_mut(o, "Deployment", "trellis-gateway")["spec"]["template"]["metadata"]["labels"]
+    }
+    type Break = fn(&mut Vec<Value>);
+    let breaks: Vec<(&str, Break, &str)> = vec![
+        (
+            "a named target port",
+            |o| gateway_service(o)["spec"]["ports"][0]["targetPort"] = json!("tls"),
+            "not numeric",
+        ),
+        (
+            "a port Envoy does not have",
+            |o| gateway_service(o)["spec"]["ports"][1]["port"] = json!(8444),
+            "not Envoy's",
+        ),
+        (
+            "Envoy's pods behind trellis's Service",
+            |o| gateway_service(o)["spec"]["selector"] = envoy_labels(None),
+            "does not select the trellis pods",
+        ),
+        (
+            "Envoy's labels on the trellis pods",
+            |o| {
+                for (k, v) in envoy_labels(None).as_object().unwrap() {
+                    pod_labels(o)[k] = v.clone();
+                }
+            },
+            "Envoy's Service selects the trellis pods",
+        ),
+        (
+            "no ingress from the world on 8132",
+            |o| {
+                gateway_service(o)["metadata"]["annotations"]["networking.resources.gardener.cloud/from-world-to-ports"] =
+                    json!(r#"[{"port":9443,"protocol":"TCP"},{"port":8443,"protocol":"TCP"}]"#)
+            },
+            "does not admit 8132",
+        ),
+        (
+            "another handler's selector",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-controller-config",
+                    "handler.exposureclass.gardener.cloud/name: trellis",
+                    "handler.exposureclass.gardener.cloud/name: internet",
+                )
+            },
+            "not for the handler's Envoy",
+        ),
+        (
+            "the default gateway's Envoy as fallback",
+            |o| {
+                edit_config(
+                    o,
+                    "trellis-controller-config",
+                    "istio-ingressgateway.istio-ingress-handler-trellis.svc.cluster.local:443",
+                    "istio-ingressgateway.istio-ingress.svc.cluster.local:443",
+                )
+            },
+            "fallback.address",
+        ),
+        (
+            "no label for the kube-apiservers",
+            |o| {
+                pod_labels(o).as_object_mut().unwrap().remove(
+                    "networking.resources.gardener.cloud/to-all-shoots-kube-apiserver-tcp-443",
+                );
+            },
+            "kube-apiserver is out of reach",
+        ),
+        (
+            "no label for an HA shoot's second VPN server",
+            |o| {
+                pod_labels(o).as_object_mut().unwrap().remove(
+                    "networking.resources.gardener.cloud/to-all-shoots-vpn-seed-server-1-tcp-1194",
+                );
+            },
+            "vpn-seed-server-1 is out of reach",
+        ),
+        (
+            "no label for Envoy's legacy CONNECT port",
+            |o| {
+                pod_labels(o)
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("networking.resources.gardener.cloud/to-istio-ingressgateway-tcp-8132");
+            },
+            "Envoy's 8132",
+        ),
+        (
+            "no label for the seed's API server",
+            |o| {
+                pod_labels(o)
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("networking.gardener.cloud/to-runtime-apiserver");
+            },
+            "to-runtime-apiserver",
+        ),
+        (
+            "the gateway in another namespace",
+            |o| {
+                for x in o.iter_mut() {
+                    if x["metadata"]["namespace"] == "istio-ingress-handler-trellis" {
+                        x["metadata"]["namespace"] = json!("trellis-ingress");
+                    }
+                }
+            },
+            "not in the handler's namespace",
+        ),
+    ];
+    let labels = handler_namespace_labels(None, true);
+    for (what, break_it, message) in breaks {
+        let mut broken = objects.clone();
+        break_it(&mut broken);
+        match handler_rules(&broken, None, &labels) {
+            Ok(()) => panic!("{what}: passed"),
+            Err(e) => assert!(e.contains(message), "{what}: {e}"),
+        }
+    }
+    // The namespace without the operator's label: kube-apiserver admits none of its pods.
+    let e = handler_rules(&objects, None, &handler_namespace_labels(None, false)).unwrap_err();
+    assert!(e.contains("kube-apiserver's namespace selectors"), "{e}");
+    // A zone's overlay held to the handler's own namespace and selector fails.
+    let e = handler_rules(&render("seed/zone"), None, &labels).unwrap_err();
+    assert!(e.contains("not in the handler's namespace"), "{e}");
+}
+
+/// The README's lines from the one starting with `first` to the end of its code block.
+fn readme_block(first: &str) -> Vec<String> {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let lines: Vec<&str> = readme.lines().collect();
+    let start = lines
+        .iter()
+        .position(|l| l.starts_with(first))
+        .unwrap_or_else(|| panic!("the README has no line starting with {first:?}"));
+    lines[start..]
+        .iter()
+        .take_while(|l| !l.starts_with("```"))
+        .map(|l| (*l).to_owned())
+        .collect()
+}
+
+/// A README command line as this test runs it: the binary the README names as cargo builds
+/// it is the one under test.
+fn as_tested(line: &str) -> String {
+    line.replace("target/release/trellis", BIN)
+}
+
+/// The README's example of `controller render` on the repository's example seed prints what
+/// the README shows of its output, run exactly as written.
+#[test]
+fn readme_render_example_prints_what_the_readme_shows() {
+    let command = readme_block("target/release/trellis controller render --manifests tests/");
+    assert_eq!(command.len(), 1, "{command:?}");
+    let args: Vec<String> = as_tested(&command[0])
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    let out = Command::new(&args[0])
+        .args(&args[1..])
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let after = &readme[readme.find(&command[0]).unwrap()..];
+    let shown = &after[after.find("```text\n").unwrap() + 8..];
+    let shown = &shown[..shown.find("\n```").unwrap()];
+    let chunks: Vec<&str> = shown.split("\n…\n").collect();
+    assert!(chunks.len() >= 2, "{shown}");
+    for chunk in chunks {
+        assert!(
+            printed.contains(chunk),
+            "the README shows\n{chunk}\nwhich render does not print:\n{printed}"
+        );
+    }
+}
+
+/// The README's commands that save a seed's objects and render them work against an API
+/// server as written (kubectl's current context from `KUBECONFIG`), also on a seed without
+/// the Gateway API's or Gardener's extension CRDs: the table holds the shoot put there.
+#[test]
+fn readme_seed_export_renders_what_the_api_server_holds() {
+    if !kubectl("readme_seed_export_renders_what_the_api_server_holds") {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let kube = rt.block_on(fakekube::FakeKube::start());
+    let _guard = rt.enter();
+    let fixture =
+        std::fs::read_to_string(repo().join("tests/data/controller/seed/shoot--dev--alpha.yaml"))
+            .unwrap();
+    for object in serde_saphyr::from_multiple::<Value>(&fixture).unwrap() {
+        if !object.is_null() {
+            kube.put(object);
+        }
+    }
+    kube.serve_group("gateway.networking.k8s.io", &[]);
+    kube.serve_group("extensions.gardener.cloud", &[]);
+    let dir = TestDir::new("readme-export");
+    kube.write_kubeconfig(&dir.path("kubeconfig"));
+    let work = dir.path("work");
+    std::fs::create_dir_all(&work).unwrap();
+    std::os::unix::fs::symlink(repo().join("config"), work.join("config")).unwrap();
+    let script: Vec<String> = readme_block("mkdir -p seed out")
+        .iter()
+        .map(|l| as_tested(l))
+        .collect();
+    assert!(script.len() >= 6, "{script:?}");
+    let out = Command::new("sh")
+        .args(["-e", "-c", &script.join("\n")])
+        .current_dir(&work)
+        .env("KUBECONFIG", dir.path("kubeconfig"))
+        .env("HOME", dir.path("home"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!work.join("seed/tlsroutes.yaml").exists());
+    let table: Value =
+        serde_json::from_str(&std::fs::read_to_string(work.join("out/routes.json")).unwrap())
+            .unwrap();
+    let names: Vec<&str> = table["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"shoot--dev--alpha"), "{names:?}");
+    drop(kube);
 }
