@@ -328,7 +328,7 @@ impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Seq<'_, A> {
         let r = at(t, Segment::Index(self.index), || {
             if standing_in(t) {
                 match self.seq.next_element::<IgnoredAny>()? {
-                    Some(_) => seed.deserialize(StandIn::new(t)).map(Some),
+                    Some(_) => stand_in(t, seed).map(Some),
                     None => Ok(None),
                 }
             } else {
@@ -384,12 +384,12 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for Map<'_, A> {
         let t = self.t;
         let key = t.borrow_mut().key.take().unwrap_or_default();
         if self.inserting.is_some() {
-            return at(t, Segment::Key(&key), || seed.deserialize(StandIn::new(t)));
+            return at(t, Segment::Key(&key), || stand_in(t, seed));
         }
         at(t, Segment::Key(&key), || {
             if standing_in(t) {
                 self.map.next_value::<IgnoredAny>()?;
-                seed.deserialize(StandIn::new(t))
+                stand_in(t, seed)
             } else {
                 self.map.next_value_seed(Seed { seed, t })
             }
@@ -413,6 +413,14 @@ fn next_added<'de, K: DeserializeSeed<'de>, E: de::Error>(
     let key = seed.deserialize(StrDeserializer::<E>::new(&field))?;
     t.borrow_mut().key = Some(field);
     Ok(Some(key))
+}
+
+/// Decodes a stand-in at the current path; an error in it (a field it lacks) is noted there.
+fn stand_in<'de, S: DeserializeSeed<'de>, E: de::Error>(
+    t: &RefCell<Track>,
+    seed: S,
+) -> Result<S::Value, E> {
+    seed.deserialize(StandIn::new(t)).map_err(|e| fail(t, e))
 }
 
 /// Decodes a value at the current path.
@@ -753,7 +761,7 @@ impl<'de, E: de::Error> MapAccess<'de> for StandInMap<'_, E> {
     fn next_value_seed<S: DeserializeSeed<'de>>(&mut self, seed: S) -> Result<S::Value, E> {
         let t = self.t;
         let key = t.borrow_mut().key.take().unwrap_or_default();
-        at(t, Segment::Key(&key), || seed.deserialize(StandIn::new(t)))
+        at(t, Segment::Key(&key), || stand_in(t, seed))
     }
 }
 
