@@ -61,11 +61,11 @@ timeouts: {drain: forever}
     assert!(!ok);
     let b = bad.display();
     for needle in [
-        format!("{b}: listeners[1].address: expected IP:port, got \"127.0.0.1:99999\""),
-        format!("{b}: listeners[2].protocol: unknown protocol \"telnet\""),
-        format!("{b}: timeouts.drain: invalid duration \"forever\""),
+        format!("{b}:6:25: listeners[1].address: expected IP:port, got \"127.0.0.1:99999\""),
+        format!("{b}:7:50: listeners[2].protocol: unknown protocol \"telnet\""),
+        format!("{b}:9:19: timeouts.drain: invalid duration \"forever\""),
         format!(
-            "{}: routes[0].bakends: unknown field `bakends`",
+            "{}:5:3: routes[0].bakends: unknown field `bakends`",
             unknown.display()
         ),
     ] {
@@ -109,7 +109,7 @@ limits: {{maxClientHelloBytes: 1}}
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("gateway.yaml: limits.maxClientHelloBytes: 1 is out of range"),
+        err.contains("gateway.yaml:7:31: limits.maxClientHelloBytes: 1 is out of range"),
         "{err}"
     );
 
@@ -128,7 +128,7 @@ limits: {{maxClientHelloBytes: 1}}
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("routes.yaml: routes[0].backends[0].address"),
+        err.contains("routes.yaml:3:41: routes[0].backends[0].address"),
         "{err}"
     );
     // Nothing was bound: both ports are still free.
@@ -162,7 +162,7 @@ admin: {{address: \"127.0.0.1:{admin}\"}}
     )
     .unwrap();
     let file = dir.path("gateway.yaml");
-    let want = "gateway.yaml: listeners[0].proxyProtocol.trustedSources: required with a PROXY header mode: list the networks of the load balancers that send the header";
+    let want = "gateway.yaml:5:73: listeners[0].proxyProtocol.trustedSources: required with a PROXY header mode: list the networks of the load balancers that send the header";
     for mode in ["optional", "required"] {
         std::fs::write(&file, config(&format!("{{mode: {mode}}}"))).unwrap();
         let (ok, out) = run(
@@ -329,18 +329,22 @@ routes:
 "
     );
     let as_json: serde_json::Value = serde_saphyr::from_str(&yaml).unwrap();
-    for (name, text) in [
-        ("routes.yaml", yaml.clone()),
-        ("routes.json", as_json.to_string()),
+    for (name, text, [weight, address, sni]) in [
+        ("routes.yaml", yaml.clone(), ["6:40", "8:24", "9:3"]),
+        (
+            "routes.json",
+            as_json.to_string(),
+            ["1:120", "1:193", "1:214"],
+        ),
     ] {
         let file = dir.path(name);
         std::fs::write(&file, &text).unwrap();
         let f = file.display();
         let mut expected = vec![
-            format!("{f}: routes[0].backends[0].weight: unknown field `weight`"),
-            format!("{f}: routes[1].backends[0].address: expected HOST:PORT: \"nope\""),
+            format!("{f}:{weight}: routes[0].backends[0].weight: unknown field `weight`"),
+            format!("{f}:{address}: routes[1].backends[0].address: expected HOST:PORT: \"nope\""),
             format!(
-                "{f}: routes[2]: sni \"x.example.com\" of route \"c\" is already claimed by route \"a\" (routes[0])"
+                "{f}:{sni}: routes[2]: sni \"x.example.com\" of route \"c\" is already claimed by route \"a\" (routes[0])"
             ),
         ];
         let mut got = check_errors(&file);
@@ -357,9 +361,9 @@ routes:
     assert_eq!(
         got,
         [
-            format!("{g}: limit: unknown field `limit`"),
-            format!("{g}: listeners[0].address: expected IP:port, got \"nope\""),
-            format!("{g}: listeners[0].bogus: unknown field `bogus`"),
+            format!("{g}:5:24: listeners[0].address: expected IP:port, got \"nope\""),
+            format!("{g}:5:45: listeners[0].bogus: unknown field `bogus`"),
+            format!("{g}:7:1: limit: unknown field `limit`"),
         ]
     );
     let node = dir.path("node.yaml");
@@ -368,8 +372,8 @@ routes:
     assert_eq!(
         check_errors(&node),
         [
-            format!("{n}: upstream.destinationHeaders: unknown field `destinationHeaders`"),
-            format!("{n}: listen[0]: expected IP:port, got \"nope\""),
+            format!("{n}:3:10: listen[0]: expected IP:port, got \"nope\""),
+            format!("{n}:4:44: upstream.destinationHeaders: unknown field `destinationHeaders`"),
         ]
     );
 }
@@ -430,10 +434,10 @@ fn parse_errors_are_one_line_with_line_and_column() {
     let dir = TestDir::new("oneline");
     let gateway = |limits: &str| {
         format!(
-            "{HEAD}kind: GatewayConfiguration\nroutes: {{file: r.yaml}}\nlisteners: []\nadmin: {{address: x}}\nlimits: {limits}\n"
+            "{HEAD}kind: GatewayConfiguration\nroutes: {{file: r.yaml}}\nlisteners: [{{name: tls, address: \"127.0.0.1:1\", protocol: sni}}]\nadmin: {{address: \"127.0.0.1:2\"}}\nlimits: {limits}\n"
         )
     };
-    let json = "{\"apiVersion\": \"trellis.gardener.cloud/v1alpha1\", \"kind\": \"GatewayConfiguration\",\n\"limits\": {\"maxConnections\": \"lots\"}}";
+    let json = "{\"apiVersion\": \"trellis.gardener.cloud/v1alpha1\", \"kind\": \"GatewayConfiguration\", \"routes\": {\"file\": \"r.yaml\"}, \"listeners\": [{\"name\": \"tls\", \"address\": \"127.0.0.1:1\", \"protocol\": \"sni\"}], \"admin\": {\"address\": \"127.0.0.1:2\"},\n\"limits\": {\"maxConnections\": \"lots\"}}";
     for (name, text, expected) in [
         (
             "type.yaml",
@@ -525,7 +529,7 @@ fn check_loads_the_gateways_routing_table_as_the_gateway_does() {
     assert_eq!(code, Some(1), "{out}");
     assert!(
         out.contains(&format!(
-            "{}: routes.file: cannot read the routing table {}: No such file",
+            "{}:3:16: routes.file: cannot read the routing table {}: No such file",
             gateway.display(),
             routes.display()
         )),
@@ -551,7 +555,7 @@ fn check_loads_the_gateways_routing_table_as_the_gateway_does() {
     let (code, out) = check();
     assert_eq!(code, Some(1), "{out}");
     assert!(
-        out.contains(&format!("{}: routes[0]", routes.display())),
+        out.contains(&format!("{}:3:10: routes[0].backends", routes.display())),
         "{out}"
     );
 
@@ -561,7 +565,7 @@ fn check_loads_the_gateways_routing_table_as_the_gateway_does() {
     assert_eq!(code, Some(1), "{out}");
     assert!(
         out.contains(&format!(
-            "{}: listeners[1].defaultRoute: route \"fallback\" is not in the routing table {}",
+            "{}:6:74: listeners[1].defaultRoute: route \"fallback\" is not in the routing table {}",
             gateway.display(),
             routes.display()
         )),
@@ -630,34 +634,34 @@ admin: {{address: \"127.0.0.1:16911\"}}
     let (r, a) = (routes.display(), agent.display());
     let mut expected = vec![
         format!(
-            "{r}: routes[1].tunnel.wireguard.peers[0].persistentKeepalive: unknown field `persistentKeepalive`"
+            "{r}:14:99: routes[1].tunnel.wireguard.peers[0].persistentKeepalive: unknown field `persistentKeepalive`"
         ),
         format!(
-            "{r}: routes[0].tunnel.wireguard.peers[1].publicKey: not base64 (a WireGuard key is 44 characters as `wg genkey` writes it)"
+            "{r}:9:21: routes[0].tunnel.wireguard.peers[1].publicKey: not base64 (a WireGuard key is 44 characters as `wg genkey` writes it)"
         ),
         format!(
-            "{r}: routes[0].tunnel.wireguard.peers[1].allowedIPs[0]: invalid IP address \"10.250.0.300\""
+            "{r}:9:47: routes[0].tunnel.wireguard.peers[1].allowedIPs[0]: invalid IP address \"10.250.0.300\""
         ),
         format!(
-            "{r}: routes[0].tunnel.wireguard.localAddresses[0]: 10.250.0.1 is inside 10.250.0.0/16, an allowedIPs network of peers[0]: the gateway's address in the shoot must be outside every peer's"
+            "{r}:10:24: routes[0].tunnel.wireguard.localAddresses[0]: 10.250.0.1 is inside 10.250.0.0/16, an allowedIPs network of peers[0]: the gateway's address in the shoot must be outside every peer's"
         ),
         format!(
-            "{r}: routes[0].tunnel.wireguard.localAddresses[1]: a second IPv4 address (localAddresses[0]): at most one per family"
+            "{r}:10:36: routes[0].tunnel.wireguard.localAddresses[1]: a second IPv4 address (localAddresses[0]): at most one per family"
         ),
         format!(
-            "{r}: routes[2].tunnel.wireguard.peers: at least one peer is required (the shoot's agents)"
+            "{r}:17:23: routes[2].tunnel.wireguard.peers: at least one peer is required (the shoot's agents)"
         ),
         format!(
-            "{r}: routes[1]: tunnel.wireguard.publicKey \"{}\" of route \"b\" is already claimed by route \"a\" (routes[0])",
+            "{r}:11:3: routes[1]: tunnel.wireguard.publicKey \"{}\" of route \"b\" is already claimed by route \"a\" (routes[0])",
             wg_key(1)
         ),
         format!(
-            "{a}: wireguard.addresses[1]: a second IPv4 address (addresses[0]): at most one per family"
+            "{a}:5:30: wireguard.addresses[1]: a second IPv4 address (addresses[0]): at most one per family"
         ),
         format!(
-            "{a}: wireguard.gateway.endpoints: at least one endpoint is required (udp: HOST:PORT or connect: {{...}})"
+            "{a}:8:16: wireguard.gateway.endpoints: at least one endpoint is required (udp: HOST:PORT or connect: {{...}})"
         ),
-        format!("{a}: networks[1]: invalid prefix length \"40\""),
+        format!("{a}:9:29: networks[1]: invalid prefix length \"40\""),
     ];
     let (code, err) = stderr_of(&["check".as_ref(), routes.as_os_str(), agent.as_os_str()]);
     assert_eq!(code, Some(1), "{err}");
@@ -701,10 +705,10 @@ listeners:
     assert_eq!(
         got,
         [
+            format!("{g}:10:8: listeners[1].tls: only valid for egress-connect listeners"),
             format!(
-                "{g}: listeners[1].proxyProtocol: not valid for wireguard listeners: they take no TCP connections (the address is UDP)"
+                "{g}:11:18: listeners[1].proxyProtocol: not valid for wireguard listeners: they take no TCP connections (the address is UDP)"
             ),
-            format!("{g}: listeners[1].tls: only valid for egress-connect listeners"),
         ]
     );
     // Valid itself, the configuration is checked against its table (the key file is the
@@ -713,7 +717,7 @@ listeners:
     assert_eq!(
         check_errors(&gateway),
         [format!(
-            "{g}: listeners[1].wireguard.connectDestination: \"trellis-wireguard:51820\" is also a destination of route \"x\" in {}; it must lead to one place",
+            "{g}:9:59: listeners[1].wireguard.connectDestination: \"trellis-wireguard:51820\" is also a destination of route \"x\" in {}; it must lead to one place",
             routes.display()
         )]
     );
@@ -751,10 +755,10 @@ admin: {{address: \"127.0.0.1:{admin}\"}}
         err.lines().collect::<Vec<_>>(),
         [
             format!(
-                "{f}: wireguard.gateway.endpoints[0].udp: expected HOST:PORT, got \"127.0.0.1:0\""
+                "{f}:6:90: wireguard.gateway.endpoints[0].udp: expected HOST:PORT, got \"127.0.0.1:0\""
             ),
             format!(
-                "{f}: networks: at least one network is required (what the agent dials for the seed)"
+                "{f}:7:11: networks: at least one network is required (what the agent dials for the seed)"
             ),
         ]
     );
@@ -853,5 +857,186 @@ fn gardener_shape_configs_pass_check_where_the_pods_mount_them() {
     assert!(ok, "{out}");
     for f in &files {
         assert!(out.contains(&format!("{}: valid", f.display())), "{out}");
+    }
+}
+
+/// A type error does not stop the file: a routing table or a gateway configuration with a
+/// value of the wrong type, an unknown field and a bad address reports all three in one run,
+/// each as FILE:LINE:COL: path: message, in YAML and in JSON, and exits 1.
+#[test]
+fn a_type_error_an_unknown_field_and_a_bad_address_are_reported_together() {
+    let dir = TestDir::new("typeerrors");
+    let table = format!(
+        "{HEAD}kind: RoutingTable
+routes:
+- name: a
+  sni: [a.example.com]
+  forwardConnect: maybe
+  backends: [{{address: \"10.0.0.1:443\", wieght: 2}}]
+- name: b
+  sni: [b.example.com]
+  backends: [{{address: nope}}]
+"
+    );
+    let as_json = serde_json::json!({
+        "apiVersion": "trellis.gardener.cloud/v1alpha1",
+        "kind": "RoutingTable",
+        "routes": [
+            {"name": "a", "sni": ["a.example.com"], "forwardConnect": "maybe",
+             "backends": [{"address": "10.0.0.1:443", "wieght": 2}]},
+            {"name": "b", "sni": ["b.example.com"], "backends": [{"address": "nope"}]}
+        ]
+    });
+    for (name, text, [wrong, unknown, bad], message) in [
+        (
+            "routes.yaml",
+            table,
+            ["6:19", "7:40", "10:24"],
+            "invalid boolean",
+        ),
+        (
+            "routes.json",
+            as_json.to_string(),
+            ["1:156", "1:120", "1:218"],
+            "invalid type: string \"maybe\", expected a boolean",
+        ),
+    ] {
+        let file = dir.path(name);
+        std::fs::write(&file, &text).unwrap();
+        let f = file.display();
+        // In file order, which differs: serde_json writes the keys sorted.
+        let mut got = check_errors(&file);
+        let mut expected = [
+            format!("{f}:{wrong}: routes[0].forwardConnect: {message}"),
+            format!("{f}:{unknown}: routes[0].backends[0].wieght: unknown field `wieght`"),
+            format!("{f}:{bad}: routes[1].backends[0].address: expected HOST:PORT: \"nope\""),
+        ];
+        got.sort();
+        expected.sort();
+        assert_eq!(got, expected, "{text}");
+    }
+    let gateway = dir.path("gateway.yaml");
+    std::fs::write(
+        &gateway,
+        format!(
+            "{HEAD}kind: GatewayConfiguration
+routes: {{file: routes.yaml}}
+listeners:
+- {{name: tls, address: \"127.0.0.1:99999\", protocol: sni, bogus: 1}}
+admin: {{address: \"127.0.0.1:1\"}}
+limits: {{maxConnections: lots}}
+"
+        ),
+    )
+    .unwrap();
+    let g = gateway.display();
+    assert_eq!(
+        check_errors(&gateway),
+        [
+            format!("{g}:5:24: listeners[0].address: expected IP:port, got \"127.0.0.1:99999\""),
+            format!("{g}:5:58: listeners[0].bogus: unknown field `bogus`"),
+            format!(
+                "{g}:7:10: limits.maxConnections: invalid type: string \"lots\", expected a whole number"
+            ),
+        ]
+    );
+}
+
+/// Every kind goes on past a type error: two in one file are both reported, one inside a
+/// list element has the element's path, and what validation finds elsewhere comes too; a
+/// value replaced after its type error is not reported again (an empty name is not also
+/// "invalid", a missing required field in a list element is reported once).
+#[test]
+fn every_kind_reports_every_type_error() {
+    let dir = TestDir::new("everykind");
+    let key = wg_key(1);
+    for (name, text, expected) in [
+        (
+            "routes.yaml",
+            format!(
+                "{HEAD}kind: RoutingTable
+routes:
+- {{name: a, sni: [a.example.com], backends: [{{address: \"10.0.0.1:1\"}}]}}
+- {{name: b, sni: [b.example.com], backends: [{{address: \"10.0.0.1:1\"}}]}}
+- {{name: c, sni: [c.example.com], backends: [{{address: \"10.0.0.1:1\"}}]}}
+- name: [d]
+  sni: [d.example.com]
+  backends:
+  - {{address: \"10.0.0.1:1\", zone: [eu-1a]}}
+  - {{zone: eu-1b}}
+"
+            ),
+            vec![
+                "7:9: routes[3].name: expected a string",
+                "10:35: routes[3].backends[0].zone: expected a string",
+                "11:6: routes[3].backends[1]: missing field `address`",
+            ],
+        ),
+        (
+            "gateway.yaml",
+            format!(
+                "{HEAD}kind: GatewayConfiguration
+routes: {{file: routes.yaml}}
+listeners: {{name: tls}}
+admin: {{address: \"127.0.0.1:1\", debugAddress: [x]}}
+zone: eu
+"
+            ),
+            vec![
+                "4:12: listeners: expected a sequence",
+                "5:47: admin.debugAddress: expected a string",
+            ],
+        ),
+        (
+            "node.yaml",
+            format!(
+                "{HEAD}kind: NodeConfiguration
+listen: [\"127.0.0.1:1\"]
+upstream: {{address: [h], destination: d}}
+admin: {{address: nope}}
+"
+            ),
+            vec![
+                "4:21: upstream.address: expected a string",
+                "5:18: admin.address: expected IP:port, got \"nope\"",
+            ],
+        ),
+        (
+            "controller.yaml",
+            format!(
+                "{HEAD}kind: ControllerConfiguration
+output: {{file: [x]}}
+gateway: {{selector: [x]}}
+"
+            ),
+            vec![
+                "3:16: output.file: expected a string",
+                "4:11: gateway.selector: invalid type: sequence, expected a mapping",
+            ],
+        ),
+        (
+            "agent.yaml",
+            format!(
+                "{HEAD}kind: AgentConfiguration
+wireguard:
+  privateKeyFile: [agent.key]
+  addresses: [192.168.128.5]
+  gateway: {{publicKey: \"{key}\", endpoints: [{{udp: \"127.0.0.1:1\"}}], mtu: 1}}
+networks: 10.0.0.0/8
+admin: {{address: \"127.0.0.1:1\"}}
+"
+            ),
+            vec![
+                "4:19: wireguard.privateKeyFile: expected a string",
+                "6:107: wireguard.gateway.mtu: unknown field `mtu`",
+                "7:11: networks: expected a sequence",
+            ],
+        ),
+    ] {
+        let file = dir.path(name);
+        std::fs::write(&file, &text).unwrap();
+        let f = file.display();
+        let expected: Vec<String> = expected.iter().map(|e| format!("{f}:{e}")).collect();
+        assert_eq!(check_errors(&file), expected, "{text}");
     }
 }

@@ -208,7 +208,7 @@ pub fn load(file: &Path) -> Result<AgentConfig, ConfigError> {
 
 /// Parses and validates the bytes of an agent configuration file.
 pub fn parse(file: &Path, bytes: &[u8]) -> Result<AgentConfig, ConfigError> {
-    match super::decode::decode(file, bytes)? {
+    let result = match super::decode::decode(file, bytes)? {
         (Raw::Agent(raw), errors) => validate(file, raw, errors),
         (other, _) => Err(super::decode::wrong_kind(
             file,
@@ -216,7 +216,8 @@ pub fn parse(file: &Path, bytes: &[u8]) -> Result<AgentConfig, ConfigError> {
             Kind::Agent,
             "'trellis agent'",
         )),
-    }
+    };
+    super::decode::located(file, bytes, result)
 }
 
 /// Validates a decoded configuration; `errors` already holds the unknown fields.
@@ -605,7 +606,7 @@ admin: {{address: \"0.0.0.0:16911\"}}
         let err = check(&agent("    endpoints: []\n", "")).unwrap_err();
         assert_eq!(
             err,
-            "/etc/trellis/agent.yaml: wireguard.gateway.endpoints: at least one endpoint is required (udp: HOST:PORT or connect: {...})"
+            "/etc/trellis/agent.yaml:8:16: wireguard.gateway.endpoints: at least one endpoint is required (udp: HOST:PORT or connect: {...})"
         );
         let both = connect.replace("}}]", "}}, {udp: \"192.0.2.1:51820\"}]");
         let c = check(&agent(&both, "")).unwrap();
@@ -700,28 +701,28 @@ timeouts: {{connect: 0s, handshake: 1s}}
         .unwrap_err();
         let f = "/etc/trellis/agent.yaml";
         let expected = [
-            "wireguard.gateway.mtu: unknown field `mtu`",
-            "timeouts.handshake: unknown field `handshake`",
-            "wireguard.privateKeyFile: must not be empty",
-            "wireguard.addresses: one or two addresses are required (at most one per family), got 3",
-            "wireguard.addresses[1]: a second IPv4 address (addresses[0]): at most one per family",
-            "wireguard.addresses[2]: expected an IP address, got \"nope\"",
-            "wireguard.gateway.publicKey: a WireGuard key is 32 bytes, this is 31",
-            "wireguard.gateway.endpoints[0].udp: expected HOST:PORT, got \"vpn.example.com\"",
-            "wireguard.gateway.endpoints[1]: either udp or connect, not both",
-            "wireguard.gateway.endpoints[2]: expected udp: HOST:PORT or connect: {...}",
-            "wireguard.gateway.endpoints[3].connect.address: expected HOST:PORT, got \"b\"",
-            "wireguard.gateway.endpoints[3].connect.destination: invalid destination \"d d\"",
-            "wireguard.gateway.endpoints[3].connect.destinationHeader: invalid header name \"X Y\"",
-            "wireguard.gateway.persistentKeepalive: \"1.5s\": whole seconds from 1s to 65535s, or 0s for off",
-            "networks: at least one network is required",
-            "admin.address: expected IP:port, got \"nope\"",
-            "admin.debugAddress: the agent serves no routing table",
-            "timeouts.connect: must be greater than 0",
+            "14:5: wireguard.gateway.mtu: unknown field `mtu`",
+            "17:25: timeouts.handshake: unknown field `handshake`",
+            "4:19: wireguard.privateKeyFile: must not be empty",
+            "5:14: wireguard.addresses: one or two addresses are required (at most one per family), got 3",
+            "5:30: wireguard.addresses[1]: a second IPv4 address (addresses[0]): at most one per family",
+            "5:45: wireguard.addresses[2]: expected an IP address, got \"nope\"",
+            "7:16: wireguard.gateway.publicKey: a WireGuard key is 32 bytes, this is 31",
+            "9:12: wireguard.gateway.endpoints[0].udp: expected HOST:PORT, got \"vpn.example.com\"",
+            "10:7: wireguard.gateway.endpoints[1]: either udp or connect, not both",
+            "11:7: wireguard.gateway.endpoints[2]: expected udp: HOST:PORT or connect: {...}",
+            "12:26: wireguard.gateway.endpoints[3].connect.address: expected HOST:PORT, got \"b\"",
+            "12:44: wireguard.gateway.endpoints[3].connect.destination: invalid destination \"d d\"",
+            "12:70: wireguard.gateway.endpoints[3].connect.destinationHeader: invalid header name \"X Y\"",
+            "13:26: wireguard.gateway.persistentKeepalive: \"1.5s\": whole seconds from 1s to 65535s, or 0s for off",
+            "15:11: networks: at least one network is required",
+            "16:18: admin.address: expected IP:port, got \"nope\"",
+            "16:38: admin.debugAddress: the agent serves no routing table",
+            "17:21: timeouts.connect: must be greater than 0",
         ];
         for needle in expected {
             assert!(
-                err.contains(&format!("{f}: {needle}")),
+                err.contains(&format!("{f}:{needle}")),
                 "{needle}\nnot in:\n{err}"
             );
         }

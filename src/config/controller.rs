@@ -243,7 +243,7 @@ pub fn load(file: &Path) -> Result<ControllerConfig, ConfigError> {
 
 /// Parses and validates the bytes of a controller configuration file.
 pub fn parse(file: &Path, bytes: &[u8]) -> Result<ControllerConfig, ConfigError> {
-    match super::decode::decode(file, bytes)? {
+    let result = match super::decode::decode(file, bytes)? {
         (Raw::Controller(raw), errors) => validate(file, raw, errors),
         (other, _) => Err(super::decode::wrong_kind(
             file,
@@ -251,7 +251,8 @@ pub fn parse(file: &Path, bytes: &[u8]) -> Result<ControllerConfig, ConfigError>
             Kind::Controller,
             "'trellis controller'",
         )),
-    }
+    };
+    super::decode::located(file, bytes, result)
 }
 
 /// Validates a decoded configuration; `errors` already holds the unknown fields.
@@ -325,7 +326,8 @@ pub(super) fn validate(
         match output.file {
             Some(f) if f.is_empty() => errors.push("output.file", "must not be empty"),
             Some(f) => config.output = Output::File(dir.join(f)),
-            None => errors.push("output", "name where the table goes: `file`"),
+            // At the field's own path: a `file` of the wrong type was reported already.
+            None => errors.push("output.file", "required: where the table goes"),
         }
     }
     if let Some(admin) = raw.admin {
@@ -616,7 +618,7 @@ tunnel: {{enabled: true, localAddresses: [10.0.0.1, 10.0.0.2, nope]}}
             "fallback.connect: expected HOST:PORT",
             "fallback.connectLegacy: ",
             "fallback.sendProxyProtocol: expected v1 or v2, got \"v9\"",
-            "output: name where the table goes",
+            "output.file: required: where the table goes",
             "gateway.extra: unknown field `extra`",
             "admin.address: expected IP:port",
             "admin.debugAddress: the controller has no debug endpoint",

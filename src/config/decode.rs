@@ -4,11 +4,19 @@
 //! other file goes through the YAML parser. Either way the document is decoded once, straight
 //! into the raw types of the kind it names: `apiVersion` and `kind` are read first, and the
 //! rest of the mapping is handed to that kind's derived decoder (a file that names its kind
-//! after other fields is read a second time, as that kind). A parse or type error stops the
-//! decode and is reported as `FILE:LINE:COL: field.path: message`; an unknown field does
-//! not: it is collected with its path and reported with the validation errors, so that one
-//! run shows every problem. This module never opens files.
+//! after other fields is read a second time, as that kind). An unknown field does not stop
+//! the decode: it is collected with its path. Neither does a type error or a missing field:
+//! the file is decoded again, past it ([`recover`]: the wrong value replaced by a stand-in, a
+//! missing field added), until the whole document is read or [`recover::MAX_FIXES`] are
+//! made, so that one run shows every problem: type errors, unknown fields, and what
+//! validation then finds (except at the stand-ins). Every problem is reported as
+//! `FILE:LINE:COL: field.path: message`; those found after the parser ([`located`]) are
+//! pointed at by reading the text again. A parse error (YAML or JSON syntax, a second
+//! document) stops the file: what follows it cannot be read. A valid file is decoded once,
+//! as before: recovery and locating cost only files with problems. This module never opens
+//! files.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::path::Path;
@@ -17,7 +25,10 @@ use serde::de::value::{MapAccessDeserializer, StrDeserializer, StringDeserialize
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_saphyr::MessageFormatter as _;
 
-use super::{ConfigError, Derived, Errors, FieldError, agent, controller, gateway, node, routes};
+use super::recover::{self, Plan};
+use super::{
+    ConfigError, Derived, Errors, FieldError, agent, controller, gateway, locate, node, routes,
+};
 
 /// The kinds of file this build reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,45 +106,87 @@ pub(crate) fn decode(file: &Path, bytes: &[u8]) -> Result<(Raw, Errors), ConfigE
         parse_error(file, String::new(), Some((line, column)), "not UTF-8 text")
     })?;
     let json = text.trim_start().starts_with('{');
-    let (outcome, unknown) = run(file, text, json, Dispatch)?;
-    let (raw, unknown) = match outcome {
-        Outcome::Decoded(raw) => (*raw, unknown),
+    let (outcome, found) = run(file, text, json, Dispatch)?;
+    let (raw, found) = match outcome {
+        Outcome::Decoded(raw) => (*raw, found),
         // Only the second pass knew what to do with the fields before `kind`.
         Outcome::KindLate(Kind::Gateway) => {
-            let (raw, unknown) = run(file, text, json, PhantomData)?;
-            (Raw::Gateway(raw), unknown)
+            let (raw, found) = run(file, text, json, PhantomData)?;
+            (Raw::Gateway(raw), found)
         }
         Outcome::KindLate(Kind::Routes) => {
-            let (raw, unknown) = run(file, text, json, PhantomData)?;
-            (Raw::Routes(raw), unknown)
+            let (raw, found) = run(file, text, json, PhantomData)?;
+            (Raw::Routes(raw), found)
         }
         Outcome::KindLate(Kind::Node) => {
-            let (raw, unknown) = run(file, text, json, PhantomData)?;
-            (Raw::Node(raw), unknown)
+            let (raw, found) = run(file, text, json, PhantomData)?;
+            (Raw::Node(raw), found)
         }
         Outcome::KindLate(Kind::Controller) => {
-            let (raw, unknown) = run(file, text, json, PhantomData)?;
-            (Raw::Controller(raw), unknown)
+            let (raw, found) = run(file, text, json, PhantomData)?;
+            (Raw::Controller(raw), found)
         }
         Outcome::KindLate(Kind::Agent) => {
-            let (raw, unknown) = run(file, text, json, PhantomData)?;
-            (Raw::Agent(raw), unknown)
+            let (raw, found) = run(file, text, json, PhantomData)?;
+            (Raw::Agent(raw), found)
         }
         Outcome::UnknownKind(kind) => {
             let kinds: Vec<_> = Kind::ALL.iter().map(|k| k.as_str()).collect();
-            return Err(super::invalid(
-                file,
-                "kind",
-                format!("unknown kind {kind:?}, expected one of {kinds:?}"),
-            ));
+            let message = format!("unknown kind {kind:?}, expected one of {kinds:?}");
+            return Err(kindless(file, found, message));
         }
-        Outcome::NoKind => return Err(super::invalid(file, "kind", "missing")),
+        Outcome::NoKind => return Err(kindless(file, found, "missing")),
     };
-    let mut errors = Errors::default();
-    for (path, field) in unknown {
-        errors.push(path, format!("unknown field `{field}`"));
+    let mut unknown: Vec<FieldError> = found
+        .unknown
+        .into_iter()
+        .map(|(path, field)| field_error(path, None, format_args!("unknown field `{field}`")))
+        .collect();
+    if !unknown.is_empty() {
+        // An unknown field is pointed at by its key.
+        locate::locate(text, &mut unknown, locate::Anchor::Key);
     }
+    let errors = Errors::found(found.wrong, unknown, found.plan.shadowed().collect());
     Ok((raw, errors))
+}
+
+/// The error for a file whose kind is not known: the type errors found on the way, and
+/// `message` about `kind` unless its value was one of them.
+fn kindless(file: &Path, found: Found, message: impl fmt::Display) -> ConfigError {
+    let mut errors = found.wrong;
+    if !found.plan.shadows("kind") {
+        errors.push(field_error("kind".into(), None, message));
+    }
+    ConfigError::Invalid {
+        file: file.to_owned(),
+        errors,
+    }
+}
+
+/// `result`, with each of its problems in `file` that has no position pointed at the value
+/// its path names in `bytes` (or the nearest value around it that the file has), and the
+/// problems in the order of the file.
+pub(crate) fn located<T>(
+    file: &Path,
+    bytes: &[u8],
+    result: Result<T, ConfigError>,
+) -> Result<T, ConfigError> {
+    match result {
+        Err(ConfigError::Invalid {
+            file: f,
+            mut errors,
+        }) if f == file => {
+            if let Ok(text) = std::str::from_utf8(bytes)
+                && errors.iter().any(|e| e.position.is_none())
+            {
+                locate::locate(text, &mut errors, locate::Anchor::Value);
+            }
+            // In file order; problems about the whole file last.
+            errors.sort_by_key(|e| e.position.map_or((u64::MAX, 0), |p| p));
+            Err(ConfigError::Invalid { file: f, errors })
+        }
+        other => other,
+    }
 }
 
 /// The error for a file of the wrong kind: `kind RoutingTable, but 'trellis gateway' needs a
@@ -155,53 +208,170 @@ pub(crate) fn wrong_kind(file: &Path, found: Kind, needed: Kind, by: &str) -> Co
     )
 }
 
+/// What a decode found besides the value.
+pub(crate) struct Found {
+    /// Fields nothing read, by path and name.
+    pub(crate) unknown: Vec<(String, String)>,
+    /// Type errors, each with its path and position, in the order found.
+    pub(crate) wrong: Vec<FieldError>,
+    /// What was decoded in place of the wrong values: paths whose later problems are
+    /// consequences of the ones in `wrong`.
+    pub(crate) plan: Plan,
+}
+
 /// Runs `seed` over the whole document and lists the fields nothing read (unknown fields)
-/// by their paths and names. A document that fails is run a second time with path tracking, to name
-/// the field the error is in (the same decoder fails at the same place): tracking paths
-/// costs a third of the decode of a 10,000-route JSON table, which valid files need not pay.
-fn run<S, T>(
-    file: &Path,
-    text: &str,
-    json: bool,
-    seed: S,
-) -> Result<(T, Vec<(String, String)>), ConfigError>
+/// by their paths and names. A document that fails is decoded again with [`recover`]'s
+/// wrapper, which names the field the error is in (the same decoder fails at the same
+/// place) and decodes on past it, once per type error, until the whole document is read:
+/// tracking paths costs a third of the decode of a 10,000-route JSON table, which valid
+/// files need not pay. A parse error (YAML or JSON syntax, a second document) stops the
+/// file: what follows it cannot be read.
+fn run<S, T>(file: &Path, text: &str, json: bool, seed: S) -> Result<(T, Found), ConfigError>
 where
     S: Copy + for<'de> DeserializeSeed<'de, Value = T>,
 {
     let mut unknown = Vec::new();
-    let first = pass(
-        text,
-        json,
-        seed,
-        &mut |path| {
-            let field = match &path {
-                serde_ignored::Path::Map { key, .. } => key.clone(),
-                _ => String::new(),
+    let first = pass(text, json, seed, &mut collect(&mut unknown), None);
+    if let Ok(value) = first {
+        let found = Found {
+            unknown,
+            wrong: Vec::new(),
+            plan: Plan::default(),
+        };
+        return Ok((value, found));
+    }
+    let mut plan = Plan::default();
+    let mut wrong: Vec<FieldError> = Vec::new();
+    loop {
+        let mut unknown = Vec::new();
+        let track = recover::Track::new(plan);
+        let result = pass(text, json, seed, &mut collect(&mut unknown), Some(&track));
+        let failed_at;
+        (plan, failed_at) = track.into_inner().finish();
+        let failure = match result {
+            Ok(value) => {
+                let found = Found {
+                    unknown,
+                    wrong,
+                    plan,
+                };
+                return Ok((value, found));
+            }
+            Err(failure) => failure,
+        };
+        // Errors after the document itself (trailing characters, a second document) have
+        // no field path.
+        let path = match failed_at {
+            Some(path) if failure.in_document => path,
+            _ => String::new(),
+        };
+        let error = match &failure.error {
+            ParseError::Json(e) => json_error(path, e),
+            ParseError::Yaml(e) => yaml_error(path, text, e),
+        };
+        let fix = fix(&failure);
+        // An error in a stand-in, or a field a stand-in lacks, is one the file does not have;
+        // an error found again (a parse error, where a stand-in could not help) is one
+        // already reported.
+        let again = wrong
+            .iter()
+            .any(|e| e.position == error.position && e.message == error.message);
+        let consequence = again || plan.shadows(&error.path);
+        if !consequence {
+            wrong.push(error.clone());
+        }
+        let room = plan.fixes() < recover::MAX_FIXES;
+        let fixed = room
+            && match fix {
+                Fix::Add(field) => plan.insert(&error.path, &field),
+                Fix::StandIn if !error.path.is_empty() && !consequence => {
+                    plan.stand_in(&error.path)
+                }
+                Fix::StandIn | Fix::Stop => false,
             };
-            unknown.push((field_path(&path), field));
+        if !fixed {
+            if !room {
+                wrong.push(FieldError {
+                    path: String::new(),
+                    message: format!(
+                        "stopped after {} type errors and missing fields; fix these and check again",
+                        recover::MAX_FIXES
+                    ),
+                    position: None,
+                });
+            }
+            return Err(ConfigError::Invalid {
+                file: file.to_owned(),
+                errors: wrong,
+            });
+        }
+    }
+}
+
+/// Records a field nothing read by its path and name.
+fn collect(unknown: &mut Vec<(String, String)>) -> impl FnMut(serde_ignored::Path<'_>) + '_ {
+    |path| {
+        let field = match &path {
+            serde_ignored::Path::Map { key, .. } => key.clone(),
+            _ => String::new(),
+        };
+        unknown.push((field_path(&path), field));
+    }
+}
+
+/// How a failed pass lets the next one go on.
+enum Fix {
+    /// A required field was missing: the next pass adds it to the mapping at the error's
+    /// path.
+    Add(String),
+    /// A value of the wrong type or shape: the next pass decodes a stand-in in its place.
+    StandIn,
+    /// A parse error, or one outside the document: nothing after it can be read.
+    Stop,
+}
+
+/// What the next pass does about `failure`.
+fn fix(failure: &Failure) -> Fix {
+    use serde_saphyr::Error as Y;
+    if !failure.in_document {
+        return Fix::Stop;
+    }
+    match &failure.error {
+        ParseError::Json(e) => match e.classify() {
+            serde_json::error::Category::Data => {
+                let text = e.to_string();
+                match text
+                    .strip_prefix("missing field `")
+                    .and_then(|rest| rest.split_once('`'))
+                {
+                    Some((field, _)) => Fix::Add(field.to_owned()),
+                    None => Fix::StandIn,
+                }
+            }
+            _ => Fix::Stop,
         },
-        None,
-    );
-    let failure = match first {
-        Ok(value) => return Ok((value, unknown)),
-        Err(failure) => failure,
-    };
-    let mut track = serde_path_to_error::Track::new();
-    let failure = match pass(text, json, seed, &mut |_| {}, Some(&mut track)) {
-        Err(again) => again,
-        Ok(_) => failure,
-    };
-    // Errors after the document itself (trailing characters, a second document) have no
-    // field path.
-    let path = if failure.in_document {
-        error_path(track)
-    } else {
-        String::new()
-    };
-    Err(match &failure.error {
-        ParseError::Json(e) => json_error(file, path, e),
-        ParseError::Yaml(e) => yaml_error(file, path, text, e),
-    })
+        ParseError::Yaml(e) => match e.without_snippet() {
+            Y::SerdeMissingField { field, .. } => Fix::Add((*field).to_owned()),
+            Y::SerdeInvalidType { .. }
+            | Y::SerdeInvalidValue { .. }
+            | Y::SerdeInvalidLength { .. }
+            | Y::SerdeUnknownVariant { .. }
+            | Y::Message { .. }
+            | Y::Unexpected { .. }
+            | Y::InvalidScalar { .. }
+            | Y::InvalidBooleanStrict { .. }
+            | Y::NullIntoString { .. }
+            | Y::NonFiniteFloat { .. }
+            | Y::InvalidCharNull { .. }
+            | Y::InvalidCharNotSingleScalar { .. }
+            | Y::TaggedScalarCannotDeserializeIntoString { .. }
+            | Y::BytesNotSupportedMissingBinaryTag { .. }
+            | Y::UnexpectedValueForUnit { .. }
+            | Y::ExpectedEmptyMappingForUnitStruct { .. }
+            | Y::QuotingRequired { .. } => Fix::StandIn,
+            _ => Fix::Stop,
+        },
+    }
 }
 
 /// Why a pass over the document failed.
@@ -217,13 +387,13 @@ enum ParseError {
 }
 
 /// One decode of the whole document: serde_json or the YAML parser, reporting unread fields
-/// to `on_ignored`, and tracking field paths for errors when `track` is given.
+/// to `on_ignored`, and tracking field paths and following a plan when `track` is given.
 fn pass<S, T, F>(
     text: &str,
     json: bool,
     seed: S,
     on_ignored: &mut F,
-    track: Option<&mut serde_path_to_error::Track>,
+    track: Option<&RefCell<recover::Track>>,
 ) -> Result<T, Failure>
 where
     S: for<'de> DeserializeSeed<'de, Value = T>,
@@ -259,39 +429,20 @@ fn run_seed<'de, D, S, F>(
     de: D,
     seed: S,
     on_ignored: &mut F,
-    track: Option<&mut serde_path_to_error::Track>,
+    track: Option<&RefCell<recover::Track>>,
 ) -> Result<S::Value, D::Error>
 where
     D: Deserializer<'de>,
     S: DeserializeSeed<'de>,
     F: FnMut(serde_ignored::Path<'_>),
 {
-    let de = serde_ignored::Deserializer::new(de, on_ignored);
     match track {
-        Some(track) => seed.deserialize(serde_path_to_error::Deserializer::new(de, track)),
-        None => seed.deserialize(de),
+        Some(track) => seed.deserialize(serde_ignored::Deserializer::new(
+            recover::Value::new(de, track),
+            on_ignored,
+        )),
+        None => seed.deserialize(serde_ignored::Deserializer::new(de, on_ignored)),
     }
-}
-
-/// A serde_path_to_error path as the validation errors write it: `routes[0].backends`, empty
-/// for the document itself. A key that could not be read (`?`) is left out: the error is
-/// about the mapping that holds it.
-fn error_path(track: serde_path_to_error::Track) -> String {
-    use serde_path_to_error::Segment;
-    let mut out = String::new();
-    for segment in &track.path() {
-        match segment {
-            Segment::Seq { index } => out += &format!("[{index}]"),
-            Segment::Map { key } | Segment::Enum { variant: key } => {
-                if !out.is_empty() {
-                    out.push('.');
-                }
-                out += key;
-            }
-            Segment::Unknown => {}
-        }
-    }
-    out
 }
 
 /// A serde_ignored path in the same form.
@@ -322,16 +473,24 @@ fn parse_error(
 ) -> ConfigError {
     ConfigError::Invalid {
         file: file.to_owned(),
-        errors: vec![FieldError {
-            path,
-            message: one_line(&message.to_string()),
-            position,
-        }],
+        errors: vec![field_error(path, position, message)],
+    }
+}
+
+fn field_error(
+    path: String,
+    position: Option<(u64, u64)>,
+    message: impl fmt::Display,
+) -> FieldError {
+    FieldError {
+        path,
+        message: one_line(&message.to_string()),
+        position,
     }
 }
 
 /// serde_json's message without its ` at line L column C` (the position goes in front).
-fn json_error(file: &Path, path: String, e: &serde_json::Error) -> ConfigError {
+fn json_error(path: String, e: &serde_json::Error) -> FieldError {
     let text = e.to_string();
     let suffix = format!(" at line {} column {}", e.line(), e.column());
     let message = text.strip_suffix(&suffix).unwrap_or(&text);
@@ -342,12 +501,12 @@ fn json_error(file: &Path, path: String, e: &serde_json::Error) -> ConfigError {
         }
         _ => message.to_owned(),
     };
-    parse_error(file, path, position, message)
+    field_error(path, position, message)
 }
 
 /// The YAML parser's message in the words it has for users (no source snippet, no advice
 /// about its API), with a count for a file of several documents.
-fn yaml_error(file: &Path, path: String, text: &str, e: &serde_saphyr::Error) -> ConfigError {
+fn yaml_error(path: String, text: &str, e: &serde_saphyr::Error) -> FieldError {
     let position = e
         .location()
         .filter(|l| l.line() > 0)
@@ -374,7 +533,7 @@ fn yaml_error(file: &Path, path: String, text: &str, e: &serde_saphyr::Error) ->
             .format_message(e)
             .into_owned(),
     };
-    parse_error(file, path, position, message)
+    field_error(path, position, message)
 }
 
 /// Line breaks and runs of blanks in a parser's message become one space.

@@ -401,7 +401,7 @@ pub fn load(file: &Path) -> Result<GatewayConfig, ConfigError> {
 
 /// Parses and validates the bytes of a gateway configuration file.
 pub fn parse(file: &Path, bytes: &[u8]) -> Result<GatewayConfig, ConfigError> {
-    match super::decode::decode(file, bytes)? {
+    let result = match super::decode::decode(file, bytes)? {
         (Raw::Gateway(raw), errors) => validate(file, raw, errors),
         (other, _) => Err(super::decode::wrong_kind(
             file,
@@ -409,7 +409,8 @@ pub fn parse(file: &Path, bytes: &[u8]) -> Result<GatewayConfig, ConfigError> {
             Kind::Gateway,
             "'trellis gateway'",
         )),
-    }
+    };
+    super::decode::located(file, bytes, result)
 }
 
 /// What `trellis check` adds for a gateway configuration: its routing table is loaded from
@@ -437,7 +438,7 @@ pub fn check_routes(
             );
             return Err(ConfigError::Invalid {
                 file: file.to_owned(),
-                errors: errors.0,
+                errors: errors.found,
             });
         }
         Err(e) => return Err(e),
@@ -1088,8 +1089,8 @@ admin: {{address: \"127.0.0.1:5\"}}
         .unwrap_err();
         assert_eq!(
             err,
-            "/etc/trellis/gateway.yaml: listeners[0].destinationHeader: only valid for http-connect listeners
-/etc/trellis/gateway.yaml: listeners[1].destinationHeader: invalid header name \"X D\""
+            "/etc/trellis/gateway.yaml:5:69: listeners[0].destinationHeader: only valid for http-connect listeners
+/etc/trellis/gateway.yaml:6:78: listeners[1].destinationHeader: invalid header name \"X D\""
         );
     }
 
@@ -1108,14 +1109,14 @@ limits: {{maxClientHelloBytes: 10}}
         ))
         .unwrap_err();
         for needle in [
-            "gateway.yaml: listeners[1].name: duplicate listener name",
-            "gateway.yaml: listeners[1].address: address 0.0.0.0:9443 is used",
-            "gateway.yaml: listeners[2].address: expected IP:port",
-            "gateway.yaml: listeners[2].protocol: unknown protocol \"gopher\"",
-            "gateway.yaml: admin.address: address 0.0.0.0:9443 is used by a listener",
-            "gateway.yaml: timeouts.connect: must be greater than 0",
-            "gateway.yaml: timeouts.idle: invalid duration",
-            "gateway.yaml: limits.maxClientHelloBytes: 10 is out of range",
+            "gateway.yaml:6:10: listeners[1].name: duplicate listener name",
+            "gateway.yaml:6:24: listeners[1].address: address 0.0.0.0:9443 is used",
+            "gateway.yaml:7:22: listeners[2].address: expected IP:port",
+            "gateway.yaml:7:40: listeners[2].protocol: unknown protocol \"gopher\"",
+            "gateway.yaml:8:18: admin.address: address 0.0.0.0:9443 is used by a listener",
+            "gateway.yaml:9:21: timeouts.connect: must be greater than 0",
+            "gateway.yaml:9:31: timeouts.idle: invalid duration",
+            "gateway.yaml:10:31: limits.maxClientHelloBytes: 10 is out of range",
         ] {
             assert!(err.contains(needle), "{needle} not in:\n{err}");
         }
@@ -1184,21 +1185,25 @@ admin: {{address: \"127.0.0.1:5\"}}
         .unwrap_err();
         let f = "/etc/trellis/gateway.yaml";
         for needle in [
-            format!("{f}: listeners[0].tls: only valid for egress-connect listeners"),
+            format!("{f}:9:8: listeners[0].tls: only valid for egress-connect listeners"),
             format!(
-                "{f}: listeners[0].proxyProtocol: not valid for wireguard listeners: they take no TCP connections"
+                "{f}:10:18: listeners[0].proxyProtocol: not valid for wireguard listeners: they take no TCP connections"
             ),
-            format!("{f}: listeners[0].defaultRoute: not valid for wireguard listeners"),
-            format!("{f}: listeners[0].destinationHeader: only valid for http-connect listeners"),
-            format!("{f}: listeners[1].wireguard: required for wireguard listeners"),
-            format!("{f}: listeners[1].protocol: a second wireguard listener (listeners[0])"),
-            format!("{f}: listeners[2].wireguard: only valid for wireguard listeners"),
-            format!("{f}: listeners[3].wireguard.privateKeyFile: must not be empty"),
-            format!("{f}: listeners[3].wireguard.connectDestination: invalid destination \"a b\""),
-            format!("{f}: listeners[3].wireguard.listenPort: unknown field `listenPort`"),
-            format!("{f}: listeners[3].protocol: a second wireguard listener (listeners[0])"),
+            format!("{f}:11:17: listeners[0].defaultRoute: not valid for wireguard listeners"),
             format!(
-                "{f}: listeners[3].wireguard.connectDestination: needs an http-connect listener"
+                "{f}:12:22: listeners[0].destinationHeader: only valid for http-connect listeners"
+            ),
+            format!("{f}:13:3: listeners[1].wireguard: required for wireguard listeners"),
+            format!("{f}:13:51: listeners[1].protocol: a second wireguard listener (listeners[0])"),
+            format!("{f}:14:63: listeners[2].wireguard: only valid for wireguard listeners"),
+            format!("{f}:15:90: listeners[3].wireguard.privateKeyFile: must not be empty"),
+            format!(
+                "{f}:15:114: listeners[3].wireguard.connectDestination: invalid destination \"a b\""
+            ),
+            format!("{f}:15:121: listeners[3].wireguard.listenPort: unknown field `listenPort`"),
+            format!("{f}:15:51: listeners[3].protocol: a second wireguard listener (listeners[0])"),
+            format!(
+                "{f}:15:114: listeners[3].wireguard.connectDestination: needs an http-connect listener"
             ),
         ] {
             assert!(err.contains(&needle), "{needle}\nnot in:\n{err}");

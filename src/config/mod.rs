@@ -2,9 +2,10 @@
 //!
 //! Every file is YAML (JSON is YAML too) with `apiVersion: trellis.gardener.cloud/v1alpha1`
 //! and a `kind`. Parsing happens in two steps: serde reads the structure in one pass into the
-//! raw types of the file's kind (a syntax or type error stops it and is reported with line,
-//! column and field path; unknown fields are collected), then `TryFrom`-style validation
-//! checks every value and collects *all* problems with their paths, unknown fields included.
+//! raw types of the file's kind (a syntax error stops it; type errors, missing fields and
+//! unknown fields are collected, the file decoded again past each type error), then
+//! `TryFrom`-style validation checks every value and collects *all* problems with their
+//! paths. Each problem is reported with line, column and field path.
 //! `trellis check` and the processes themselves run exactly this path, so what `check`
 //! accepts is what runs. This module reads files but never opens sockets.
 
@@ -52,7 +53,9 @@ pub mod agent;
 pub mod controller;
 mod decode;
 pub mod gateway;
+mod locate;
 pub mod node;
+mod recover;
 pub mod routes;
 pub mod tls;
 
@@ -146,23 +149,46 @@ impl ConfigError {
 
 /// Collects validation errors with their paths.
 #[derive(Debug, Default)]
-pub struct Errors(Vec<FieldError>);
+pub struct Errors {
+    /// The problems, in the order found.
+    found: Vec<FieldError>,
+    /// Paths whose value was of the wrong type and was decoded as a stand-in (an empty
+    /// string, an empty list): what validation finds there is not another problem.
+    shadowed: Vec<String>,
+}
 
 impl Errors {
+    /// What decoding found: type errors (whose values were decoded as stand-ins at the
+    /// `shadowed` paths) and unknown fields.
+    pub(crate) fn found(
+        wrong: Vec<FieldError>,
+        unknown: Vec<FieldError>,
+        shadowed: Vec<String>,
+    ) -> Self {
+        let mut found = wrong;
+        found.extend(unknown);
+        Errors { found, shadowed }
+    }
+
     /// How many problems are recorded.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.found.len()
     }
 
     /// Whether no problem is recorded.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.found.is_empty()
     }
 
-    /// Records a problem at `path`.
+    /// Records a problem at `path`, unless the value there (or around it) had the wrong
+    /// type: that was reported when the file was decoded.
     pub fn push(&mut self, path: impl fmt::Display, message: impl fmt::Display) {
-        self.0.push(FieldError {
-            path: path.to_string(),
+        let path = path.to_string();
+        if self.shadowed.iter().any(|s| recover::within(&path, s)) {
+            return;
+        }
+        self.found.push(FieldError {
+            path,
             message: message.to_string(),
             position: None,
         });
@@ -188,12 +214,12 @@ impl Errors {
 
     /// Turns the collected errors into a result for `file`.
     pub fn finish<T>(self, file: &Path, value: T) -> Result<T, ConfigError> {
-        if self.0.is_empty() {
+        if self.found.is_empty() {
             Ok(value)
         } else {
             Err(ConfigError::Invalid {
                 file: file.to_owned(),
-                errors: self.0,
+                errors: self.found,
             })
         }
     }
@@ -392,6 +418,17 @@ impl AnyFile {
 pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
     let bytes = read_file(file)?;
     let (raw, errors) = decode::decode(file, &bytes)?;
+    let result = check_decoded(file, &bytes, raw, errors);
+    decode::located(file, &bytes, result)
+}
+
+/// [`check_file`] after the decode.
+fn check_decoded(
+    file: &Path,
+    bytes: &[u8],
+    raw: Raw,
+    errors: Errors,
+) -> Result<AnyFile, ConfigError> {
     match raw {
         Raw::Gateway(raw) => {
             let dir = file.parent().unwrap_or(Path::new("."));
@@ -418,7 +455,7 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
                 }
             }
             let registry = crate::route::BackendRegistry::default();
-            let hash = routes::content_hash(&bytes);
+            let hash = routes::content_hash(bytes);
             routes::validate(file, raw, errors, hash, &registry)
                 .map(|t| AnyFile::Routes(Box::new(t)))
         }
@@ -542,14 +579,31 @@ mod tests {
             text(kind("{\"kind\": 1}")),
             "x:1:10: kind: invalid type: integer `1`, expected a string"
         );
-        // Late or early, unknown fields and missing fields are found.
-        for doc in [
-            "kind: GatewayConfiguration\nlisteners: []\nrouts: {}\n",
-            "listeners: []\nrouts: {}\nkind: GatewayConfiguration\n",
+        // Late or early, unknown fields and missing fields are found, all of them.
+        for (doc, unknown) in [
+            (
+                "kind: GatewayConfiguration\nlisteners: []\nrouts: {}\n",
+                (3, 1),
+            ),
+            (
+                "listeners: []\nrouts: {}\nkind: GatewayConfiguration\n",
+                (2, 1),
+            ),
         ] {
+            let (_, errors) = decode::decode(f, doc.as_bytes()).unwrap();
+            let found: Vec<_> = errors
+                .found
+                .iter()
+                .map(|e| (e.path.as_str(), e.message.as_str(), e.position))
+                .collect();
             assert_eq!(
-                text(kind(doc)),
-                "x:3:1: missing field `apiVersion`",
+                found,
+                [
+                    ("", "missing field `apiVersion`", Some((3, 1))),
+                    ("", "missing field `routes`", Some((3, 1))),
+                    ("", "missing field `admin`", Some((3, 1))),
+                    ("routs", "unknown field `routs`", Some(unknown)),
+                ],
                 "{doc}"
             );
         }
@@ -562,14 +616,121 @@ mod tests {
         ] {
             let (_, errors) = decode::decode(f, doc.as_bytes()).unwrap();
             assert_eq!(
-                errors.0,
+                errors.found,
                 [FieldError {
                     path: "routs".into(),
                     message: "unknown field `routs`".into(),
-                    position: None
+                    position: errors.found[0].position,
                 }],
                 "{doc}"
             );
+        }
+    }
+
+    /// Past [`recover::MAX_FIXES`] type errors, the decode stops and says so: each costs a
+    /// decode of the whole file. Up to it, every one is reported, in file order.
+    #[test]
+    fn type_errors_are_reported_up_to_the_bound() {
+        let table = |n: usize| {
+            let mut text = format!("apiVersion: {API_VERSION}\nkind: RoutingTable\nroutes:\n");
+            for i in 0..n {
+                text += &format!(
+                    "- {{name: [r{i}], sni: [r{i}.example.com], backends: [{{address: \"10.0.0.1:1\"}}]}}\n"
+                );
+            }
+            text
+        };
+        let errors = |text: String| match decode::decode(Path::new("x"), text.as_bytes()) {
+            Ok((_, errors)) => errors.found,
+            Err(ConfigError::Invalid { errors, .. }) => errors,
+            Err(e) => panic!("{e}"),
+        };
+        let under = errors(table(recover::MAX_FIXES));
+        assert_eq!(under.len(), recover::MAX_FIXES, "{under:?}");
+        for (i, e) in under.iter().enumerate() {
+            assert_eq!(e.path, format!("routes[{i}].name"));
+            assert_eq!(e.position, Some((4 + i as u64, 10)));
+        }
+        let over = errors(table(recover::MAX_FIXES + 5));
+        assert_eq!(over.len(), recover::MAX_FIXES + 2, "{over:?}");
+        assert_eq!(
+            over.last().map(|e| e.message.as_str()),
+            Some("stopped after 25 type errors and missing fields; fix these and check again")
+        );
+    }
+
+    /// Every value in the example files, one at a time, replaced by a value of the wrong
+    /// type: the one type error is reported at its path, in JSON and YAML, and the decode
+    /// goes on past it (the stand-in's own missing fields are added, not reported).
+    #[test]
+    fn a_wrong_type_anywhere_is_reported_and_decoding_goes_on() {
+        use serde_json::Value;
+        let examples = [
+            include_str!("../../config/gateway.yaml"),
+            include_str!("../../config/node.yaml"),
+            include_str!("../../config/controller.yaml"),
+            include_str!("../../config/routes.yaml"),
+            include_str!("../../config/agent.yaml"),
+            include_str!("../../config/tunnel-routes.yaml"),
+        ];
+        let mut tried = 0;
+        for example in examples {
+            let doc: Value = serde_saphyr::from_str(example).unwrap();
+            let mut leaves = Vec::new();
+            scalars(&doc, String::new(), String::new(), &mut leaves);
+            for (pointer, path) in leaves {
+                if path == "kind" {
+                    continue;
+                }
+                let mut mutant = doc.clone();
+                *mutant.pointer_mut(&pointer).unwrap() = serde_json::json!([[true]]);
+                let yaml = serde_saphyr::to_string(&mutant).unwrap();
+                for text in [mutant.to_string(), yaml] {
+                    let found = match decode::decode(Path::new("x"), text.as_bytes()) {
+                        Ok((_, errors)) => errors.found,
+                        Err(e) => panic!(
+                            "{path}: {e}
+{text}"
+                        ),
+                    };
+                    let wrong: Vec<_> = found.iter().filter(|e| e.path == path).collect();
+                    assert_eq!(
+                        wrong.len(),
+                        1,
+                        "{path}: {found:?}
+{text}"
+                    );
+                    assert!(wrong[0].position.is_some(), "{path}: {found:?}");
+                    assert!(
+                        !found.iter().any(|e| e.message.contains("missing field")),
+                        "{path}: {found:?}"
+                    );
+                    tried += 1;
+                }
+            }
+        }
+        assert!(tried > 100, "{tried}");
+
+        /// Every scalar: its JSON pointer and its field path.
+        fn scalars(v: &Value, pointer: String, path: String, out: &mut Vec<(String, String)>) {
+            match v {
+                Value::Object(m) => {
+                    for (k, v) in m {
+                        let p = if path.is_empty() {
+                            k.clone()
+                        } else {
+                            format!("{path}.{k}")
+                        };
+                        scalars(v, format!("{pointer}/{k}"), p, out);
+                    }
+                }
+                Value::Array(a) => {
+                    for (i, v) in a.iter().enumerate() {
+                        scalars(v, format!("{pointer}/{i}"), format!("{path}[{i}]"), out);
+                    }
+                }
+                _ => out.push((pointer, path)),
+            }
         }
     }
 

@@ -178,7 +178,7 @@ pub fn load(file: &Path) -> Result<NodeConfig, ConfigError> {
 
 /// Parses and validates the bytes of a node configuration file.
 pub fn parse(file: &Path, bytes: &[u8]) -> Result<NodeConfig, ConfigError> {
-    match super::decode::decode(file, bytes)? {
+    let result = match super::decode::decode(file, bytes)? {
         (Raw::Node(raw), errors) => validate(file, raw, errors),
         (other, _) => Err(super::decode::wrong_kind(
             file,
@@ -186,7 +186,8 @@ pub fn parse(file: &Path, bytes: &[u8]) -> Result<NodeConfig, ConfigError> {
             Kind::Node,
             "'trellis node'",
         )),
-    }
+    };
+    super::decode::located(file, bytes, result)
 }
 
 /// Validates a decoded configuration; `errors` already holds the unknown fields.

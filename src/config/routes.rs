@@ -312,7 +312,7 @@ pub fn parse_hashed(
     hash: String,
     registry: &BackendRegistry,
 ) -> Result<LoadedTable, ConfigError> {
-    match super::decode::decode(file, bytes)? {
+    let result = match super::decode::decode(file, bytes)? {
         (Raw::Routes(raw), errors) => validate(file, raw, errors, hash, registry),
         (other, _) => Err(super::decode::wrong_kind(
             file,
@@ -320,7 +320,8 @@ pub fn parse_hashed(
             Kind::Routes,
             "routes.file of 'trellis gateway'",
         )),
-    }
+    };
+    super::decode::located(file, bytes, result)
 }
 
 /// Validates a decoded table; `errors` already holds the unknown fields.
@@ -367,8 +368,11 @@ pub(super) fn table_of(
         Ok(t) => t,
         Err(conflicts) => {
             for c in conflicts {
+                // A name claimed twice is a problem of the second route's name; any other
+                // key, of the route that claims it.
+                let at = if c.kind == "name" { ".name" } else { "" };
                 errors.push(
-                    format!("{field}[{}]", indexes[c.second_index]),
+                    format!("{field}[{}]{at}", indexes[c.second_index]),
                     format!("{c} ({field}[{}])", indexes[c.first_index]),
                 );
             }
@@ -855,10 +859,10 @@ mod tests {
         ))
         .unwrap_err();
         for needle in [
-            "routes.yaml: routes[0].sni[0]: invalid server name",
-            "routes.yaml: routes[0].backends[0].address: expected HOST:PORT",
-            "routes.yaml: routes[0].timeouts.connect: invalid duration",
-            "routes.yaml: routes[1].backends: at least one backend",
+            "routes.yaml:5:9: routes[0].sni[0]: invalid server name",
+            "routes.yaml:6:24: routes[0].backends[0].address: expected HOST:PORT",
+            "routes.yaml:7:23: routes[0].timeouts.connect: invalid duration",
+            "routes.yaml:9:13: routes[1].backends: at least one backend",
         ] {
             assert!(err.contains(needle), "{needle} not in {err}");
         }
@@ -1173,7 +1177,7 @@ mod tests {
         assert_eq!(
             err,
             format!(
-                "routes.yaml: routes[1]: tunnel.wireguard.publicKey \"{}\" of route \"b\" is already claimed by route \"a\" (routes[0])",
+                "routes.yaml:5:3: routes[1]: tunnel.wireguard.publicKey \"{}\" of route \"b\" is already claimed by route \"a\" (routes[0])",
                 key(1)
             )
         );

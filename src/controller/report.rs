@@ -83,6 +83,20 @@ pub struct Report {
 }
 
 impl Report {
+    /// The skips per reason as the metrics label them, for a log line: `l7=3
+    /// no_endpoints=1`, or `none`.
+    pub fn skipped_text(&self) -> String {
+        if self.skipped.is_empty() {
+            return "none".into();
+        }
+        let counts: Vec<String> = self
+            .skipped
+            .iter()
+            .map(|(reason, n)| format!("{}={n}", reason.as_str()))
+            .collect();
+        counts.join(" ")
+    }
+
     /// Records one skip.
     pub(super) fn skip(&mut self, reason: Reason, object: String, detail: impl Into<String>) {
         *self.skipped.entry(reason).or_default() += 1;
@@ -91,5 +105,30 @@ impl Report {
             object,
             detail: detail.into(),
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A log line names the reasons as the metrics and `render`'s report do (`no_endpoints`),
+    /// never as Rust writes the enum (`NoEndpoints`).
+    #[test]
+    fn skipped_text_uses_the_metric_labels() {
+        let mut report = Report::default();
+        assert_eq!(report.skipped_text(), "none");
+        report.skip(
+            Reason::NoEndpoints,
+            "Service a/b".into(),
+            "no ready endpoint",
+        );
+        report.skip(Reason::L7, "Gateway a/c".into(), "terminates TLS");
+        report.skip(
+            Reason::NoEndpoints,
+            "Service a/d".into(),
+            "no ready endpoint",
+        );
+        assert_eq!(report.skipped_text(), "l7=1 no_endpoints=2");
     }
 }

@@ -491,7 +491,7 @@ impl Rendering {
                     table,
                     files_written = files,
                     files_removed = removed,
-                    skipped = ?report.skipped,
+                    skipped = %report.skipped_text(),
                     file = %self.writer.path().display(),
                     "routing table written"
                 );

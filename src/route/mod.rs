@@ -213,8 +213,7 @@ impl Route {
 }
 
 /// A key that two routes claim at once.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[error("{kind} {key:?} of route {second:?} is already claimed by route {first:?}")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Conflict {
     /// `sni`, `destination`, `proxyDestination`, `name`, an egress selector or
     /// `tunnel.wireguard.publicKey`.
@@ -230,6 +229,22 @@ pub struct Conflict {
     /// Name of that route.
     pub second: String,
 }
+
+impl std::fmt::Display for Conflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A name claimed twice is the route's own key: its name once is all there is to say.
+        if self.kind == "name" {
+            return write!(f, "duplicate route name {:?}", self.key);
+        }
+        write!(
+            f,
+            "{} {:?} of route {:?} is already claimed by route {:?}",
+            self.kind, self.key, self.second, self.first
+        )
+    }
+}
+
+impl std::error::Error for Conflict {}
 
 /// An immutable, validated set of routes with lookup indexes. The string indexes keep no
 /// copy of their keys: they point into the routes.
@@ -565,6 +580,8 @@ mod tests {
         assert_eq!(err.len(), 1, "{err:?}");
         let err = RoutingTable::new(vec![route("a", &[]), route("a", &[])]).unwrap_err();
         assert_eq!(err[0].kind, "name");
+        // The name is said once, not as the key, the route and the route claiming it.
+        assert_eq!(err[0].to_string(), "duplicate route name \"a\"");
     }
 
     #[test]
