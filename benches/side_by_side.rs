@@ -979,7 +979,7 @@ fn start_trellis(dir: &Path, logging: bool) -> (Proxy, Vec<Target>) {
     std::fs::write(
         dir.join("gateway.yaml"),
         format!(
-            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"{}\", protocol: sni}}\n- {{name: pp, address: \"{}\", protocol: proxy-destination}}\n- {{name: connect, address: \"{}\", protocol: http-connect}}\nadmin: {{address: \"{admin}\"}}\nlimits: {{maxConnections: {}, maxConnectionsPerSource: 0}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
+            "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\nroutes: {{file: routes.yaml}}\nlisteners:\n- {{name: tls, address: \"{}\", protocol: sni}}\n- {{name: pp, address: \"{}\", protocol: proxy-destination}}\n- {{name: connect, address: \"{}\", protocol: http-connect}}\nadmin: {{address: \"{admin}\", debugAddress: \"127.0.0.1:0\"}}\nlimits: {{maxConnections: {}, maxConnectionsPerSource: 0}}\nworkers: {}\ntimeouts: {{drainDelay: 0s}}\n",
             port(8440),
             port(8450),
             port(8460),

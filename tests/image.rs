@@ -1,6 +1,7 @@
 //! The container image (needs root): `scripts/build-image` packs the test binary into an OCI
 //! image FROM scratch; the image's config names the non-root user and the binary as its
-//! entrypoint, the image holds the binary and exactly the libraries it loads, and runc runs
+//! entrypoint, the image holds the binary (stripped, its symbols kept beside the image) and
+//! exactly the libraries it loads, and runc runs
 //! `trellis --version` and `trellis check` in it as user 65532. Skipped with a printed reason
 //! when not root or when umoci or runc is missing (scripts/test installs them).
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
@@ -24,7 +25,7 @@ fn skip_reason() -> Option<String> {
     if !rustix::process::geteuid().is_root() {
         return Some("not root".into());
     }
-    for tool in ["umoci", "runc", "jq", "ldd"] {
+    for tool in ["umoci", "runc", "jq", "ldd", "objcopy", "readelf"] {
         let found = Command::new("sh")
             .args(["-c", &format!("command -v {tool}")])
             .output();
@@ -213,6 +214,47 @@ fn image_is_nonroot_minimal_and_runs_version_and_check_in_runc_needs_root() {
         .map(PathBuf::from),
     );
     assert_eq!(found, expected);
+    // The image's binary is stripped; its symbols are beside the image, named by it.
+    let sections = |file: &Path| {
+        let (ok, out) = run(
+            Command::new("readelf").args(["-S", "-W"]).arg(file),
+            b"",
+            Duration::from_secs(30),
+        );
+        assert!(ok, "readelf -S {}: {out}", file.display());
+        out
+    };
+    let shipped = rootfs.join(&ENTRYPOINT[1..]);
+    let shipped_sections = sections(&shipped);
+    for gone in [".symtab", ".debug_line"] {
+        assert!(
+            !shipped_sections.contains(gone),
+            "{gone} in the image's binary:\n{shipped_sections}"
+        );
+    }
+    assert!(
+        shipped_sections.contains(".gnu_debuglink"),
+        "{shipped_sections}"
+    );
+    let (shipped_size, built_size) = (
+        std::fs::metadata(&shipped).unwrap().len(),
+        std::fs::metadata(BIN).unwrap().len(),
+    );
+    assert!(
+        shipped_size * 2 < built_size,
+        "stripped {shipped_size} bytes, built {built_size}"
+    );
+    assert!(
+        stdout.contains(&format!("binary: {shipped_size} bytes stripped")),
+        "{stdout}"
+    );
+    let debug_sections = sections(&out_dir.join("trellis.debug"));
+    for kept in [".symtab", ".debug_line"] {
+        assert!(
+            debug_sections.contains(kept),
+            "{kept} not kept:\n{debug_sections}"
+        );
+    }
     let passwd = std::fs::read_to_string(rootfs.join("etc/passwd")).unwrap();
     assert!(
         passwd.contains(&format!("nonroot:x:{NONROOT}:{NONROOT}:")),
