@@ -240,7 +240,7 @@ fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode
     } else {
         runtime.block_on(trellis::node::run(config))
     };
-    // Blocking tasks still running (a name lookup of the gateway) must not hold the exit.
+    // Blocking tasks still running must not hold the exit.
     runtime.shutdown_timeout(std::time::Duration::from_millis(500));
     result?;
     Ok(ExitCode::SUCCESS)

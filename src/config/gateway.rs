@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use super::decode::{Kind, Raw};
 use super::routes::positive;
-use super::{ConfigError, Errors, at};
+use super::{ConfigError, DEFAULT_RESOLVE_TIMEOUT, Errors, ResolverSettings, at};
 use crate::route::TlsFiles;
 use crate::route::{Net, NetSet};
 
@@ -24,7 +24,8 @@ mapping_only!(
     RawKeepaliveSide,
     RawLimits,
     RawAccessLog,
-    RawWireGuardListener
+    RawWireGuardListener,
+    RawResolver
 );
 
 /// The `kind` of gateway configuration files.
@@ -64,6 +65,9 @@ pub struct RawGateway {
     /// Access log settings.
     #[serde(default)]
     pub access_log: RawAccessLog,
+    /// How backend names (and CONNECT targets) are resolved.
+    #[serde(default)]
+    pub resolver: RawResolver,
     /// Worker threads, each with its own event loop and `SO_REUSEPORT` sockets (default 0 =
     /// one per CPU).
     #[serde(default, deserialize_with = "super::whole_number")]
@@ -209,6 +213,19 @@ pub struct RawLimits {
 pub struct RawAccessLog {
     /// Log a line for long-lived connections this often (off by default).
     pub interval: Option<String>,
+}
+
+/// Name resolution as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase")]
+pub struct RawResolver {
+    /// Name servers (`IP` or `IP:port`, port 53 by default) asked instead of
+    /// `/etc/resolv.conf`'s; its search list and `ndots` still apply. At most three.
+    #[serde(default)]
+    pub nameservers: Vec<String>,
+    /// Longest a lookup may take, retries included (default `2s`, or half of
+    /// `timeouts.connect` when that is less); below `timeouts.connect`.
+    pub timeout: Option<String>,
 }
 
 /// What a listener speaks, with the settings only that protocol has: a setting is carried by
@@ -390,6 +407,8 @@ pub struct GatewayConfig {
     pub limits: Limits,
     /// Periodic access log interval.
     pub access_log_interval: Option<Duration>,
+    /// How names are resolved.
+    pub resolver: ResolverSettings,
     /// Worker threads (at least 1).
     pub workers: usize,
 }
@@ -502,6 +521,8 @@ fn build(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
     let admin = admin(errors, &raw.admin, &addresses);
     let debug_address = debug_address(errors, &raw.admin, &addresses, admin);
     let (routes_file, routes_check_interval) = routes_source(errors, file, &raw.routes);
+    let timeouts = timeouts(errors, &raw.timeouts);
+    let resolver = resolver(errors, &raw.resolver, timeouts.connect);
     GatewayConfig {
         zone: zone(raw.zone),
         routes_file,
@@ -509,7 +530,7 @@ fn build(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
         listeners,
         admin,
         debug_address,
-        timeouts: timeouts(errors, &raw.timeouts),
+        timeouts,
         keepalive_downstream: keepalive(
             errors,
             "keepalive.downstream",
@@ -529,6 +550,7 @@ fn build(file: &Path, raw: RawGateway, errors: &mut Errors) -> GatewayConfig {
             .as_deref()
             .and_then(|v| positive(errors, "accessLog.interval", v)),
         workers: workers(errors, raw.workers),
+        resolver,
     }
 }
 
@@ -886,6 +908,57 @@ pub(super) fn timeouts(errors: &mut Errors, raw: &RawTimeouts) -> Timeouts {
     }
 }
 
+/// Most name servers (glibc's `MAXNS`; the descriptor budget keeps a TCP socket for each).
+pub const MAX_NAMESERVERS: usize = 3;
+
+/// The resolver settings; the timeout must leave the connect budget time to connect.
+fn resolver(errors: &mut Errors, raw: &RawResolver, connect: Duration) -> ResolverSettings {
+    if raw.nameservers.len() > MAX_NAMESERVERS {
+        errors.push(
+            "resolver.nameservers",
+            format!(
+                "{} name servers; at most {MAX_NAMESERVERS} are asked",
+                raw.nameservers.len()
+            ),
+        );
+    }
+    let nameservers = raw
+        .nameservers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, v)| {
+            let parsed = v
+                .parse::<SocketAddr>()
+                .ok()
+                .or_else(|| v.parse::<std::net::IpAddr>().ok().map(|ip| (ip, 53).into()));
+            if parsed.is_none() {
+                errors.push(
+                    format!("resolver.nameservers[{i}]"),
+                    format!("expected IP or IP:port, got {v:?}"),
+                );
+            }
+            parsed
+        })
+        .collect();
+    let timeout = match raw.timeout.as_deref() {
+        Some(v) => positive(errors, "resolver.timeout", v).unwrap_or(DEFAULT_RESOLVE_TIMEOUT),
+        None => DEFAULT_RESOLVE_TIMEOUT.min(connect / 2),
+    };
+    if raw.timeout.is_some() && timeout >= connect {
+        errors.push(
+            "resolver.timeout",
+            format!(
+                "{timeout:?} is not below timeouts.connect ({connect:?}): a backend whose name \
+                 never answers would leave no time to connect to the next"
+            ),
+        );
+    }
+    ResolverSettings {
+        nameservers,
+        timeout,
+    }
+}
+
 fn limits(errors: &mut Errors, raw: &RawLimits) -> Limits {
     Limits {
         max_connections: bounded(
@@ -1047,6 +1120,44 @@ mod tests {
         assert_eq!(c.timeouts.connect, Duration::from_secs(5));
         assert_eq!(c.limits.max_client_hello_bytes, 16_384);
         assert_eq!(c.keepalive_upstream.idle, Duration::from_secs(7200));
+    }
+
+    /// The resolver's name servers take `IP` or `IP:port`; its timeout defaults below the
+    /// connect budget and must stay below it; every mistake is named with its path.
+    #[test]
+    fn resolver_settings() {
+        let base = format!(
+            "{HEAD}routes: {{file: r.yaml}}\nlisteners:\n- {{name: a, address: \"0.0.0.0:1\", protocol: sni}}\nadmin: {{address: \"127.0.0.1:5\"}}\n"
+        );
+        let c = check(&base).unwrap();
+        assert_eq!(c.resolver, ResolverSettings::default());
+        assert!(c.resolver.timeout < c.timeouts.connect);
+        let c = check(&format!(
+            "{base}resolver: {{nameservers: [\"10.96.0.10\", \"127.0.0.2:5353\", \"[::1]:53\"], timeout: 1s}}\n"
+        ))
+        .unwrap();
+        let ns: Vec<String> = c
+            .resolver
+            .nameservers
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        assert_eq!(ns, ["10.96.0.10:53", "127.0.0.2:5353", "[::1]:53"]);
+        assert_eq!(c.resolver.timeout, Duration::from_secs(1));
+        // A shorter connect budget shortens the default.
+        let c = check(&format!("{base}timeouts: {{connect: 1s}}\n")).unwrap();
+        assert_eq!(c.resolver.timeout, Duration::from_millis(500));
+        let err = check(&format!(
+            "{base}timeouts: {{connect: 2s}}\nresolver: {{nameservers: [dns.local, \"1.1.1.1\", \"1.0.0.1\", \"8.8.8.8\"], timeout: 3s}}\n"
+        ))
+        .unwrap_err();
+        for want in [
+            "resolver.nameservers: 4 name servers; at most 3",
+            "resolver.nameservers[0]: expected IP or IP:port, got \"dns.local\"",
+            "resolver.timeout: 3s is not below timeouts.connect (2s)",
+        ] {
+            assert!(err.contains(want), "{want:?} in {err}");
+        }
     }
 
     /// Each protocol's settings live in its kind: an `http-connect` listener carries its

@@ -77,6 +77,30 @@ pub const API_VERSION: &str = "trellis.gardener.cloud/v1alpha1";
 /// Largest config or routing file we read (a 10,000-route table is ~2 MB).
 pub const MAX_FILE_BYTES: u64 = 64 << 20;
 
+/// Longest a name lookup may take by default, retries and search-list names included: below
+/// the default connect budget (5 s), so a backend whose name never answers leaves time for
+/// the next.
+pub const DEFAULT_RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How backend names are resolved (the gateway's `resolver`; the node uses the defaults).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolverSettings {
+    /// Name servers asked instead of `/etc/resolv.conf`'s (its search list and `ndots` still
+    /// apply); empty: its own.
+    pub nameservers: Vec<std::net::SocketAddr>,
+    /// Longest a lookup may take, retries and search-list names included.
+    pub timeout: Duration,
+}
+
+impl Default for ResolverSettings {
+    fn default() -> Self {
+        ResolverSettings {
+            nameservers: Vec::new(),
+            timeout: DEFAULT_RESOLVE_TIMEOUT,
+        }
+    }
+}
+
 /// One problem in a file, at a field path such as `listeners[2].address`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FieldError {

@@ -429,6 +429,7 @@ admin: {address: \"127.0.0.1:2\"}
                 connect_timeout: config.timeouts.connect,
                 keepalive: (Duration::from_secs(60), Duration::from_secs(10)),
                 family: IpFamily::Any,
+                resolver: crate::net::resolve::Resolver::for_tests(),
             },
             destination_headers: Vec::new(),
             config,

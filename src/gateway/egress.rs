@@ -338,10 +338,14 @@ pub(super) async fn handle(
     let candidates: Vec<SocketAddr> = match &target {
         BackendAddress::Ip(a) => vec![*a],
         BackendAddress::Dns { host, port } => {
-            let lookup = tokio::net::lookup_host((host.as_str(), *port));
-            match tokio::time::timeout_at(conn.deadline, lookup).await {
-                Ok(Ok(addrs)) => addrs.take(MAX_RESOLVED).collect(),
-                _ => {
+            // The process's resolver: cached, one lookup per name in flight, bounded.
+            match shared.dialer.resolver.resolve(host, conn.deadline).await {
+                Ok(ips) => ips
+                    .iter()
+                    .take(MAX_RESOLVED)
+                    .map(|ip| SocketAddr::new(*ip, *port))
+                    .collect(),
+                Err(_) => {
                     // Answered like a name that resolves to nothing allowed: a client must
                     // not learn which names exist in the seed's resolver.
                     return refuse(

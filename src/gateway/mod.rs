@@ -28,6 +28,7 @@ use crate::config::ConfigError;
 use crate::config::gateway::{GatewayConfig, ListenerConfig, ListenerKind};
 use crate::config::node::IpFamily;
 use crate::net::dial::Direct;
+use crate::net::resolve::Resolver;
 use crate::net::socket;
 use crate::route::Route;
 use crate::serve::accept::{Admission, accept_loop};
@@ -70,6 +71,9 @@ pub enum GatewayError {
     /// A listener's TLS material could not be loaded.
     #[error("listener TLS material: {0}")]
     Tls(#[from] crate::net::tls::TlsError),
+    /// The resolver (for backends named by DNS) could not be set up.
+    #[error("resolver: {0}")]
+    Resolver(String),
 }
 
 impl GatewayError {
@@ -259,6 +263,10 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         delay: config.timeouts.drain_delay,
         timeout: config.timeouts.drain,
     };
+    // The process's one resolver, shared by every worker: backends named by DNS and
+    // CONNECT targets.
+    let resolver = Resolver::start(&config.resolver, crate::net::fds::lookup_budget())
+        .map_err(|e| GatewayError::Resolver(e.to_string()))?;
     let dialer = Direct {
         zone: config.zone.clone(),
         connect_timeout: config.timeouts.connect,
@@ -267,6 +275,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             config.keepalive_upstream.interval,
         ),
         family: IpFamily::Any,
+        resolver: Arc::new(resolver),
     };
     let destination_headers = connect::known_destination_headers(&config.listeners);
     let connect_destination = tunnel::connect_destination(&config.listeners);
@@ -403,8 +412,8 @@ fn worker(
         // Listeners are closed; connections on this thread finish before the loop stops.
         let _ = exit.wait_for(|e| *e).await;
     });
-    // A name lookup still running on a blocking thread (a slow resolver) must not hold the
-    // process past its drain.
+    // A blocking task still running (none is expected: names are resolved on the resolver's
+    // own event loop) must not hold the process past its drain.
     runtime.shutdown_timeout(SHUTDOWN_GRACE);
 }
 
@@ -412,7 +421,7 @@ fn worker(
 /// is over.
 const STREAMS_GRACE: Duration = Duration::from_secs(2);
 
-/// How long a stopping event loop waits for its blocking tasks (name lookups).
+/// How long a stopping event loop waits for its blocking tasks.
 const SHUTDOWN_GRACE: Duration = Duration::from_millis(500);
 
 /// Keeps a timer at most [`PACE`] away on this worker's event loop. tokio writes its

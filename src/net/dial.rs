@@ -7,8 +7,10 @@
 //! an equal share of what is left of the connect budget, so a backend that swallows SYNs
 //! cannot use up the time the next one needs. A failed backend is put into passive
 //! back-off. An explicit address is dialed the same way, as the only candidate, with no
-//! back-off state. Nothing here knows about listeners or metrics: failures are reported
-//! through the target's callback.
+//! back-off state. A backend named by DNS is resolved by the process's resolver
+//! ([`super::resolve`]) within the attempt's share: a name that never answers fails as
+//! `resolve_timeout`, not as a connect timeout. Nothing here knows about listeners or
+//! metrics: failures are reported through the target's callback.
 
 use std::future::Future;
 use std::io;
@@ -24,6 +26,7 @@ use tokio::time::Instant;
 
 use super::lograte::LogRate;
 use super::relay::{Leg, read_leg};
+use super::resolve::{ResolveError, Resolver};
 use super::socket;
 use crate::config::node::IpFamily;
 use crate::route::{BackendAddress, BackendGuard, BackendState, Route};
@@ -49,6 +52,10 @@ pub(crate) enum ConnectFailure {
     Reset,
     /// The backend's name did not resolve (to an address of the allowed family).
     Resolve,
+    /// The backend's name got no answer from the name servers in time.
+    ResolveTimeout,
+    /// The resolver was looking up as many names as it may at once.
+    ResolveBusy,
     /// An upstream proxy refused the tunnel (non-`200` answer, malformed answer, or closed
     /// before answering).
     Rejected,
@@ -68,9 +75,20 @@ impl ConnectFailure {
             ConnectFailure::Unreachable => "unreachable",
             ConnectFailure::Reset => "reset",
             ConnectFailure::Resolve => "resolve",
+            ConnectFailure::ResolveTimeout => "resolve_timeout",
+            ConnectFailure::ResolveBusy => "resolve_busy",
             ConnectFailure::Rejected => "rejected",
             ConnectFailure::RefusedByBackend => "refused_by_backend",
             ConnectFailure::Error => "error",
+        }
+    }
+
+    /// The failure a failed name lookup stands for.
+    pub(crate) fn of_resolve(e: ResolveError) -> Self {
+        match e {
+            ResolveError::NotFound => ConnectFailure::Resolve,
+            ResolveError::Timeout => ConnectFailure::ResolveTimeout,
+            ResolveError::Busy => ConnectFailure::ResolveBusy,
         }
     }
 
@@ -136,6 +154,8 @@ impl DialError {
                 ConnectFailure::Unreachable => "upstream_unreachable",
                 ConnectFailure::Reset => "upstream_reset",
                 ConnectFailure::Resolve => "upstream_resolve",
+                ConnectFailure::ResolveTimeout => "upstream_resolve_timeout",
+                ConnectFailure::ResolveBusy => "upstream_resolve_busy",
                 ConnectFailure::Rejected => "upstream_rejected",
                 ConnectFailure::RefusedByBackend => "refused_by_backend",
                 ConnectFailure::Error => "upstream_error",
@@ -232,6 +252,8 @@ pub(crate) struct Direct {
     pub keepalive: (Duration, Duration),
     /// Which resolved addresses to use.
     pub family: IpFamily,
+    /// Resolves backends named by DNS (the process's one resolver).
+    pub resolver: Arc<Resolver>,
 }
 
 impl Dialer for Direct {
@@ -284,7 +306,7 @@ impl Direct {
                 .max(MIN_ATTEMPT)
                 .min(remaining);
             let name = address.to_string();
-            match attempt(address, self.family, Instant::now() + share).await {
+            match attempt(&self.resolver, address, self.family, Instant::now() + share).await {
                 Ok((stream, addr)) => {
                     let guard = state.map(|state| {
                         state.record_success();
@@ -338,7 +360,10 @@ fn log_failure(route: &str, backend: &str, reason: ConnectFailure, detail: &str)
     }
 }
 
+/// One attempt on `address` by `deadline`: resolves a name (the resolver's timeout or the
+/// deadline, whichever comes first), then connects to the addresses of `family` in turn.
 async fn attempt(
+    resolver: &Resolver,
     address: &BackendAddress,
     family: IpFamily,
     deadline: Instant,
@@ -347,18 +372,15 @@ async fn attempt(
         // A literal of the other family is as unusable as a name without such an address.
         BackendAddress::Ip(a) if !family.allows(a) => Vec::new(),
         BackendAddress::Ip(a) => vec![*a],
-        BackendAddress::Dns { host, port } => {
-            match tokio::time::timeout_at(deadline, tokio::net::lookup_host((host.as_str(), *port)))
-                .await
-            {
-                Ok(Ok(addrs)) => addrs
-                    .filter(|a| family.allows(a))
-                    .take(MAX_ADDRS_PER_BACKEND)
-                    .collect(),
-                Ok(Err(_)) => return Err(ConnectFailure::Resolve),
-                Err(_) => return Err(ConnectFailure::Timeout),
-            }
-        }
+        BackendAddress::Dns { host, port } => match resolver.resolve(host, deadline).await {
+            Ok(ips) => ips
+                .iter()
+                .map(|ip| SocketAddr::new(*ip, *port))
+                .filter(|a| family.allows(a))
+                .take(MAX_ADDRS_PER_BACKEND)
+                .collect(),
+            Err(e) => return Err(ConnectFailure::of_resolve(e)),
+        },
     };
     connect_any(addrs, deadline).await
 }
@@ -689,7 +711,9 @@ mod tests {
         );
         let v4 = BackendAddress::Ip(black_hole);
         assert_eq!(
-            attempt(&v4, IpFamily::V6, soon(1000)).await.err(),
+            attempt(&Resolver::for_tests(), &v4, IpFamily::V6, soon(1000))
+                .await
+                .err(),
             Some(ConnectFailure::Resolve)
         );
     }
@@ -717,6 +741,7 @@ mod tests {
             connect_timeout: Duration::from_secs(2),
             keepalive: (Duration::from_secs(60), Duration::from_secs(10)),
             family: IpFamily::Any,
+            resolver: Resolver::for_tests(),
         }
     }
 

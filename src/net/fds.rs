@@ -3,6 +3,10 @@
 //! take on top of their two sockets, and a summary log for accepts that fail because the
 //! process is out of descriptors.
 //!
+//! Name lookups hold sockets while in flight: the resolver looks up at most
+//! [`Budget::lookups`] names at once, [`SOCKETS_PER_LOOKUP`] sockets each, and those come
+//! out of the limit before connections do.
+//!
 //! A relayed connection holds two sockets (client and backend); a direction that splices
 //! holds a pipe as well, two descriptors more. Pipes come from a budget of their own
 //! ([`PipeSlot`]): a direction splices only when a pipe fits in it, and copies otherwise, so
@@ -36,6 +40,14 @@ pub const MAX_PIPES: usize = 1024;
 /// Share of the descriptors left for connections that pipes may take: one in
 /// `PIPE_SHARE`.
 const PIPE_SHARE: u64 = 8;
+/// Sockets one name lookup may hold at once: A and AAAA are asked together, and hickory's
+/// resolver sends a query again, on a fresh UDP socket, up to three times within its timeout.
+pub const SOCKETS_PER_LOOKUP: u64 = 2 * 3;
+/// Most names looked up at once, however high the limit.
+pub const MAX_LOOKUPS: usize = 64;
+/// Share of the descriptors left after the reserve that name lookups may take: one in
+/// `LOOKUP_SHARE`.
+const LOOKUP_SHARE: u64 = 16;
 
 /// How the open-files limit is divided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +57,8 @@ pub struct Budget {
     /// Descriptors set aside ([`BASE_RESERVE`] + [`ADMIN_RESERVE`] + the role's listening
     /// sockets and event loops).
     pub reserve: u64,
+    /// Names that may be looked up at once ([`SOCKETS_PER_LOOKUP`] sockets each).
+    pub lookups: usize,
     /// Pipes that may be in use at once.
     pub pipes: usize,
     /// `limits.maxConnections` as configured.
@@ -55,19 +69,23 @@ pub struct Budget {
 }
 
 impl Budget {
-    /// Divides `nofile` descriptors: the reserve first, then at most one in [`PIPE_SHARE`] of
-    /// the rest for pipes (at most [`MAX_PIPES`]), then [`SOCKETS_PER_CONNECTION`] per
+    /// Divides `nofile` descriptors: the reserve first, then at most one in [`LOOKUP_SHARE`]
+    /// of the rest for name lookups (at most [`MAX_LOOKUPS`]), one in [`PIPE_SHARE`] of what
+    /// is left for pipes (at most [`MAX_PIPES`]), then [`SOCKETS_PER_CONNECTION`] per
     /// connection, up to `requested`. `fixed` is what the role holds whatever its load: its
     /// listening sockets and its event loops' own descriptors ([`Budget::fixed`]).
     pub fn plan(nofile: u64, requested: usize, fixed: u64) -> Budget {
         let reserve = BASE_RESERVE + ADMIN_RESERVE + fixed;
         let left = nofile.saturating_sub(reserve);
+        let lookups = (left / LOOKUP_SHARE / SOCKETS_PER_LOOKUP).min(MAX_LOOKUPS as u64);
+        let left = left - lookups * SOCKETS_PER_LOOKUP;
         let pipes = (left / PIPE_SHARE / DESCRIPTORS_PER_PIPE).min(MAX_PIPES as u64);
         let for_sockets = left - pipes * DESCRIPTORS_PER_PIPE;
         let fit = for_sockets / SOCKETS_PER_CONNECTION;
         Budget {
             nofile,
             reserve,
+            lookups: lookups as usize,
             pipes: pipes as usize,
             requested,
             max_connections: (requested as u64).min(fit) as usize,
@@ -86,9 +104,10 @@ impl Budget {
         self.max_connections < self.requested
     }
 
-    /// Descriptors the process may hold with every connection and pipe in use.
+    /// Descriptors the process may hold with every connection, pipe and lookup in use.
     pub fn descriptors(&self) -> u64 {
         self.reserve
+            + self.lookups as u64 * SOCKETS_PER_LOOKUP
             + self.max_connections as u64 * SOCKETS_PER_CONNECTION
             + self.pipes as u64 * DESCRIPTORS_PER_PIPE
     }
@@ -109,6 +128,7 @@ pub fn apply(requested: usize, fixed: u64) -> Budget {
     };
     let budget = Budget::plan(nofile, requested, fixed);
     set_pipe_budget(budget.pipes);
+    LOOKUPS.store(budget.lookups, Ordering::SeqCst);
     if budget.capped() {
         tracing::warn!(
             nofile,
@@ -128,11 +148,21 @@ pub fn apply(requested: usize, fixed: u64) -> Budget {
             nofile,
             max_connections = budget.max_connections,
             pipes = budget.pipes,
+            lookups = budget.lookups,
             reserve = budget.reserve,
             "descriptor budget"
         );
     }
     budget
+}
+
+/// Names the process may look up at once ([`apply`]; [`MAX_LOOKUPS`] until then).
+static LOOKUPS: AtomicUsize = AtomicUsize::new(MAX_LOOKUPS);
+
+/// How many names the process's resolver may look up at once: the budget's share, and one
+/// at least (out of [`BASE_RESERVE`]) when the limit is too low for a share.
+pub fn lookup_budget() -> usize {
+    LOOKUPS.load(Ordering::SeqCst).max(1)
 }
 
 /// A bound on the pipes in use at once.
@@ -270,15 +300,20 @@ mod tests {
         let b = Budget::plan(1_048_576, 750_000, 0);
         assert!(b.capped());
         assert_eq!(b.pipes, MAX_PIPES);
-        assert_eq!(b.max_connections, (1_048_576 - 160 - 2 * 1024) / 2);
+        assert_eq!(b.lookups, MAX_LOOKUPS);
+        assert_eq!(b.max_connections, (1_048_576 - 160 - 64 * 6 - 2 * 1024) / 2);
         assert!(b.descriptors() <= b.nofile);
         // A limit that holds the request leaves it alone.
         let b = Budget::plan(1_048_576, 10_000, 0);
         assert!(!b.capped());
         assert_eq!(b.max_connections, 10_000);
-        // A low limit: reserve first, an eighth of the rest for pipes.
+        // A low limit: reserve first, a sixteenth of the rest for lookups, an eighth of what
+        // is left for pipes.
         let b = Budget::plan(256, 750_000, 0);
-        assert_eq!((b.reserve, b.pipes, b.max_connections), (160, 6, 42));
+        assert_eq!(
+            (b.reserve, b.lookups, b.pipes, b.max_connections),
+            (160, 1, 5, 40)
+        );
         assert!(b.descriptors() <= 256);
         // Below the reserve, nothing is admitted.
         assert_eq!(Budget::plan(100, 10, 0).max_connections, 0);
@@ -287,7 +322,7 @@ mod tests {
         assert_eq!(Budget::fixed(64, 3), 320);
         let b = Budget::plan(1_048_576, 750_000, Budget::fixed(64, 3));
         assert_eq!(b.reserve, 160 + 320);
-        assert_eq!(b.max_connections, (1_048_576 - 480 - 2 * 1024) / 2);
+        assert_eq!(b.max_connections, (1_048_576 - 480 - 64 * 6 - 2 * 1024) / 2);
     }
 
     #[test]

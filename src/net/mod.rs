@@ -1,6 +1,7 @@
 //! Sockets and byte moving: listener sockets, reads from client streams before routing, the
-//! dial interface with its direct TCP dialer and tunnel layer, and the duplex copy loop with
-//! half-close, idle and lifetime bounds.
+//! dial interface with its direct TCP dialer and tunnel layer, the process's resolver for
+//! names (cached, bounded, on its own event loop), and the duplex copy loop with half-close,
+//! idle and lifetime bounds.
 //!
 //! Nothing here knows about listeners' routing rules or metrics registries; callers hand in
 //! a route (for backend choice), counters, and the bytes already read (to replay). The only
@@ -12,6 +13,7 @@ pub mod fds;
 pub(crate) mod lograte;
 pub mod prefixed;
 pub(crate) mod relay;
+pub(crate) mod resolve;
 pub mod socket;
 pub(crate) mod stream;
 pub mod tls;

@@ -19,9 +19,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::admin::{self, AdminState, Metrics};
+use crate::config::ResolverSettings;
 use crate::config::node::{NodeConfig, UpstreamProtocol};
 use crate::net::dial::{Dest, Direct, Hello, Tunneled};
+use crate::net::fds;
 use crate::net::relay::Limits;
+use crate::net::resolve::Resolver;
 use crate::net::socket::{self, ListenOptions, normalize};
 use crate::route::{BackendAddress, Route};
 use crate::serve::accept::{Accepted, Admission, accept_loop};
@@ -62,6 +65,9 @@ pub enum NodeError {
     /// Signal handlers could not be installed.
     #[error("signal handling: {0}")]
     Signals(std::io::Error),
+    /// The resolver (for a gateway named by DNS) could not be set up.
+    #[error("resolver: {0}")]
+    Resolver(String),
 }
 
 impl NodeError {
@@ -197,7 +203,10 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     readiness.bound.store(true, Ordering::SeqCst);
     readiness.publish(&admin_state);
 
-    let node = Arc::new(Node::new(config.clone()));
+    // The process's one resolver: the gateway's name, cached for its TTL.
+    let resolver = Resolver::start(&ResolverSettings::default(), fds::lookup_budget())
+        .map_err(|e| NodeError::Resolver(e.to_string()))?;
+    let node = Arc::new(Node::new(config.clone(), Arc::new(resolver)));
     let memory_task = tokio::spawn(crate::serve::memory::return_after_floods(
         node.drain.tracker.clone(),
     ));
@@ -315,7 +324,7 @@ struct Node {
 }
 
 impl Node {
-    fn new(config: Arc<NodeConfig>) -> Self {
+    fn new(config: Arc<NodeConfig>, resolver: Arc<Resolver>) -> Self {
         let upstream = match config.upstream_host.parse::<std::net::IpAddr>() {
             Ok(ip) => BackendAddress::Ip(SocketAddr::new(ip, config.upstream_port)),
             Err(_) => BackendAddress::Dns {
@@ -345,6 +354,7 @@ impl Node {
                     config.keepalive_upstream.interval,
                 ),
                 family: config.ip_family,
+                resolver,
             },
             hello,
             handshake_timeout: config.handshake_timeout,

@@ -2,6 +2,7 @@
 //! real peers (rustls clients and servers, plain TCP backends, openssl, curl).
 #![allow(dead_code)]
 
+pub(crate) mod dns;
 pub(crate) mod egress;
 pub(crate) mod netns;
 pub(crate) mod skipped;
