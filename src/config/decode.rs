@@ -98,36 +98,57 @@ impl Raw {
     }
 }
 
+/// How far decoding goes past type errors and missing fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Recovery {
+    /// Past up to [`recover::MAX_FIXES`] of them (one more decode each), so that one run
+    /// reports them all: `trellis check`, and loading a file at start.
+    All,
+    /// Not past the first: a running gateway's table reload, where each further decode of a
+    /// large table would hold up its control thread (signals, drain, certificate reloads).
+    /// The error says that `trellis check` lists the rest.
+    First,
+}
+
 /// Decodes a file's bytes into the raw types of the kind it names. The returned [`Errors`]
 /// hold the unknown fields found on the way; validation adds its own.
 pub(crate) fn decode(file: &Path, bytes: &[u8]) -> Result<(Raw, Errors), ConfigError> {
+    decode_with(file, bytes, Recovery::All)
+}
+
+/// [`decode`], going past type errors as far as `recovery` says.
+pub(crate) fn decode_with(
+    file: &Path,
+    bytes: &[u8],
+    recovery: Recovery,
+) -> Result<(Raw, Errors), ConfigError> {
     let text = std::str::from_utf8(bytes).map_err(|e| {
         let (line, column) = position(&bytes[..e.valid_up_to()]);
         parse_error(file, String::new(), Some((line, column)), "not UTF-8 text")
     })?;
     let json = text.trim_start().starts_with('{');
-    let (outcome, found) = run(file, text, json, Dispatch)?;
+    let (outcome, found) = run(file, text, json, Dispatch, recovery)?;
     let (raw, found) = match outcome {
         Outcome::Decoded(raw) => (*raw, found),
         // Only the second pass knew what to do with the fields before `kind`.
         Outcome::KindLate(Kind::Gateway) => {
-            let (raw, found) = run(file, text, json, PhantomData)?;
+            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
             (Raw::Gateway(raw), found)
         }
         Outcome::KindLate(Kind::Routes) => {
-            let (raw, found) = run(file, text, json, PhantomData)?;
+            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
             (Raw::Routes(raw), found)
         }
         Outcome::KindLate(Kind::Node) => {
-            let (raw, found) = run(file, text, json, PhantomData)?;
+            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
             (Raw::Node(raw), found)
         }
         Outcome::KindLate(Kind::Controller) => {
-            let (raw, found) = run(file, text, json, PhantomData)?;
+            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
             (Raw::Controller(raw), found)
         }
         Outcome::KindLate(Kind::Agent) => {
-            let (raw, found) = run(file, text, json, PhantomData)?;
+            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
             (Raw::Agent(raw), found)
         }
         Outcome::UnknownKind(kind) => {
@@ -226,7 +247,13 @@ pub(crate) struct Found {
 /// tracking paths costs a third of the decode of a 10,000-route JSON table, which valid
 /// files need not pay. A parse error (YAML or JSON syntax, a second document) stops the
 /// file: what follows it cannot be read.
-fn run<S, T>(file: &Path, text: &str, json: bool, seed: S) -> Result<(T, Found), ConfigError>
+fn run<S, T>(
+    file: &Path,
+    text: &str,
+    json: bool,
+    seed: S,
+    recovery: Recovery,
+) -> Result<(T, Found), ConfigError>
 where
     S: Copy + for<'de> DeserializeSeed<'de, Value = T>,
 {
@@ -280,7 +307,11 @@ where
         if !consequence {
             wrong.push(error.clone());
         }
-        let room = plan.fixes() < recover::MAX_FIXES;
+        let most = match recovery {
+            Recovery::All => recover::MAX_FIXES,
+            Recovery::First => 0,
+        };
+        let room = plan.fixes() < most;
         let fixed = room
             && match fix {
                 Fix::Add(field) => plan.insert(&error.path, &field),
@@ -291,12 +322,18 @@ where
             };
         if !fixed {
             if !room {
-                wrong.push(FieldError {
-                    path: String::new(),
-                    message: format!(
+                let message = match recovery {
+                    Recovery::All => format!(
                         "stopped after {} type errors and missing fields; fix these and check again",
                         recover::MAX_FIXES
                     ),
+                    Recovery::First => {
+                        "stopped at the first type error or missing field; `trellis check` lists every problem".to_string()
+                    }
+                };
+                wrong.push(FieldError {
+                    path: String::new(),
+                    message,
                     position: None,
                 });
             }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::decode::{Kind, Raw};
+use super::decode::{Kind, Raw, Recovery};
 use super::{ConfigError, Errors, at};
 use crate::route::{
     Backend, BackendAddress, BackendRegistry, Egress, Net, NetSet, ProxyVersion, Route,
@@ -302,17 +302,30 @@ pub fn parse(
     bytes: &[u8],
     registry: &BackendRegistry,
 ) -> Result<LoadedTable, ConfigError> {
-    parse_hashed(file, bytes, content_hash(bytes), registry)
+    parse_with(file, bytes, content_hash(bytes), registry, Recovery::All)
 }
 
-/// [`parse`] for a caller that has already hashed the bytes with [`content_hash`].
+/// [`parse`] for a running gateway's reload, which has already hashed the bytes with
+/// [`content_hash`]: decoding stops at the first type error (each further decode of a large
+/// table would hold up the gateway's control thread); unknown fields and validation errors
+/// are all reported as in [`parse`].
 pub fn parse_hashed(
     file: &Path,
     bytes: &[u8],
     hash: String,
     registry: &BackendRegistry,
 ) -> Result<LoadedTable, ConfigError> {
-    let result = match super::decode::decode(file, bytes)? {
+    parse_with(file, bytes, hash, registry, Recovery::First)
+}
+
+fn parse_with(
+    file: &Path,
+    bytes: &[u8],
+    hash: String,
+    registry: &BackendRegistry,
+    recovery: Recovery,
+) -> Result<LoadedTable, ConfigError> {
+    let result = match super::decode::decode_with(file, bytes, recovery)? {
         (Raw::Routes(raw), errors) => validate(file, raw, errors, hash, registry),
         (other, _) => Err(super::decode::wrong_kind(
             file,
@@ -877,6 +890,38 @@ mod tests {
         assert!(
             err.contains("routes[0].backends[0].weight: unknown field `weight`"),
             "{err}"
+        );
+    }
+
+    /// `trellis check` (and a start) reports every type error; a running gateway's reload
+    /// stops at the first and says where the rest are found.
+    #[test]
+    fn a_reload_stops_at_the_first_type_error() {
+        let text = format!(
+            "{HEAD}routes:
+- {{name: a, sni: [a.example.com], backends: [{{address: \"1.2.3.4:1\", zone: [x]}}]}}
+- {{name: b, sni: [b.example.com], backends: [{{address: \"1.2.3.4:2\", zone: [y]}}]}}
+"
+        );
+        let file = Path::new("t.yaml");
+        let registry = BackendRegistry::default();
+        let all = parse(file, text.as_bytes(), &registry)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            all.contains("routes[0].backends[0].zone")
+                && all.contains("routes[1].backends[0].zone"),
+            "{all}"
+        );
+        let hash = content_hash(text.as_bytes());
+        let first = parse_hashed(file, text.as_bytes(), hash, &registry)
+            .unwrap_err()
+            .to_string();
+        assert!(first.contains("routes[0].backends[0].zone"), "{first}");
+        assert!(!first.contains("routes[1]"), "{first}");
+        assert!(
+            first.contains("`trellis check` lists every problem"),
+            "{first}"
         );
     }
 

@@ -442,12 +442,19 @@ impl Tables {
             // This runs on the control-plane thread, not on a connection worker, so parsing a
             // large table here delays no traffic; staying on one thread also keeps glibc from
             // growing a new heap arena per reload thread.
-            if self.reload_with(trigger) == Reload::Applied {
-                // The old table is gone unless a connection still holds it: its backends'
-                // states go with it, and the next applied table sweeps the rest.
-                let backends = self.registry.sweep();
-                tracing::debug!(backends, "backend states swept");
-                crate::serve::memory::release_free_memory();
+            match self.reload_with(trigger) {
+                Reload::Applied => {
+                    // The old table is gone unless a connection still holds it: its
+                    // backends' states go with it, and the next sweep takes the rest.
+                    let backends = self.registry.sweep();
+                    tracing::debug!(backends, "backend states swept");
+                    crate::serve::memory::release_free_memory();
+                }
+                // Validating a rejected table registered a state per address it names.
+                Reload::Rejected => {
+                    self.registry.sweep();
+                }
+                Reload::Unchanged => {}
             }
         }
     }

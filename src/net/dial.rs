@@ -326,7 +326,10 @@ impl Direct {
                 }
                 Err(reason) => {
                     log_failure(route.name(), &name, reason, "tcp connect");
-                    if let Some(state) = state {
+                    // The resolver being full says nothing about this backend: no back-off.
+                    if let Some(state) = state
+                        && reason != ConnectFailure::ResolveBusy
+                    {
                         state.record_failure(std::time::Instant::now());
                     }
                     (target.on_failure)(reason);

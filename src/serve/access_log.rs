@@ -62,6 +62,10 @@ struct Sink {
     format: Format,
     pending: Mutex<Pending>,
     wake: Condvar,
+    /// Held from taking lines to having written them, by the writer and by [`flush`]: lines
+    /// are written in the order they were taken, and [`flush`] returns only after a batch
+    /// the writer took is written.
+    writing: Mutex<()>,
 }
 
 static SINK: OnceLock<Sink> = OnceLock::new();
@@ -82,6 +86,7 @@ pub fn init(format: Format) {
             format,
             pending: Mutex::new(Pending::default()),
             wake: Condvar::new(),
+            writing: Mutex::new(()),
         }
     });
     if started {
@@ -101,6 +106,7 @@ pub fn init(format: Format) {
 /// Writes every line waiting, now.
 pub fn flush() {
     if let Some(sink) = SINK.get() {
+        let _writing = sink.writing.lock().unwrap_or_else(|e| e.into_inner());
         let (bytes, dropped) = sink.take();
         write_out(&bytes, dropped);
     }
@@ -141,8 +147,10 @@ impl Sink {
             p.dropped += 1;
             return;
         }
+        let before = p.bytes.len();
         p.bytes.extend_from_slice(line);
-        if p.bytes.len() >= FLUSH_AT {
+        // Once per batch, when it crosses the mark: not a wake-up call per line after it.
+        if before < FLUSH_AT && p.bytes.len() >= FLUSH_AT {
             self.wake.notify_one();
         }
     }
@@ -157,15 +165,16 @@ impl Sink {
 /// The writer thread: every [`FLUSH_EVERY`], or when woken, writes what waits.
 fn writer(sink: &Sink) {
     loop {
-        let (bytes, dropped) = {
+        {
             let p = sink.pending.lock().unwrap_or_else(|e| e.into_inner());
-            let (mut p, _) = sink
+            let _ = sink
                 .wake
                 .wait_timeout_while(p, FLUSH_EVERY, |p| p.bytes.len() < FLUSH_AT)
                 .unwrap_or_else(|e| e.into_inner());
-            // The spare room goes with the bytes: a burst's buffer is not kept for good.
-            (std::mem::take(&mut p.bytes), std::mem::take(&mut p.dropped))
-        };
+        }
+        let _writing = sink.writing.lock().unwrap_or_else(|e| e.into_inner());
+        // The spare room goes with the bytes: a burst's buffer is not kept for good.
+        let (bytes, dropped) = sink.take();
         write_out(&bytes, dropped);
     }
 }
@@ -252,15 +261,9 @@ fn text_line(out: &mut String, now: SystemTime, message: &str, fields: &[(&str, 
     out.push_str(message);
     for (key, value) in fields {
         let _ = match value {
-            // Quoted, escaped, when a client-chosen value could break the line apart.
-            Value::Str(s)
-                if s.is_empty()
-                    || s.chars()
-                        .any(|c| c.is_whitespace() || c.is_control() || c == '"') =>
-            {
-                write!(out, " {key}={s:?}")
-            }
-            Value::Str(s) => write!(out, " {key}={s}"),
+            // Quoted and escaped, as the text format writes strings: a client-chosen value
+            // cannot break the line apart.
+            Value::Str(s) => write!(out, " {key}={s:?}"),
             Value::U64(n) => write!(out, " {key}={n}"),
             Value::Bool(b) => write!(out, " {key}={b}"),
             Value::Fmt(d) => write!(out, " {key}={d}"),
@@ -365,7 +368,7 @@ mod tests {
         );
         assert_eq!(
             out,
-            "1970-01-01T00:00:00.000000Z  INFO trellis::access: access route=r target_name=\"x\\ny z\" rx_bytes=7\n"
+            "1970-01-01T00:00:00.000000Z  INFO trellis::access: access route=\"r\" target_name=\"x\\ny z\" rx_bytes=7\n"
         );
     }
 
@@ -376,6 +379,7 @@ mod tests {
             format: Format::Json,
             pending: Mutex::new(Pending::default()),
             wake: Condvar::new(),
+            writing: Mutex::new(()),
         };
         let line = vec![b'x'; 1000];
         for _ in 0..(MAX_PENDING / 1000 + 10) {
