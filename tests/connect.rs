@@ -147,7 +147,11 @@ async fn connect_200_only_after_backend_and_early_bytes_relayed() {
 #[tokio::test(flavor = "multi_thread")]
 async fn every_error_status_is_produced_and_closes() {
     let api = echo_backend().await;
-    let refused: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    // Bound but not listening: connects are refused, and no other test can take the port.
+    let held = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    held.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+        .unwrap();
+    let refused = held.local_addr().unwrap().as_socket().unwrap();
     // A listener whose accept queue is full: further SYNs are dropped, connects time out.
     let full = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
     full.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
