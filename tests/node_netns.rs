@@ -233,12 +233,17 @@ fn node_forwards_to_gateway_in_both_modes_needs_root_netns() {
     }
     // In proxy-v2 mode the gateway logs the client's own address (the PROXY source), not the
     // node's, and the destination the client dialled.
-    let gw_log = std::fs::read_to_string(dir.join("gateway.log")).unwrap();
-    let line = gw_log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|l| l["listener"] == "apiserver-proxy-legacy" && l["route"] == "shoot--dev--alpha")
-        .unwrap_or_else(|| panic!("{gw_log}"));
+    // Access lines are written in batches, up to 100 ms after the connection ended.
+    let gw_log = || std::fs::read_to_string(dir.join("gateway.log")).unwrap();
+    let line = wait_for(Duration::from_secs(5), || {
+        gw_log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|l| {
+                l["listener"] == "apiserver-proxy-legacy" && l["route"] == "shoot--dev--alpha"
+            })
+    })
+    .unwrap_or_else(|| panic!("{}", gw_log()));
     assert!(
         line["client"]
             .as_str()
