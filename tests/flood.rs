@@ -9,24 +9,13 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{Gateway, R, routes_yaml, wait_for};
+use common::{Gateway, R, routes_yaml, rss_kib, wait_for};
 
 /// Slow clients in the flood: fewer than the 8,896 connections the gateway admits under an
 /// open-files limit of 20,000 (a common container default that a process without
 /// `CAP_SYS_RESOURCE` cannot raise): two sockets per connection, after its reserve and its
 /// splice pipes.
 const CLIENTS: usize = 8_000;
-
-/// Resident memory of `pid` in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap()
-}
 
 #[test]
 fn memory_returns_after_a_flood_of_slow_clients() {

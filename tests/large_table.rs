@@ -39,17 +39,6 @@ fn table(n: usize) -> String {
     .to_string()
 }
 
-/// Resident memory of `pid` in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap()
-}
-
 /// `GET path` on `addr` with the whole answer read; the answer's length, or why none came.
 fn get_all(addr: SocketAddr, path: &str, limit: Duration) -> Result<(u16, Vec<u8>), String> {
     let start = Instant::now();

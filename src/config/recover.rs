@@ -208,6 +208,27 @@ impl<'t, D> Value<'t, D> {
     }
 }
 
+/// Invokes `$forward!` with every `deserialize_*` method of serde's `Deserializer` and its
+/// arguments besides the visitor: the one list both forwarding deserializers below use.
+macro_rules! every_deserialize_method {
+    ($forward:ident) => {
+        $forward! {
+            deserialize_any(), deserialize_bool(), deserialize_i8(), deserialize_i16(),
+            deserialize_i32(), deserialize_i64(), deserialize_i128(), deserialize_u8(),
+            deserialize_u16(), deserialize_u32(), deserialize_u64(), deserialize_u128(),
+            deserialize_f32(), deserialize_f64(), deserialize_char(), deserialize_str(),
+            deserialize_string(), deserialize_bytes(), deserialize_byte_buf(),
+            deserialize_option(), deserialize_unit(), deserialize_unit_struct(name: &'static str),
+            deserialize_newtype_struct(name: &'static str), deserialize_seq(),
+            deserialize_tuple(len: usize),
+            deserialize_tuple_struct(name: &'static str, len: usize), deserialize_map(),
+            deserialize_struct(name: &'static str, fields: &'static [&'static str]),
+            deserialize_enum(name: &'static str, variants: &'static [&'static str]),
+            deserialize_identifier(), deserialize_ignored_any(),
+        }
+    };
+}
+
 /// Forwards `deserialize_*` methods, wrapping the visitor and noting errors.
 macro_rules! forward_value {
     ($($method:ident($($arg:ident: $ty:ty),*)),* $(,)?) => {$(
@@ -223,20 +244,7 @@ macro_rules! forward_value {
 impl<'de, D: Deserializer<'de>> Deserializer<'de> for Value<'_, D> {
     type Error = D::Error;
 
-    forward_value! {
-        deserialize_any(), deserialize_bool(), deserialize_i8(), deserialize_i16(),
-        deserialize_i32(), deserialize_i64(), deserialize_i128(), deserialize_u8(),
-        deserialize_u16(), deserialize_u32(), deserialize_u64(), deserialize_u128(),
-        deserialize_f32(), deserialize_f64(), deserialize_char(), deserialize_str(),
-        deserialize_string(), deserialize_bytes(), deserialize_byte_buf(),
-        deserialize_option(), deserialize_unit(), deserialize_unit_struct(name: &'static str),
-        deserialize_newtype_struct(name: &'static str), deserialize_seq(),
-        deserialize_tuple(len: usize),
-        deserialize_tuple_struct(name: &'static str, len: usize), deserialize_map(),
-        deserialize_struct(name: &'static str, fields: &'static [&'static str]),
-        deserialize_enum(name: &'static str, variants: &'static [&'static str]),
-        deserialize_identifier(), deserialize_ignored_any(),
-    }
+    every_deserialize_method!(forward_value);
 
     fn is_human_readable(&self) -> bool {
         self.de.is_human_readable()
@@ -474,20 +482,7 @@ macro_rules! forward_key {
 impl<'de, D: Deserializer<'de>> Deserializer<'de> for Key<'_, D> {
     type Error = D::Error;
 
-    forward_key! {
-        deserialize_any(), deserialize_bool(), deserialize_i8(), deserialize_i16(),
-        deserialize_i32(), deserialize_i64(), deserialize_i128(), deserialize_u8(),
-        deserialize_u16(), deserialize_u32(), deserialize_u64(), deserialize_u128(),
-        deserialize_f32(), deserialize_f64(), deserialize_char(), deserialize_str(),
-        deserialize_string(), deserialize_bytes(), deserialize_byte_buf(),
-        deserialize_option(), deserialize_unit(), deserialize_unit_struct(name: &'static str),
-        deserialize_newtype_struct(name: &'static str), deserialize_seq(),
-        deserialize_tuple(len: usize),
-        deserialize_tuple_struct(name: &'static str, len: usize), deserialize_map(),
-        deserialize_struct(name: &'static str, fields: &'static [&'static str]),
-        deserialize_enum(name: &'static str, variants: &'static [&'static str]),
-        deserialize_identifier(), deserialize_ignored_any(),
-    }
+    every_deserialize_method!(forward_key);
 
     fn is_human_readable(&self) -> bool {
         self.de.is_human_readable()

@@ -857,3 +857,14 @@ pub(crate) fn skip(test: &str, reason: &str) {
     eprintln!("SKIP {test}: {reason}");
     record_skip(test, reason);
 }
+
+/// Resident memory of `pid` in KiB.
+pub(crate) fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
