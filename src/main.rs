@@ -106,6 +106,8 @@ fn access_format(format: LogFormat) -> trellis::access_log::Format {
     }
 }
 
+use trellis::config::controller::ControllerConfig;
+
 fn check(files: &[PathBuf]) -> ExitCode {
     let mut ok = true;
     for file in files {
@@ -129,8 +131,8 @@ fn render(
     config_file: Option<&std::path::Path>,
     output: Option<&std::path::Path>,
 ) -> ExitCode {
-    let config = match config_file.map(trellis::config::controller::load) {
-        None => trellis::config::controller::ControllerConfig::default(),
+    let config = match config_file.map(trellis::config::load::<ControllerConfig>) {
+        None => ControllerConfig::default(),
         Some(Ok(c)) => c,
         Some(Err(e)) => {
             eprintln!("{e}");
@@ -166,7 +168,7 @@ fn render(
 
 #[cfg(feature = "controller")]
 fn controller(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let config = match trellis::config::controller::load(config_file) {
+    let config = match trellis::config::load::<ControllerConfig>(config_file) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
@@ -192,7 +194,7 @@ fn controller(_config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
 }
 
 fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let mut config = match trellis::config::gateway::load(config_file) {
+    let mut config = match trellis::config::load::<trellis::config::gateway::GatewayConfig>(config_file) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
@@ -217,7 +219,7 @@ fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
 }
 
 fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode> {
-    let mut config = match trellis::config::node::load(config_file) {
+    let mut config = match trellis::config::load::<trellis::config::node::NodeConfig>(config_file) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
@@ -227,7 +229,7 @@ fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode
     if !cleanup {
         // One event loop (the runtime's I/O driver) and a socket per listen address.
         let fixed = trellis::net::fds::Budget::fixed(1, config.listen.len());
-        config.max_connections = budget(config.max_connections, fixed)?;
+        config.limits.max_connections = budget(config.limits.max_connections, fixed)?;
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -247,7 +249,7 @@ fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode
 }
 
 fn agent(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let config = match trellis::config::agent::load(config_file) {
+    let config = match trellis::config::load::<trellis::config::agent::AgentConfig>(config_file) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");

@@ -1084,7 +1084,7 @@ fn controller_config(
     let deployment = find(objects, "Deployment", name);
     let root = TestDir::new("deploy-controller");
     let file = lay_out(objects, deployment, "controller", &root.0);
-    trellis::config::controller::load(&file).unwrap()
+    trellis::config::load::<trellis::config::controller::ControllerConfig>(&file).unwrap()
 }
 
 /// What the controller sidecar of the seed Deployment `name` watches, with the

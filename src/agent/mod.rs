@@ -54,34 +54,38 @@ pub enum AgentError {
 /// Runs the agent until SIGTERM/SIGINT and a drain.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let metrics = Arc::new(Metrics::new(Role::Agent));
-    let private = read_key_file(&config.private_key_file)?;
-    let admin_sock = admin::bind(config.admin).map_err(|source| AgentError::Bind {
+    let private = read_key_file(&config.wireguard.private_key_file)?;
+    let admin_sock = admin::bind(config.admin.address.0).map_err(|source| AgentError::Bind {
         what: "admin",
-        address: config.admin,
+        address: config.admin.address.0,
         source,
     })?;
     let admin_state = Arc::new(AdminState::new(metrics.clone()));
     let _admin = admin::Server::start(admin_sock, None, admin_state.clone()).map_err(|source| {
         AgentError::Bind {
             what: "admin",
-            address: config.admin,
+            address: config.admin.address.0,
             source,
         }
     })?;
     let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
     let keepalive = config
+        .wireguard
+        .gateway
         .persistent_keepalive
+        .0
         .map(|d| d.as_secs().clamp(1, u64::from(u16::MAX)) as u16);
     // One lane per gateway replica (one for a single gateway), each over its endpoints.
     let (tx, mut accepts) = mpsc::channel::<Incoming>(ACCEPT_QUEUE);
-    let mut lanes = Vec::with_capacity(config.lanes.len());
-    for (index, endpoints) in config.lanes.iter().enumerate() {
+    let lanes_config = config.lanes();
+    let mut lanes = Vec::with_capacity(lanes_config.len());
+    for (index, endpoints) in lanes_config.iter().enumerate() {
         let spec = LaneSpec {
             index,
-            gateway: config.gateway_public_key,
+            gateway: config.wireguard.gateway.public_key,
             endpoints: endpoints.clone(),
-            addresses: config.addresses.clone(),
+            addresses: config.wireguard.addresses.clone(),
             networks: config.networks.clone().into(),
             keepalive,
             connect: config.timeouts.connect,
@@ -91,7 +95,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
     drop(tx);
     let lanes = Arc::new(lanes);
-    tracing::info!(lanes = lanes.len(), admin = %config.admin, "agent started");
+    tracing::info!(lanes = lanes.len(), admin = %config.admin.address.0, "agent started");
     let ready = {
         let (lanes, state) = (lanes.clone(), admin_state.clone());
         tokio::spawn(async move {

@@ -1,5 +1,5 @@
-//! `kind: AgentConfiguration`: the shoot side of a WireGuard tunnel (`trellis agent`), its
-//! raw schema and the validated [`AgentConfig`].
+//! `kind: AgentConfiguration`: the shoot side of a WireGuard tunnel (`trellis agent`),
+//! decoded into [`AgentConfig`].
 //!
 //! The agent is a user-space WireGuard peer of the gateway: its own addresses inside the
 //! tunnel, the gateway's public key and where to reach it, and the networks it dials for the
@@ -7,29 +7,30 @@
 //! starts), and never resolves the endpoints' host names.
 
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::decode::{Kind, Raw};
-use super::gateway::{DEFAULT_DESTINATION_HEADER, RawAdmin};
-use super::routes::positive;
-use super::{ConfigError, Errors, at};
+use super::common::Admin;
+use super::error::Errors;
+use super::value::{
+    ApiVersion, DEFAULT_DESTINATION_HEADER, Destination, FilePath, HeaderName, Ip, Positive,
+    Span, Text, parse_duration, plain, plain_list,
+};
+use super::load::{ConfigKind, Source};
 use crate::route::{Net, WgKey};
 
 mapping_only!(
-    RawAgent,
-    RawAgentWireGuard,
-    RawAgentGateway,
-    RawAgentReplica,
-    RawAgentEndpoint,
-    RawConnectEndpoint,
-    RawAgentTimeouts
+    AgentConfig,
+    AgentWireGuard,
+    AgentGateway,
+    AgentReplica,
+    EndpointEntry,
+    ConnectEndpoint,
+    AgentTimeouts
 );
-
-/// The `kind` of agent configuration files.
-pub const KIND: &str = "AgentConfiguration";
+text_values!(HostPort, PersistentKeepalive);
 
 /// `persistentKeepalive` when none is written, as Gardener's VPN keeps NAT state alive.
 pub const DEFAULT_PERSISTENT_KEEPALIVE: Duration = Duration::from_secs(25);
@@ -37,110 +38,198 @@ pub const DEFAULT_PERSISTENT_KEEPALIVE: Duration = Duration::from_secs(25);
 /// Longest `persistentKeepalive`: WireGuard carries it as 16-bit seconds.
 pub const MAX_PERSISTENT_KEEPALIVE: Duration = Duration::from_secs(u16::MAX as u64);
 
-/// An agent configuration file as written.
-#[derive(Debug, Deserialize)]
+/// Most gateway replicas an agent keeps a session with (each is a socket and a stack).
+pub const MAX_REPLICAS: usize = 8;
+
+/// An agent configuration file.
+#[derive(Debug, Clone, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawAgent {
+pub struct AgentConfig {
     /// Always `trellis.gardener.cloud/v1alpha1`.
-    pub api_version: String,
+    pub api_version: ApiVersion,
     /// Always `AgentConfiguration`.
     pub kind: String,
     /// The agent's WireGuard peer.
-    pub wireguard: RawAgentWireGuard,
+    pub wireguard: AgentWireGuard,
     /// What the agent dials (`IP/prefix` or a bare IP): at least one; other targets are
     /// refused.
     #[serde(default)]
-    pub networks: Vec<String>,
+    pub networks: Vec<Net>,
     /// Admin endpoint (`/ready` once the tunnel is up, `/live`, `/metrics`).
-    pub admin: RawAdmin,
+    pub admin: Admin,
     /// Timeouts (defaults: connect 5s, idle 1h, halfClose 1m, drain 30s).
     #[serde(default)]
-    pub timeouts: RawAgentTimeouts,
+    pub timeouts: AgentTimeouts,
 }
 
-/// The agent's `wireguard` section as written.
-#[derive(Debug, Deserialize)]
+/// The agent's `wireguard` section.
+#[derive(Debug, Clone, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawAgentWireGuard {
-    /// The agent's private key, as `wg genkey` writes it; relative paths are relative to
-    /// this config file. Read by the agent when it starts, not by `trellis check`.
-    pub private_key_file: String,
+pub struct AgentWireGuard {
+    /// The agent's private key, as `wg genkey` writes it; relative to this config file
+    /// until validated. Read by the agent when it starts, not by `trellis check`.
+    #[serde(deserialize_with = "plain::<FilePath, _>")]
+    pub private_key_file: PathBuf,
     /// The agent's addresses inside the tunnel (its peer entry's `allowedIPs` at the
     /// gateway): one or two, at most one per family.
-    #[serde(default)]
-    pub addresses: Vec<String>,
+    #[serde(default, deserialize_with = "plain_list::<Ip, _>")]
+    pub addresses: Vec<IpAddr>,
     /// The gateway: its key and where to reach it.
-    pub gateway: RawAgentGateway,
+    pub gateway: AgentGateway,
 }
 
-/// The gateway as the agent sees it, as written.
-#[derive(Debug, Deserialize)]
+/// The gateway as the agent sees it.
+#[derive(Debug, Clone, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawAgentGateway {
+pub struct AgentGateway {
     /// The gateway device's public key, base64 as `wg pubkey` prints it.
-    pub public_key: String,
+    pub public_key: WgKey,
     /// Where the gateway is, tried in order (UDP preferred: while on a `connect` endpoint the
     /// agent probes the `udp` ones): at least one.
     #[serde(default)]
-    pub endpoints: Vec<RawAgentEndpoint>,
+    pub endpoints: Vec<EndpointEntry>,
     /// Instead of `endpoints`: the gateway's replicas, one session with each (every replica
     /// then has a session with every agent), each with its endpoints in order.
     #[serde(default)]
-    pub replicas: Vec<RawAgentReplica>,
+    pub replicas: Vec<AgentReplica>,
     /// How often to send a keepalive when nothing else is sent (default `25s`; `0s` = off):
     /// whole seconds up to 65535.
     #[serde(default)]
-    pub persistent_keepalive: Option<String>,
+    pub persistent_keepalive: PersistentKeepalive,
 }
 
-/// One gateway replica as written.
-#[derive(Debug, Deserialize)]
+/// One gateway replica.
+#[derive(Debug, Clone, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawAgentReplica {
+pub struct AgentReplica {
     /// Where this replica is, tried in order (UDP preferred): at least one.
     #[serde(default)]
-    pub endpoints: Vec<RawAgentEndpoint>,
+    pub endpoints: Vec<EndpointEntry>,
 }
 
-/// One gateway endpoint as written: exactly one of `udp` and `connect`.
-#[derive(Debug, Deserialize)]
+/// One gateway endpoint as the file has it: exactly one of `udp` and `connect`
+/// ([`AgentEndpoint`] once validated).
+#[derive(Debug, Clone, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawAgentEndpoint {
+pub struct EndpointEntry {
     /// `HOST:PORT` of the gateway's `wireguard` listener (the host resolved by the agent).
     #[serde(default)]
-    pub udp: Option<String>,
+    pub udp: Option<HostPort>,
     /// WireGuard over TCP through a CONNECT to an `http-connect` listener of the gateway
     /// (for load balancers without UDP); the agent goes back to a `udp` endpoint as soon as
     /// one answers again.
     #[serde(default)]
-    pub connect: Option<RawConnectEndpoint>,
+    pub connect: Option<ConnectEndpoint>,
 }
 
-/// A `connect` endpoint as written.
-#[derive(Debug, Deserialize)]
+/// A `connect` endpoint.
+#[derive(Debug, Clone, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawConnectEndpoint {
+pub struct ConnectEndpoint {
     /// `HOST:PORT` of an `http-connect` listener of the gateway.
-    pub address: String,
+    pub address: HostPort,
     /// The destination header value the gateway's `wireguard.connectDestination` names.
-    pub destination: String,
+    pub destination: Destination,
     /// The destination header's name (default `X-Gardener-Destination`).
     #[serde(default)]
-    pub destination_header: Option<String>,
+    pub destination_header: Option<HeaderName>,
 }
 
-/// The agent's timeouts as written.
-#[derive(Debug, Default, Deserialize)]
-#[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawAgentTimeouts {
+/// `HOST:PORT`: the host an IP address or a DNS name (brackets and a trailing dot taken
+/// off), the port above 0.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPort {
+    /// As written.
+    pub text: String,
+    /// The host.
+    pub host: String,
+    /// The port.
+    pub port: u16,
+}
+
+impl Text for HostPort {
+    fn from_text(value: &str) -> Result<Self, String> {
+        value
+            .rsplit_once(':')
+            .and_then(|(host, port)| {
+                let host = host
+                    .strip_prefix('[')
+                    .and_then(|h| h.strip_suffix(']'))
+                    .unwrap_or(host)
+                    .trim_end_matches('.');
+                let port = port.parse::<u16>().ok().filter(|&p| p > 0)?;
+                let host_ok = !host.is_empty()
+                    && (host.parse::<IpAddr>().is_ok()
+                        || crate::wire::tls::normalize_host(host.as_bytes()).is_some());
+                host_ok.then(|| HostPort {
+                    text: value.to_owned(),
+                    host: host.to_owned(),
+                    port,
+                })
+            })
+            .ok_or_else(|| format!("expected HOST:PORT, got {value:?}"))
+    }
+    fn stand_in() -> Self {
+        HostPort {
+            text: String::new(),
+            host: String::new(),
+            port: 0,
+        }
+    }
+}
+
+/// `persistentKeepalive`: `None` = off (`0s`); whole seconds up to 65535.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PersistentKeepalive(pub Option<Duration>);
+
+impl Default for PersistentKeepalive {
+    fn default() -> Self {
+        PersistentKeepalive(Some(DEFAULT_PERSISTENT_KEEPALIVE))
+    }
+}
+
+impl Text for PersistentKeepalive {
+    fn from_text(text: &str) -> Result<Self, String> {
+        match parse_duration(text)? {
+            d if d.is_zero() => Ok(PersistentKeepalive(None)),
+            d if d.subsec_nanos() != 0 || d > MAX_PERSISTENT_KEEPALIVE => Err(format!(
+                "{text:?}: whole seconds from 1s to 65535s, or 0s for off"
+            )),
+            d => Ok(PersistentKeepalive(Some(d))),
+        }
+    }
+    fn stand_in() -> Self {
+        PersistentKeepalive::default()
+    }
+}
+
+/// The agent's timeouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", rename_all = "camelCase", default)]
+pub struct AgentTimeouts {
     /// Budget for dialing a target (default `5s`).
-    pub connect: Option<String>,
+    #[serde(deserialize_with = "plain::<Positive, _>")]
+    pub connect: Duration,
     /// Close connections idle this long (default `1h`).
-    pub idle: Option<String>,
+    #[serde(deserialize_with = "plain::<Positive, _>")]
+    pub idle: Duration,
     /// How long a half-closed connection may stay open (default `1m`).
-    pub half_close: Option<String>,
+    #[serde(deserialize_with = "plain::<Positive, _>")]
+    pub half_close: Duration,
     /// How long connections may finish on shutdown (default `30s`).
-    pub drain: Option<String>,
+    #[serde(deserialize_with = "plain::<Span, _>")]
+    pub drain: Duration,
+}
+
+impl Default for AgentTimeouts {
+    fn default() -> Self {
+        AgentTimeouts {
+            connect: Duration::from_secs(5),
+            idle: Duration::from_secs(3600),
+            half_close: Duration::from_secs(60),
+            drain: Duration::from_secs(30),
+        }
+    }
 }
 
 /// Where the agent reaches the gateway.
@@ -166,205 +255,145 @@ pub enum AgentEndpoint {
     },
 }
 
-/// The agent's validated timeouts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AgentTimeouts {
-    /// Budget for dialing a target.
-    pub connect: Duration,
-    /// Idle timeout of a relayed connection.
-    pub idle: Duration,
-    /// Half-close bound.
-    pub half_close: Duration,
-    /// Drain deadline.
-    pub drain: Duration,
+impl EndpointEntry {
+    /// The endpoint, if the entry names exactly one.
+    fn endpoint(&self) -> Option<AgentEndpoint> {
+        match (&self.udp, &self.connect) {
+            // A port of 0 is a stand-in for a value refused when the file was decoded.
+            (Some(udp), None) if udp.port != 0 => Some(AgentEndpoint::Udp {
+                host: udp.host.clone(),
+                port: udp.port,
+            }),
+            (None, Some(c)) if c.address.port != 0 => Some(AgentEndpoint::Connect {
+                address: c.address.text.clone(),
+                destination: c.destination.0.clone(),
+                destination_header: c
+                    .destination_header
+                    .as_ref()
+                    .map_or(DEFAULT_DESTINATION_HEADER, |h| h.as_str())
+                    .to_owned(),
+            }),
+            _ => None,
+        }
+    }
 }
 
-/// A validated agent configuration.
-#[derive(Debug, Clone)]
-pub struct AgentConfig {
-    /// The agent's private key file (absolute, or relative to the working directory).
-    pub private_key_file: PathBuf,
-    /// The agent's addresses inside the tunnel: one or two, one per family.
-    pub addresses: Vec<IpAddr>,
-    /// The gateway device's public key.
-    pub gateway_public_key: WgKey,
+impl AgentConfig {
     /// One entry per session the agent keeps (one per gateway replica; one for a single
-    /// gateway): where that gateway is, in the order to try, at least one endpoint each.
-    pub lanes: Vec<Vec<AgentEndpoint>>,
-    /// Keepalive interval; `None` = off.
-    pub persistent_keepalive: Option<Duration>,
-    /// What the agent dials: at least one network.
-    pub networks: Vec<Net>,
-    /// Admin bind address.
-    pub admin: std::net::SocketAddr,
-    /// Timeouts.
-    pub timeouts: AgentTimeouts,
-}
-
-/// Reads and validates an agent configuration file.
-pub fn load(file: &Path) -> Result<AgentConfig, ConfigError> {
-    parse(file, &super::read_file(file)?)
-}
-
-/// Parses and validates the bytes of an agent configuration file.
-pub fn parse(file: &Path, bytes: &[u8]) -> Result<AgentConfig, ConfigError> {
-    let result = match super::decode::decode(file, bytes)? {
-        (Raw::Agent(raw), errors) => validate(file, raw, errors),
-        (other, _) => Err(super::decode::wrong_kind(
-            file,
-            other.kind(),
-            Kind::Agent,
-            "'trellis agent'",
-        )),
-    };
-    super::decode::located(file, bytes, result)
-}
-
-/// Validates a decoded configuration; `errors` already holds the unknown fields.
-pub(super) fn validate(
-    file: &Path,
-    raw: RawAgent,
-    mut errors: Errors,
-) -> Result<AgentConfig, ConfigError> {
-    let config = build(file, raw, &mut errors);
-    errors.finish(file, config)
-}
-
-fn build(file: &Path, raw: RawAgent, errors: &mut Errors) -> AgentConfig {
-    super::check_api_version(errors, &raw.api_version);
-    let wg = &raw.wireguard;
-    if wg.private_key_file.is_empty() {
-        errors.push("wireguard.privateKeyFile", "must not be empty");
+    /// gateway): where that gateway is, in the order to try.
+    pub fn lanes(&self) -> Vec<Vec<AgentEndpoint>> {
+        let gateway = &self.wireguard.gateway;
+        let lane = |entries: &[EndpointEntry]| -> Vec<AgentEndpoint> {
+            entries.iter().filter_map(EndpointEntry::endpoint).collect()
+        };
+        if gateway.replicas.is_empty() {
+            vec![lane(&gateway.endpoints)]
+        } else {
+            gateway.replicas.iter().map(|r| lane(&r.endpoints)).collect()
+        }
     }
-    let private_key_file = PathBuf::from(&wg.private_key_file);
-    let private_key_file = if private_key_file.is_relative() {
-        file.parent()
-            .unwrap_or(Path::new("."))
-            .join(private_key_file)
-    } else {
-        private_key_file
-    };
-    let addresses = addresses(errors, &wg.addresses);
-    let gateway_public_key = WgKey::from_base64(&wg.gateway.public_key)
-        .map_err(|e| errors.push("wireguard.gateway.publicKey", e))
-        .unwrap_or(WgKey([0; 32]));
-    let lanes = lanes(errors, &wg.gateway);
-    let persistent_keepalive =
-        persistent_keepalive(errors, wg.gateway.persistent_keepalive.as_deref());
-    if raw.networks.is_empty() {
-        errors.push(
-            "networks",
-            "at least one network is required (what the agent dials for the seed)",
-        );
-    }
-    let networks = raw
-        .networks
-        .iter()
-        .enumerate()
-        .filter_map(|(i, s)| {
-            Net::parse(s)
-                .map_err(|e| errors.push(format!("networks[{i}]"), e))
-                .ok()
-        })
-        .collect();
-    let admin = super::gateway::socket_addr(errors, "admin.address", &raw.admin.address)
-        .unwrap_or_else(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
-    if raw.admin.debug_address.is_some() {
-        errors.push(
-            "admin.debugAddress",
+}
+
+impl ConfigKind for AgentConfig {
+    const KIND: &'static str = "AgentConfiguration";
+    const READ_BY: &'static str = "'trellis agent'";
+    type File = AgentConfig;
+    type Context<'a> = ();
+
+    fn validate(mut c: AgentConfig, source: &Source<'_>, (): (), errors: &mut Errors) -> Self {
+        c.api_version.check(errors);
+        let wg = &mut c.wireguard;
+        if wg.private_key_file.is_relative() {
+            wg.private_key_file = source.dir().join(&wg.private_key_file);
+        }
+        addresses(errors, &mut wg.addresses);
+        lanes(errors, &wg.gateway);
+        if c.networks.is_empty() {
+            errors.push(
+                "networks",
+                "at least one network is required (what the agent dials for the seed)",
+            );
+        }
+        c.admin.no_debug_address(
+            errors,
             "the agent serves no routing table; only the gateway has a debug endpoint",
         );
-    }
-    AgentConfig {
-        private_key_file,
-        addresses,
-        gateway_public_key,
-        lanes,
-        persistent_keepalive,
-        networks,
-        admin,
-        timeouts: timeouts(errors, &raw.timeouts),
+        c
     }
 }
 
 /// The agent's tunnel addresses: one or two, at most one per family, unicast.
-fn addresses(errors: &mut Errors, raw: &[String]) -> Vec<IpAddr> {
+fn addresses(errors: &mut Errors, addresses: &mut [IpAddr]) {
     let path = "wireguard.addresses";
-    if raw.is_empty() || raw.len() > 2 {
+    if addresses.is_empty() || addresses.len() > 2 {
         errors.push(
             path,
             format!(
                 "one or two addresses are required (at most one per family), got {}",
-                raw.len()
+                addresses.len()
             ),
         );
     }
-    let mut out: Vec<IpAddr> = Vec::with_capacity(raw.len());
-    for (i, s) in raw.iter().enumerate() {
+    for i in 0..addresses.len() {
+        let ip = addresses[i].to_canonical();
+        addresses[i] = ip;
         let at_i = format!("{path}[{i}]");
-        let Ok(ip) = s.parse::<IpAddr>().map(|ip| ip.to_canonical()) else {
-            errors.push(at_i, format!("expected an IP address, got {s:?}"));
-            continue;
-        };
         if ip.is_unspecified()
             || ip.is_multicast()
             || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast())
         {
             errors.push(&at_i, format!("{ip} is not a unicast address"));
         }
-        if let Some(other) = out.iter().position(|o| o.is_ipv4() == ip.is_ipv4()) {
+        if let Some(other) = addresses[..i].iter().position(|o| o.is_ipv4() == ip.is_ipv4()) {
             let family = if ip.is_ipv4() { "IPv4" } else { "IPv6" };
             errors.push(
                 &at_i,
                 format!("a second {family} address (addresses[{other}]): at most one per family"),
             );
         }
-        out.push(ip);
     }
-    out
 }
 
-/// Most gateway replicas an agent keeps a session with (each is a socket and a stack).
-pub const MAX_REPLICAS: usize = 8;
-
-/// The sessions to keep: `endpoints` (one gateway) or `replicas` (one per replica).
-fn lanes(errors: &mut Errors, raw: &RawAgentGateway) -> Vec<Vec<AgentEndpoint>> {
-    if raw.replicas.is_empty() {
-        return vec![endpoints(
-            errors,
-            "wireguard.gateway.endpoints",
-            &raw.endpoints,
-        )];
+/// The sessions to keep: `endpoints` (one gateway) or `replicas` (one per replica), each
+/// with at least one endpoint, none shared between replicas.
+fn lanes(errors: &mut Errors, gateway: &AgentGateway) {
+    if gateway.replicas.is_empty() {
+        endpoints(errors, "wireguard.gateway.endpoints", &gateway.endpoints);
+        return;
     }
-    if !raw.endpoints.is_empty() {
+    if !gateway.endpoints.is_empty() {
         errors.push(
             "wireguard.gateway",
             "either endpoints (one gateway) or replicas (a session with each replica), not both",
         );
     }
-    if raw.replicas.len() > MAX_REPLICAS {
+    if gateway.replicas.len() > MAX_REPLICAS {
         errors.push(
             "wireguard.gateway.replicas",
             format!(
                 "at most {MAX_REPLICAS} replicas, got {}",
-                raw.replicas.len()
+                gateway.replicas.len()
             ),
         );
     }
-    let lanes: Vec<Vec<AgentEndpoint>> = raw
-        .replicas
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let path = format!("wireguard.gateway.replicas[{i}].endpoints");
-            endpoints(errors, &path, &r.endpoints)
-        })
-        .collect();
+    for (i, r) in gateway.replicas.iter().enumerate() {
+        let path = format!("wireguard.gateway.replicas[{i}].endpoints");
+        endpoints(errors, &path, &r.endpoints);
+    }
     // Two sessions with one replica (one key) would take the peer's session from each
     // other at every handshake.
+    let lanes: Vec<Vec<Option<AgentEndpoint>>> = gateway
+        .replicas
+        .iter()
+        .map(|r| r.endpoints.iter().map(EndpointEntry::endpoint).collect())
+        .collect();
     for (j, lane) in lanes.iter().enumerate() {
         for (k, e) in lane.iter().enumerate() {
-            if let Some(i) = lanes[..j].iter().position(|l| l.contains(e)) {
+            let Some(e) = e else { continue };
+            if let Some(i) = lanes[..j]
+                .iter()
+                .position(|l| l.iter().any(|o| o.as_ref() == Some(e)))
+            {
                 errors.push(
                     format!("wireguard.gateway.replicas[{j}].endpoints[{k}]"),
                     format!(
@@ -375,128 +404,33 @@ fn lanes(errors: &mut Errors, raw: &RawAgentGateway) -> Vec<Vec<AgentEndpoint>> 
             }
         }
     }
-    lanes
 }
 
-/// A gateway's endpoints in order; at least one.
-fn endpoints(errors: &mut Errors, path: &str, raw: &[RawAgentEndpoint]) -> Vec<AgentEndpoint> {
-    let mut out = Vec::with_capacity(raw.len());
-    for (i, e) in raw.iter().enumerate() {
+/// A gateway's endpoints: at least one, each exactly one of `udp` and `connect`.
+fn endpoints(errors: &mut Errors, path: &str, entries: &[EndpointEntry]) {
+    for (i, e) in entries.iter().enumerate() {
         let at_i = format!("{path}[{i}]");
         match (&e.udp, &e.connect) {
-            (Some(udp), None) => {
-                if let Some((host, port)) = host_port(errors, &at(&at_i, "udp"), udp) {
-                    out.push(AgentEndpoint::Udp { host, port });
-                }
-            }
-            (None, Some(c)) => {
-                let ok = host_port(errors, &at(&at_i, "connect.address"), &c.address).is_some();
-                if !super::routes::valid_destination(&c.destination) {
-                    errors.push(
-                        at(&at_i, "connect.destination"),
-                        format!("invalid destination {:?}", c.destination),
-                    );
-                }
-                let destination_header = match &c.destination_header {
-                    Some(h) => {
-                        if !super::gateway::valid_header_name(h) {
-                            errors.push(
-                                at(&at_i, "connect.destinationHeader"),
-                                format!("invalid header name {h:?}"),
-                            );
-                        }
-                        h.clone()
-                    }
-                    None => DEFAULT_DESTINATION_HEADER.to_owned(),
-                };
-                if ok {
-                    out.push(AgentEndpoint::Connect {
-                        address: c.address.clone(),
-                        destination: c.destination.clone(),
-                        destination_header,
-                    });
-                }
-            }
             (Some(_), Some(_)) => errors.push(&at_i, "either udp or connect, not both"),
             (None, None) => errors.push(&at_i, "expected udp: HOST:PORT or connect: {...}"),
+            _ => {}
         }
     }
-    if raw.is_empty() {
+    if entries.is_empty() {
         errors.push(
             path,
             "at least one endpoint is required (udp: HOST:PORT or connect: {...})",
         );
-    }
-    out
-}
-
-/// `HOST:PORT`, the host without brackets or a trailing dot, the port above 0.
-fn host_port(errors: &mut Errors, path: &str, value: &str) -> Option<(String, u16)> {
-    let parsed = value.rsplit_once(':').and_then(|(host, port)| {
-        let host = host
-            .strip_prefix('[')
-            .and_then(|h| h.strip_suffix(']'))
-            .unwrap_or(host)
-            .trim_end_matches('.');
-        let port = port.parse::<u16>().ok().filter(|&p| p > 0)?;
-        let host_ok = !host.is_empty()
-            && (host.parse::<IpAddr>().is_ok()
-                || crate::wire::tls::normalize_host(host.as_bytes()).is_some());
-        host_ok.then(|| (host.to_owned(), port))
-    });
-    if parsed.is_none() {
-        errors.push(path, format!("expected HOST:PORT, got {value:?}"));
-    }
-    parsed
-}
-
-/// `persistentKeepalive`: 25 s when left out, off for `0s`, else whole seconds up to 65535.
-fn persistent_keepalive(errors: &mut Errors, raw: Option<&str>) -> Option<Duration> {
-    let path = "wireguard.gateway.persistentKeepalive";
-    let Some(text) = raw else {
-        return Some(DEFAULT_PERSISTENT_KEEPALIVE);
-    };
-    let d = errors.duration(path, text)?;
-    if d.is_zero() {
-        return None;
-    }
-    if d.subsec_nanos() != 0 || d > MAX_PERSISTENT_KEEPALIVE {
-        errors.push(
-            path,
-            format!("{text:?}: whole seconds from 1s to 65535s, or 0s for off"),
-        );
-        return Some(DEFAULT_PERSISTENT_KEEPALIVE);
-    }
-    Some(d)
-}
-
-/// The agent's timeouts with their defaults; each must be greater than zero but `drain`.
-fn timeouts(errors: &mut Errors, raw: &RawAgentTimeouts) -> AgentTimeouts {
-    let mut positive_or = |path: &str, v: Option<&str>, default: u64| {
-        v.and_then(|v| positive(errors, path, v))
-            .unwrap_or(Duration::from_secs(default))
-    };
-    let connect = positive_or("timeouts.connect", raw.connect.as_deref(), 5);
-    let idle = positive_or("timeouts.idle", raw.idle.as_deref(), 3600);
-    let half_close = positive_or("timeouts.halfClose", raw.half_close.as_deref(), 60);
-    AgentTimeouts {
-        connect,
-        idle,
-        half_close,
-        drain: errors.duration_or(
-            "timeouts.drain",
-            raw.drain.as_deref(),
-            Duration::from_secs(30),
-        ),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     fn check(yaml: &str) -> Result<AgentConfig, String> {
-        parse(Path::new("/etc/trellis/agent.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
+        crate::config::parse::<AgentConfig>(Path::new("/etc/trellis/agent.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: AgentConfiguration\n";
@@ -542,11 +476,11 @@ admin: {{address: \"0.0.0.0:16911\"}}
             key()
         ))
         .unwrap();
-        assert_eq!(c.private_key_file, Path::new("/etc/trellis/agent.key"));
-        assert_eq!(c.gateway_public_key, WgKey([9; 32]));
-        assert_eq!(c.addresses.len(), 2);
+        assert_eq!(c.wireguard.private_key_file, Path::new("/etc/trellis/agent.key"));
+        assert_eq!(c.wireguard.gateway.public_key, WgKey([9; 32]));
+        assert_eq!(c.wireguard.addresses.len(), 2);
         assert_eq!(
-            c.lanes[0],
+            c.lanes()[0],
             [
                 AgentEndpoint::Udp {
                     host: "vpn.seed.example.com".into(),
@@ -563,7 +497,7 @@ admin: {{address: \"0.0.0.0:16911\"}}
                 },
             ]
         );
-        assert_eq!(c.persistent_keepalive, Some(Duration::from_secs(25)));
+        assert_eq!(c.wireguard.gateway.persistent_keepalive.0, Some(Duration::from_secs(25)));
         assert_eq!(c.networks[2], Net::parse("100.96.0.1/32").unwrap());
         assert_eq!(
             c.timeouts,
@@ -576,10 +510,10 @@ admin: {{address: \"0.0.0.0:16911\"}}
         );
         // Relative key files are relative to the config; keepalive defaults to 25s, 0s is off.
         let c = check(&agent(UDP, "")).unwrap();
-        assert_eq!(c.private_key_file, Path::new("/etc/trellis/agent.key"));
-        assert_eq!(c.persistent_keepalive, Some(DEFAULT_PERSISTENT_KEEPALIVE));
+        assert_eq!(c.wireguard.private_key_file, Path::new("/etc/trellis/agent.key"));
+        assert_eq!(c.wireguard.gateway.persistent_keepalive.0, Some(DEFAULT_PERSISTENT_KEEPALIVE));
         let c = check(&agent(&format!("{UDP}    persistentKeepalive: 0s\n"), "")).unwrap();
-        assert_eq!(c.persistent_keepalive, None);
+        assert_eq!(c.wireguard.gateway.persistent_keepalive.0, None);
         let c = check(&agent(
             UDP,
             "timeouts: {connect: 2s, idle: 10m, halfClose: 5s, drain: 0s}\n",
@@ -596,7 +530,7 @@ admin: {{address: \"0.0.0.0:16911\"}}
         let connect = "    endpoints: [{connect: {address: \"api.example.com:8443\", destination: \"trellis-wireguard:51820\", destinationHeader: Reversed-VPN}}]\n";
         let c = check(&agent(connect, "")).unwrap();
         assert_eq!(
-            c.lanes[0],
+            c.lanes()[0],
             [AgentEndpoint::Connect {
                 address: "api.example.com:8443".into(),
                 destination: "trellis-wireguard:51820".into(),
@@ -611,11 +545,11 @@ admin: {{address: \"0.0.0.0:16911\"}}
         let both = connect.replace("}}]", "}}, {udp: \"192.0.2.1:51820\"}]");
         let c = check(&agent(&both, "")).unwrap();
         assert!(matches!(
-            &c.lanes[0][0],
+            &c.lanes()[0][0],
             AgentEndpoint::Connect { destination_header, .. } if destination_header == "Reversed-VPN"
         ));
         assert!(matches!(
-            &c.lanes[0][1],
+            &c.lanes()[0][1],
             AgentEndpoint::Udp { port: 51820, .. }
         ));
     }
@@ -629,17 +563,17 @@ admin: {{address: \"0.0.0.0:16911\"}}
     - endpoints: [{udp: \"vpn.seed.example.com:51821\"}]
 ";
         let c = check(&agent(two, "")).unwrap();
-        assert_eq!(c.lanes.len(), 2);
-        assert_eq!(c.lanes[0].len(), 2);
+        assert_eq!(c.lanes().len(), 2);
+        assert_eq!(c.lanes()[0].len(), 2);
         assert_eq!(
-            c.lanes[1],
+            c.lanes()[1],
             [AgentEndpoint::Udp {
                 host: "vpn.seed.example.com".into(),
                 port: 51821
             }]
         );
         let single = check(&agent(UDP, "")).unwrap();
-        assert_eq!(single.lanes.len(), 1);
+        assert_eq!(single.lanes().len(), 1);
 
         let both = check(&agent(&format!("{UDP}{two}"), "")).unwrap_err();
         assert!(
@@ -743,7 +677,7 @@ timeouts: {{connect: 0s, handshake: 1s}}
 
     #[test]
     fn another_kind_is_refused() {
-        let err = parse(
+        let err = crate::config::parse::<AgentConfig>(
             Path::new("a.yaml"),
             b"apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\n",
         )

@@ -1,7 +1,8 @@
-//! `kind: ControllerConfiguration`: the controller's raw schema and validated
-//! [`ControllerConfig`]: which gateway it renders for, the fallback backend, whether it
-//! renders the shoots' tunnels (and their addresses), the routes it adds as written
-//! (`extraRoutes`), the output.
+//! `kind: ControllerConfiguration`: which gateway the controller renders for, the fallback
+//! backend, whether it renders the shoots' tunnels (and their addresses), the routes it adds
+//! as written (`extraRoutes`), the output. The file decodes into [`ControllerFile`] with
+//! every value typed; validation builds the [`ControllerConfig`] the controller runs on
+//! (the defaults of absent sections filled in).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -9,16 +10,15 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::decode::{Kind, Raw};
-use super::gateway::RawAdmin;
-use super::routes::RawRoute;
-use super::{ConfigError, Errors};
+use super::common::Admin;
+use super::error::Errors;
+use super::load::{ConfigKind, Source};
+use super::table::RawRoute;
+use super::value::{ApiVersion, FilePath, Ip, Text, plain_option};
 use crate::route::{BackendAddress, BackendRegistry, ProxyVersion};
 
-mapping_only!(RawController, RawTarget, RawFallback, RawTunnel, RawOutput);
-
-/// The `kind` of controller configuration files.
-pub const KIND: &str = "ControllerConfiguration";
+mapping_only!(ControllerFile, Target, Fallback, TunnelSection, OutputSection);
+text_values!(ParentRef);
 
 /// The `spec.selector` of the Istio Gateways gardenlet writes for the seed's default ingress
 /// gateway (gardenlet's default `app`/`istio` labels plus `istio-role: seed`).
@@ -37,28 +37,28 @@ pub const DEFAULT_TUNNEL_LOCAL_ADDRESSES: [IpAddr; 2] = [
     IpAddr::V6(Ipv6Addr::new(0xfd8f, 0x6d53, 0xb97a, 1, 0, 0, 0, 1)),
 ];
 
-/// A controller configuration file as written.
+/// A controller configuration file.
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawController {
+pub struct ControllerFile {
     /// Always `trellis.gardener.cloud/v1alpha1`.
-    pub api_version: String,
+    pub api_version: ApiVersion,
     /// Always `ControllerConfiguration`.
     pub kind: String,
     /// Kubeconfig file of the seed (relative to this file); in-cluster configuration (or
     /// `KUBECONFIG`) when absent.
-    #[serde(default)]
-    pub kubeconfig: Option<String>,
+    #[serde(default, deserialize_with = "plain_option::<FilePath, _>")]
+    pub kubeconfig: Option<PathBuf>,
     /// The gateway the table is rendered for (default: the seed's default ingress gateway).
     #[serde(default)]
-    pub gateway: Option<RawTarget>,
+    pub gateway: Option<Target>,
     /// Where everything trellis does not route itself goes (the Envoy gateway's Service).
     #[serde(default)]
-    pub fallback: Option<RawFallback>,
+    pub fallback: Option<Fallback>,
     /// Shoots' tunnel and egress routes: rendered only with `enabled: true` (absent: none,
     /// and neither Clusters nor Secrets are read).
     #[serde(default)]
-    pub tunnel: Option<RawTunnel>,
+    pub tunnel: Option<TunnelSection>,
     /// Routes added to every table as written, in the routing table's schema (routes with
     /// backends: no `tunnel` or `egress`, no name of the controller's own). They are settled
     /// before the rendered routes: a rendered route with one's name is left out, and one
@@ -67,16 +67,16 @@ pub struct RawController {
     pub extra_routes: Vec<RawRoute>,
     /// Where the table is written.
     #[serde(default)]
-    pub output: Option<RawOutput>,
+    pub output: Option<OutputSection>,
     /// Probes and metrics of `trellis controller` (none when absent).
     #[serde(default)]
-    pub admin: Option<RawAdmin>,
+    pub admin: Option<Admin>,
 }
 
-/// The gateway the table is rendered for, as written.
+/// The gateway the table is rendered for.
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawTarget {
+pub struct Target {
     /// The labels of the gateway workload trellis stands in for: an Istio `Gateway` is served
     /// when every label of its `spec.selector` is among them (Istio's own rule). Zonal
     /// gateways (`istio: ingressgateway--zone--<zone>`) and exposure-class gateways
@@ -85,7 +85,25 @@ pub struct RawTarget {
     pub selector: Option<BTreeMap<String, String>>,
     /// Gateway API `Gateway`s (`namespace/name`) whose `TLSRoute`s this gateway serves.
     #[serde(default)]
-    pub parent_refs: Vec<String>,
+    pub parent_refs: Vec<ParentRef>,
+}
+
+/// A Gateway API parent: `namespace/name`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParentRef(pub String, pub String);
+
+impl Text for ParentRef {
+    fn from_text(parent: &str) -> Result<Self, String> {
+        match parent.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Ok(ParentRef(ns.to_owned(), name.to_owned()))
+            }
+            _ => Err(format!("expected NAMESPACE/NAME, got {parent:?}")),
+        }
+    }
+    fn stand_in() -> Self {
+        ParentRef(String::new(), String::new())
+    }
 }
 
 /// A mapping of label keys to values, said so in errors (serde's own message for a map is
@@ -113,33 +131,33 @@ fn labels<'de, D: serde::Deserializer<'de>>(
     d.deserialize_any(Labels).map(Some)
 }
 
-/// The fallback backends as written.
+/// The fallback backends.
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawFallback {
+pub struct Fallback {
     /// `IP:port` or `DNS-name:port` of the fallback for TLS (e.g. the Envoy gateway's
     /// Service, port 443): route `fallback`, the `sni` listener's `defaultRoute`.
-    pub address: String,
+    pub address: BackendAddress,
     /// The fallback's CONNECT proxy for `X-Gardener-Destination` (Envoy's port 8443): route
     /// `fallback-connect`, which forwards the CONNECT as received; the `defaultRoute` of the
     /// gateway's `http-connect` listener on 8443.
     #[serde(default)]
-    pub connect: Option<String>,
+    pub connect: Option<BackendAddress>,
     /// The fallback's CONNECT proxy for the legacy `Reversed-VPN` header (Envoy's port
     /// 8132): route `fallback-connect-legacy`, the `defaultRoute` of the listener on 8132.
     #[serde(default)]
-    pub connect_legacy: Option<String>,
+    pub connect_legacy: Option<BackendAddress>,
     /// `v1` or `v2`: the fallback routes start every connection with a PROXY header, so
     /// the fallback sees the client (Gardener's Envoy takes one with
     /// `terminateLoadBalancerProxyProtocol`). Left out: none, and the fallback sees trellis.
     #[serde(default)]
-    pub send_proxy_protocol: Option<String>,
+    pub send_proxy_protocol: Option<ProxyVersion>,
 }
 
-/// The `tunnel` section as written.
+/// The `tunnel` section.
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawTunnel {
+pub struct TunnelSection {
     /// Required in the section: `true` renders every shoot's tunnel and egress route (and
     /// reads Clusters and Secrets for them), `false` none, as when the section is absent.
     #[serde(default)]
@@ -149,16 +167,16 @@ pub struct RawTunnel {
     /// shoot's networks and agent addresses (default: [`DEFAULT_TUNNEL_LOCAL_ADDRESSES`]).
     /// Only with `enabled: true`.
     #[serde(default)]
-    pub local_addresses: Option<Vec<String>>,
+    pub local_addresses: Option<Vec<Ip>>,
 }
 
-/// The output as written.
+/// The output.
 #[derive(Debug, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
-pub struct RawOutput {
+pub struct OutputSection {
     /// A routing table file, replaced atomically on change.
-    #[serde(default)]
-    pub file: Option<String>,
+    #[serde(default, deserialize_with = "plain_option::<FilePath, _>")]
+    pub file: Option<PathBuf>,
 }
 
 /// A validated controller configuration.
@@ -236,110 +254,59 @@ impl Default for ControllerConfig {
     }
 }
 
-/// Reads and validates a controller configuration file.
-pub fn load(file: &Path) -> Result<ControllerConfig, ConfigError> {
-    parse(file, &super::read_file(file)?)
-}
+impl ConfigKind for ControllerConfig {
+    const KIND: &'static str = "ControllerConfiguration";
+    const READ_BY: &'static str = "'trellis controller'";
+    type File = ControllerFile;
+    type Context<'a> = ();
 
-/// Parses and validates the bytes of a controller configuration file.
-pub fn parse(file: &Path, bytes: &[u8]) -> Result<ControllerConfig, ConfigError> {
-    let result = match super::decode::decode(file, bytes)? {
-        (Raw::Controller(raw), errors) => validate(file, raw, errors),
-        (other, _) => Err(super::decode::wrong_kind(
-            file,
-            other.kind(),
-            Kind::Controller,
-            "'trellis controller'",
-        )),
-    };
-    super::decode::located(file, bytes, result)
-}
-
-/// Validates a decoded configuration; `errors` already holds the unknown fields.
-pub(super) fn validate(
-    file: &Path,
-    raw: RawController,
-    mut errors: Errors,
-) -> Result<ControllerConfig, ConfigError> {
-    super::check_api_version(&mut errors, &raw.api_version);
-    // Relative paths are relative to the configuration file, like a gateway's `routes.file`.
-    let dir = file.parent().unwrap_or(Path::new(""));
-    let mut config = ControllerConfig {
-        kubeconfig: raw.kubeconfig.map(|k| dir.join(k)),
-        ..ControllerConfig::default()
-    };
-    if let Some(target) = raw.gateway {
-        if let Some(selector) = target.selector {
-            if selector.is_empty() {
-                errors.push("gateway.selector", "must name at least one label");
-            }
-            if selector.keys().any(String::is_empty) {
-                errors.push("gateway.selector", "a label key may not be empty");
-            }
-            config.selector = selector;
-        }
-        for (i, parent) in target.parent_refs.iter().enumerate() {
-            match parent.split_once('/') {
-                Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
-                    config.parent_refs.push((ns.to_owned(), name.to_owned()));
-                }
-                _ => errors.push(
-                    format!("gateway.parentRefs[{i}]"),
-                    format!("expected NAMESPACE/NAME, got {parent:?}"),
-                ),
-            }
-        }
-    }
-    if let Some(fallback) = raw.fallback {
-        let mut address = |path: &str, value: &str| match BackendAddress::parse(value) {
-            Ok(address) => Some(address),
-            Err(e) => {
-                errors.push(path, format!("{e}: {value:?}"));
-                None
-            }
+    fn validate(file: ControllerFile, source: &Source<'_>, (): (), errors: &mut Errors) -> Self {
+        // Relative paths are relative to the configuration file, like a gateway's `routes.file`.
+        file.api_version.check(errors);
+        let dir = source.dir();
+        let mut config = ControllerConfig {
+            kubeconfig: file.kubeconfig.map(|k| dir.join(k)),
+            ..ControllerConfig::default()
         };
-        config.fallback = address("fallback.address", &fallback.address);
-        config.fallback_connect = fallback
-            .connect
-            .as_deref()
-            .and_then(|v| address("fallback.connect", v));
-        config.fallback_connect_legacy = fallback
-            .connect_legacy
-            .as_deref()
-            .and_then(|v| address("fallback.connectLegacy", v));
-        if let Some(v) = fallback.send_proxy_protocol.as_deref() {
-            config.fallback_proxy_protocol = ProxyVersion::parse(v);
-            if config.fallback_proxy_protocol.is_none() {
-                errors.push(
-                    "fallback.sendProxyProtocol",
-                    format!("expected v1 or v2, got {v:?}"),
-                );
+        if let Some(target) = file.gateway {
+            if let Some(selector) = target.selector {
+                if selector.is_empty() {
+                    errors.push("gateway.selector", "must name at least one label");
+                }
+                if selector.keys().any(String::is_empty) {
+                    errors.push("gateway.selector", "a label key may not be empty");
+                }
+                config.selector = selector;
+            }
+            config.parent_refs = target.parent_refs.into_iter().map(|p| (p.0, p.1)).collect();
+        }
+        if let Some(fallback) = file.fallback {
+            config.fallback = Some(fallback.address);
+            config.fallback_connect = fallback.connect;
+            config.fallback_connect_legacy = fallback.connect_legacy;
+            config.fallback_proxy_protocol = fallback.send_proxy_protocol;
+        }
+        if let Some(tunnel) = file.tunnel {
+            config.tunnel = self::tunnel(errors, tunnel);
+        }
+        extra_routes(errors, &file.extra_routes, dir);
+        config.extra_routes = file.extra_routes;
+        if let Some(output) = file.output {
+            match output.file {
+                Some(f) => config.output = Output::File(dir.join(f)),
+                // At the field's own path: a `file` of the wrong type was reported already.
+                None => errors.push("output.file", "required: where the table goes"),
             }
         }
-    }
-    if let Some(tunnel) = raw.tunnel {
-        config.tunnel = self::tunnel(&mut errors, tunnel);
-    }
-    extra_routes(&mut errors, &raw.extra_routes, dir);
-    config.extra_routes = raw.extra_routes;
-    if let Some(output) = raw.output {
-        match output.file {
-            Some(f) if f.is_empty() => errors.push("output.file", "must not be empty"),
-            Some(f) => config.output = Output::File(dir.join(f)),
-            // At the field's own path: a `file` of the wrong type was reported already.
-            None => errors.push("output.file", "required: where the table goes"),
-        }
-    }
-    if let Some(admin) = raw.admin {
-        config.admin = super::gateway::socket_addr(&mut errors, "admin.address", &admin.address);
-        if admin.debug_address.is_some() {
-            errors.push(
-                "admin.debugAddress",
+        if let Some(admin) = file.admin {
+            config.admin = Some(admin.address.0);
+            admin.no_debug_address(
+                errors,
                 "the controller has no debug endpoint (the table is its output)",
             );
         }
+        config
     }
-    errors.finish(file, config)
 }
 
 /// Whether `name` is reserved for the routes the controller adds itself: `fallback` and
@@ -354,7 +321,7 @@ pub fn is_reserved_route_name(name: &str) -> bool {
 /// timeouts, …), and routes with backends only, none named like the controller's own.
 fn extra_routes(errors: &mut Errors, routes: &[RawRoute], dir: &Path) {
     // Validated and indexed as a table's routes are; the controller writes them as given.
-    let _ = super::routes::table_of(
+    let _ = super::table::table_of(
         "extraRoutes",
         routes,
         dir,
@@ -389,7 +356,7 @@ fn extra_routes(errors: &mut Errors, routes: &[RawRoute], dir: &Path) {
 /// The `tunnel` section: on with `enabled: true`, off with `false`; anything else, or
 /// addresses for tunnels that are off, is an error (a section that names addresses but
 /// leaves out `enabled` says neither).
-fn tunnel(errors: &mut Errors, raw: RawTunnel) -> Option<TunnelConfig> {
+fn tunnel(errors: &mut Errors, raw: TunnelSection) -> Option<TunnelConfig> {
     match (raw.enabled, raw.local_addresses) {
         (Some(true), addresses) => Some(TunnelConfig {
             local_addresses: match addresses {
@@ -417,7 +384,7 @@ fn tunnel(errors: &mut Errors, raw: RawTunnel) -> Option<TunnelConfig> {
 }
 
 /// `tunnel.localAddresses`: one or two unicast addresses, at most one per family.
-fn local_addresses(errors: &mut Errors, list: &[String]) -> Vec<IpAddr> {
+fn local_addresses(errors: &mut Errors, list: &[Ip]) -> Vec<IpAddr> {
     let path = "tunnel.localAddresses";
     if list.is_empty() || list.len() > 2 {
         errors.push(
@@ -429,12 +396,9 @@ fn local_addresses(errors: &mut Errors, list: &[String]) -> Vec<IpAddr> {
         );
     }
     let mut out: Vec<IpAddr> = Vec::with_capacity(list.len());
-    for (i, text) in list.iter().enumerate() {
+    for (i, ip) in list.iter().enumerate() {
         let at = format!("{path}[{i}]");
-        let Ok(ip) = text.parse::<IpAddr>().map(|ip| ip.to_canonical()) else {
-            errors.push(at, format!("expected an IP address, got {text:?}"));
-            continue;
-        };
+        let ip = ip.0.to_canonical();
         if ip.is_unspecified()
             || ip.is_multicast()
             || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast())
@@ -457,7 +421,7 @@ mod tests {
     use super::*;
 
     fn check(yaml: &str) -> Result<ControllerConfig, String> {
-        parse(Path::new("/etc/trellis/controller.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
+        crate::config::parse::<ControllerConfig>(Path::new("/etc/trellis/controller.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
     }
 
     const HEAD: &str =

@@ -25,82 +25,98 @@ use serde::de::value::{MapAccessDeserializer, StrDeserializer, StringDeserialize
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_saphyr::MessageFormatter as _;
 
+use super::error::{ConfigError, Errors, FieldError};
 use super::recover::{self, Plan};
-use super::{
-    ConfigError, Derived, Errors, FieldError, agent, controller, gateway, locate, node, routes,
-};
+use super::{locate, value};
 
-/// The kinds of file this build reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    /// `GatewayConfiguration`.
-    Gateway,
-    /// `RoutingTable`.
-    Routes,
-    /// `NodeConfiguration`.
-    Node,
-    /// `ControllerConfiguration`.
-    Controller,
-    /// `AgentConfiguration`.
-    Agent,
+/// Implements `Deserialize` for structures whose derive is `#[serde(remote = "Self")]`, so
+/// that they take a mapping and nothing else. serde's derived structs also take a sequence
+/// of their fields' values in declaration order, which would make `timeouts: [5s, 1h]` mean
+/// `connect: 5s, idle: 1h`. A type listed here must derive `Deserialize` with
+/// `remote = "Self"`: without that inherent `deserialize`, the impl would call itself. It
+/// asks for any value, not a mapping, so that both parsers leave the refusal to the visitor
+/// ("invalid type: sequence, expected a mapping"): the YAML parser would refuse a sequence
+/// with its own words otherwise.
+///
+/// The structures do not `deny_unknown_fields`: the decoder collects every field nothing
+/// read and reports them with the other problems, instead of stopping at the first.
+macro_rules! mapping_only {
+    ($($ty:ident),* $(,)?) => {$(
+        impl<'de> serde::Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                d.deserialize_any($crate::config::decode::MappingOnly::<$ty>::new())
+            }
+        }
+        impl<'de> $crate::config::decode::Derived<'de> for $ty {
+            fn derived<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                $ty::deserialize(d)
+            }
+        }
+    )*};
 }
 
-impl Kind {
-    /// Every kind, in the order error messages list them.
-    pub(crate) const ALL: [Kind; 5] = [
-        Kind::Gateway,
-        Kind::Routes,
-        Kind::Node,
-        Kind::Controller,
-        Kind::Agent,
-    ];
-
-    /// The `kind` as written in files.
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Kind::Gateway => gateway::KIND,
-            Kind::Routes => routes::KIND,
-            Kind::Node => node::KIND,
-            Kind::Controller => controller::KIND,
-            Kind::Agent => agent::KIND,
+/// Implements `Serialize` for structures whose derive is `#[serde(remote = "Self")]` (see
+/// [`mapping_only!`]): the derived serializer is an inherent function then, which the trait
+/// impl calls. Used for the files trellis writes as well as reads (the routing table, which
+/// the controller writes and `/routes` shows in the same shape).
+macro_rules! serialize_derived {
+    ($($ty:ident),* $(,)?) => {$(
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                $ty::serialize(self, s)
+            }
         }
+    )*};
+}
+
+/// A structure's derived decoder (`#[serde(remote = "Self")]`), for [`mapping_only!`].
+pub(crate) trait Derived<'de>: Sized {
+    /// The derived `deserialize`, which would also take a sequence.
+    fn derived<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error>;
+}
+
+/// Takes a mapping and hands it to `T`'s derived decoder; anything else is an error.
+pub(crate) struct MappingOnly<T>(PhantomData<T>);
+
+impl<T> MappingOnly<T> {
+    pub(crate) fn new() -> Self {
+        MappingOnly(PhantomData)
+    }
+}
+
+impl<'de, T: Derived<'de>> Visitor<'de> for MappingOnly<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a mapping")
     }
 
-    fn parse(kind: &str) -> Option<Kind> {
-        Kind::ALL.into_iter().find(|k| k.as_str() == kind)
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+        T::derived(MapAccessDeserializer::new(map))
     }
 }
 
-/// A file's raw content, decoded as the kind it names.
-pub(crate) enum Raw {
-    /// `kind: GatewayConfiguration`.
-    Gateway(gateway::RawGateway),
-    /// `kind: RoutingTable`.
-    Routes(routes::RawRoutingTable),
-    /// `kind: NodeConfiguration`.
-    Node(node::RawNode),
-    /// `kind: ControllerConfiguration`.
-    Controller(controller::RawController),
-    /// `kind: AgentConfiguration`.
-    Agent(agent::RawAgent),
-}
+/// Largest config or routing file we read (a 10,000-route table is ~2 MB).
+pub const MAX_FILE_BYTES: u64 = 64 << 20;
 
-impl Raw {
-    /// The kind it was decoded as.
-    pub(crate) fn kind(&self) -> Kind {
-        match self {
-            Raw::Gateway(_) => Kind::Gateway,
-            Raw::Routes(_) => Kind::Routes,
-            Raw::Node(_) => Kind::Node,
-            Raw::Controller(_) => Kind::Controller,
-            Raw::Agent(_) => Kind::Agent,
-        }
+/// The kinds a decode accepts: one kind for a process reading its file, every kind for
+/// `trellis check`. The decoder reads `apiVersion` and `kind` and hands the rest of the
+/// document to the kind named.
+pub(crate) trait Kinds: Sized {
+    /// The kinds, as written in files, in the order error messages list them.
+    fn names() -> Vec<&'static str>;
+    /// Decodes the document as `kind`, one of [`Kinds::names`].
+    fn decode<'de, D: Deserializer<'de>>(kind: &str, d: D) -> Result<Self, D::Error>;
+    /// The error for a file of `kind`, none of [`Kinds::names`]; `None`: the kind is
+    /// reported as unknown, at its path.
+    fn other(_file: &Path, _kind: &str) -> Option<ConfigError> {
+        None
     }
 }
 
 /// How far decoding goes past type errors and missing fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Recovery {
+pub enum Recovery {
     /// Past up to [`recover::MAX_FIXES`] of them (one more decode each), so that one run
     /// reports them all: `trellis check`, and loading a file at start.
     All,
@@ -110,50 +126,29 @@ pub(crate) enum Recovery {
     First,
 }
 
-/// Decodes a file's bytes into the raw types of the kind it names. The returned [`Errors`]
-/// hold the unknown fields found on the way; validation adds its own.
-pub(crate) fn decode(file: &Path, bytes: &[u8]) -> Result<(Raw, Errors), ConfigError> {
-    decode_with(file, bytes, Recovery::All)
-}
-
-/// [`decode`], going past type errors as far as `recovery` says.
-pub(crate) fn decode_with(
+/// Decodes a file's bytes as one of the kinds `S` accepts, going past type errors as far as
+/// `recovery` says. The returned [`Errors`] hold the unknown fields found on the way;
+/// validation adds its own.
+pub(crate) fn decode<S: Kinds>(
     file: &Path,
     bytes: &[u8],
     recovery: Recovery,
-) -> Result<(Raw, Errors), ConfigError> {
+) -> Result<(S, Errors), ConfigError> {
     let text = std::str::from_utf8(bytes).map_err(|e| {
         let (line, column) = position(&bytes[..e.valid_up_to()]);
         parse_error(file, String::new(), Some((line, column)), "not UTF-8 text")
     })?;
     let json = text.trim_start().starts_with('{');
-    let (outcome, found) = run(file, text, json, Dispatch, recovery)?;
-    let (raw, found) = match outcome {
-        Outcome::Decoded(raw) => (*raw, found),
+    let (outcome, found) = run(file, text, json, Dispatch::<S>(PhantomData), recovery)?;
+    let (decoded, found) = match outcome {
+        Outcome::Decoded(decoded) => (decoded, found),
         // Only the second pass knew what to do with the fields before `kind`.
-        Outcome::KindLate(Kind::Gateway) => {
-            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
-            (Raw::Gateway(raw), found)
-        }
-        Outcome::KindLate(Kind::Routes) => {
-            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
-            (Raw::Routes(raw), found)
-        }
-        Outcome::KindLate(Kind::Node) => {
-            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
-            (Raw::Node(raw), found)
-        }
-        Outcome::KindLate(Kind::Controller) => {
-            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
-            (Raw::Controller(raw), found)
-        }
-        Outcome::KindLate(Kind::Agent) => {
-            let (raw, found) = run(file, text, json, PhantomData, recovery)?;
-            (Raw::Agent(raw), found)
-        }
-        Outcome::UnknownKind(kind) => {
-            let kinds: Vec<_> = Kind::ALL.iter().map(|k| k.as_str()).collect();
-            let message = format!("unknown kind {kind:?}, expected one of {kinds:?}");
+        Outcome::KindLate(kind) => run(file, text, json, Late::<S>(&kind, PhantomData), recovery)?,
+        Outcome::Other(kind) => {
+            if let Some(e) = S::other(file, &kind) {
+                return Err(e);
+            }
+            let message = format!("unknown kind {kind:?}, expected one of {:?}", S::names());
             return Err(kindless(file, found, message));
         }
         Outcome::NoKind => return Err(kindless(file, found, "missing")),
@@ -168,7 +163,7 @@ pub(crate) fn decode_with(
         locate::locate(text, &mut unknown, locate::Anchor::Key);
     }
     let errors = Errors::found(found.wrong, unknown, found.plan.shadowed().collect());
-    Ok((raw, errors))
+    Ok((decoded, errors))
 }
 
 /// The error for a file whose kind is not known: the type errors found on the way, and
@@ -208,25 +203,6 @@ pub(crate) fn located<T>(
         }
         other => other,
     }
-}
-
-/// The error for a file of the wrong kind: `kind RoutingTable, but 'trellis gateway' needs a
-/// GatewayConfiguration`.
-pub(crate) fn wrong_kind(file: &Path, found: Kind, needed: Kind, by: &str) -> ConfigError {
-    super::invalid(
-        file,
-        "",
-        format!(
-            "kind {}, but {by} needs {} {}",
-            found.as_str(),
-            if needed.as_str().starts_with(['A', 'E', 'I', 'O', 'U']) {
-                "an"
-            } else {
-                "a"
-            },
-            needed.as_str()
-        ),
-    )
 }
 
 /// What a decode found besides the value.
@@ -292,17 +268,24 @@ where
             Some(path) if failure.in_document => path,
             _ => String::new(),
         };
-        let error = match &failure.error {
+        let mut error = match &failure.error {
             ParseError::Json(e) => json_error(path, e),
             ParseError::Yaml(e) => yaml_error(path, text, e),
         };
+        // A value its type refused is pointed at as the problems found after the parser
+        // are: at the value, not where the parser stopped.
+        let refused = error.message.starts_with(value::REFUSED);
+        if refused {
+            error.message.remove(0);
+            error.position = None;
+        }
         let fix = fix(&failure);
         // An error in a stand-in, or a field a stand-in lacks, is one the file does not have;
         // an error found again (a parse error, where a stand-in could not help) is one
         // already reported.
-        let again = wrong
-            .iter()
-            .any(|e| e.position == error.position && e.message == error.message);
+        let again = wrong.iter().any(|e| {
+            e.path == error.path && e.position == error.position && e.message == error.message
+        });
         let consequence = again || plan.shadows(&error.path);
         if !consequence {
             wrong.push(error.clone());
@@ -316,7 +299,7 @@ where
             && match fix {
                 Fix::Add(field) => plan.insert(&error.path, &field),
                 Fix::StandIn if !error.path.is_empty() && !consequence => {
-                    plan.stand_in(&error.path)
+                    plan.stand_in(&error.path, refused)
                 }
                 Fix::StandIn | Fix::Stop => false,
             };
@@ -450,7 +433,7 @@ where
         Ok(value)
     } else {
         let mut in_document = false;
-        serde_saphyr::with_deserializer_from_str_with_options(text, super::yaml_options(), |de| {
+        serde_saphyr::with_deserializer_from_str_with_options(text, yaml_options(), |de| {
             let value = run_seed(de, seed, on_ignored, track);
             in_document = value.is_err();
             value
@@ -551,7 +534,7 @@ fn yaml_error(path: String, text: &str, e: &serde_saphyr::Error) -> FieldError {
     let message = match e.without_snippet() {
         serde_saphyr::Error::MultipleDocuments { .. } => {
             let documents =
-                serde_saphyr::from_multiple_with_options::<IgnoredAny>(text, super::yaml_options())
+                serde_saphyr::from_multiple_with_options::<IgnoredAny>(text, yaml_options())
                     .map_or(0, |d| d.len());
             if documents > 1 {
                 format!("the file holds {documents} YAML documents; trellis reads one per file")
@@ -586,40 +569,47 @@ fn position(bytes: &[u8]) -> (u64, u64) {
 }
 
 /// What the first pass found.
-enum Outcome {
+enum Outcome<S> {
     /// `kind` came before any other field: the file is decoded.
-    Decoded(Box<Raw>),
+    Decoded(S),
     /// `kind` came after other fields, which were skipped: decode again as this kind.
-    KindLate(Kind),
-    /// A kind this build does not know.
-    UnknownKind(String),
+    KindLate(String),
+    /// A kind none of `S`.
+    Other(String),
     /// No `kind` at all.
     NoKind,
 }
 
 /// Reads `apiVersion` and `kind`, then hands the rest of the mapping, with those two
-/// replayed in front, to the derived decoder of the kind.
-#[derive(Clone, Copy)]
-struct Dispatch;
+/// replayed in front, to the decoder of the kind.
+struct Dispatch<S>(PhantomData<S>);
 
-impl<'de> DeserializeSeed<'de> for Dispatch {
-    type Value = Outcome;
+impl<S> Clone for Dispatch<S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
 
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Outcome, D::Error> {
+impl<S> Copy for Dispatch<S> {}
+
+impl<'de, S: Kinds> DeserializeSeed<'de> for Dispatch<S> {
+    type Value = Outcome<S>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Outcome<S>, D::Error> {
         // Not `deserialize_map`: the YAML parser would refuse anything else with its own
         // words ("expected mapping start") instead of the visitor's.
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for Dispatch {
-    type Value = Outcome;
+impl<'de, S: Kinds> Visitor<'de> for Dispatch<S> {
+    type Value = Outcome<S>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a mapping with apiVersion and kind")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Outcome, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Outcome<S>, A::Error> {
         // `apiVersion` and `kind` as read, in file order.
         let mut head: Vec<(&'static str, String)> = Vec::with_capacity(2);
         let kind = |head: &[(&str, String)]| {
@@ -627,6 +617,7 @@ impl<'de> Visitor<'de> for Dispatch {
                 .find(|(k, _)| *k == "kind")
                 .map(|(_, v)| v.clone())
         };
+        let known = |kind: &str| S::names().contains(&kind);
         let mut skipped = false;
         while let Some(key) = map.next_key::<String>()? {
             let field = match key.as_str() {
@@ -640,15 +631,15 @@ impl<'de> Visitor<'de> for Dispatch {
                 head.push((field, map.next_value()?));
                 continue;
             }
-            match kind(&head).as_deref().map(|k| (k, Kind::parse(k))) {
-                Some((_, Some(kind))) if !skipped => {
+            match kind(&head) {
+                Some(k) if known(&k) && !skipped => {
                     let rest = Prefixed {
                         head: head.into_iter(),
                         value: None,
                         pending: Some(key),
                         map,
                     };
-                    return Ok(Outcome::Decoded(Box::new(decode_rest(kind, rest)?)));
+                    return Ok(Outcome::Decoded(S::decode(&k, MapAccessDeserializer::new(rest))?));
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
@@ -658,33 +649,39 @@ impl<'de> Visitor<'de> for Dispatch {
         }
         Ok(match kind(&head) {
             None => Outcome::NoKind,
-            Some(k) => match Kind::parse(&k) {
-                None => Outcome::UnknownKind(k),
-                Some(kind) if skipped => Outcome::KindLate(kind),
-                // Nothing but the head: the derived decoder reports the missing fields.
-                Some(kind) => Outcome::Decoded(Box::new(decode_rest(
-                    kind,
-                    Prefixed {
-                        head: head.into_iter(),
-                        value: None,
-                        pending: None,
-                        map,
-                    },
-                )?)),
-            },
+            Some(k) if !known(&k) => Outcome::Other(k),
+            Some(k) if skipped => Outcome::KindLate(k),
+            // Nothing but the head: the kind's decoder reports the missing fields.
+            Some(k) => {
+                let rest = Prefixed {
+                    head: head.into_iter(),
+                    value: None,
+                    pending: None,
+                    map,
+                };
+                Outcome::Decoded(S::decode(&k, MapAccessDeserializer::new(rest))?)
+            }
         })
     }
 }
 
-fn decode_rest<'de, A: MapAccess<'de>>(kind: Kind, rest: Prefixed<A>) -> Result<Raw, A::Error> {
-    let d = MapAccessDeserializer::new(rest);
-    Ok(match kind {
-        Kind::Gateway => Raw::Gateway(Derived::derived(d)?),
-        Kind::Routes => Raw::Routes(Derived::derived(d)?),
-        Kind::Node => Raw::Node(Derived::derived(d)?),
-        Kind::Controller => Raw::Controller(Derived::derived(d)?),
-        Kind::Agent => Raw::Agent(Derived::derived(d)?),
-    })
+/// Decodes the whole document as `kind`, which it names after other fields.
+struct Late<'k, S>(&'k str, PhantomData<S>);
+
+impl<S> Clone for Late<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<S> Copy for Late<'_, S> {}
+
+impl<'de, S: Kinds> DeserializeSeed<'de> for Late<'_, S> {
+    type Value = S;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<S, D::Error> {
+        S::decode(self.0, d)
+    }
 }
 
 /// A mapping whose first entries were already read: they are replayed, then the key read
@@ -723,40 +720,28 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for Prefixed<A> {
     }
 }
 
-/// For `#[serde(default, deserialize_with = "...")]` on an `Option<u64>` field: a whole
-/// number, said so in errors (serde's own message names the Rust type, `u64`).
-pub(crate) fn whole_number<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    struct Whole;
-    impl Visitor<'_> for Whole {
-        type Value = u64;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a whole number")
-        }
-        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<u64, E> {
-            Ok(v)
-        }
-        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<u64, E> {
-            u64::try_from(v).map_err(|_| {
-                E::invalid_value(serde::de::Unexpected::Signed(v), &"a whole number from 0")
-            })
-        }
+/// The YAML parser's options. Its node and event limits are sized to the largest file we
+/// read: by default it stops at 250,000 nodes, ~10,400 routes. It keeps no comments; if
+/// it kept them, it would refuse more than 32 comment lines between a key and its value.
+/// The limits on alias expansion, nesting depth and key length stay as they are.
+pub(crate) fn yaml_options() -> serde_saphyr::Options {
+    yaml_options_with(serde_saphyr::Budget::default().max_documents)
+}
+
+/// [`yaml_options`] taking up to `max_documents` documents in one stream (the parser's own
+/// default, 1,024, for configuration files; manifests hold one per object).
+pub(crate) fn yaml_options_with(max_documents: usize) -> serde_saphyr::Options {
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_documents = max_documents;
+    budget.max_nodes = MAX_FILE_BYTES as usize;
+    budget.max_events = MAX_FILE_BYTES as usize;
+    // `.inf` and `.nan` where no type is asked for (a value skipped while looking for
+    // `kind`) are text, as a string field takes them, instead of failing the whole file.
+    // Errors are shown on one line, without the source snippet the parser would attach.
+    serde_saphyr::options! {
+        budget: Some(budget),
+        emit_comments: false,
+        non_finite_float_policy: serde_saphyr::NonFiniteFloatPolicy::AsString,
+        with_snippet: false,
     }
-    struct Optional;
-    impl<'de> Visitor<'de> for Optional {
-        type Value = Option<u64>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a whole number")
-        }
-        fn visit_none<E: serde::de::Error>(self) -> Result<Option<u64>, E> {
-            Ok(None)
-        }
-        fn visit_unit<E: serde::de::Error>(self) -> Result<Option<u64>, E> {
-            Ok(None)
-        }
-        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Option<u64>, D::Error> {
-            // Whatever the scalar is (a quoted number is text): the visitor says what fits.
-            d.deserialize_any(Whole).map(Some)
-        }
-    }
-    d.deserialize_option(Optional)
 }

@@ -30,6 +30,12 @@ use serde::de::{
     self, DeserializeSeed, Deserializer, EnumAccess, IgnoredAny, MapAccess, SeqAccess, Visitor,
 };
 
+/// The newtype name of a value that takes a stand-in of its own: a type decoded from text
+/// would refuse the empty string a stand-in is, so it asks for a newtype of this name, and
+/// the stand-in deserializer hands it `visit_unit` instead (which the parsers never do for
+/// a newtype), to decode as its own stand-in.
+pub(super) const SCALAR: &str = "$trellis::scalar";
+
 /// Most fixes one document gets: after that many, decoding stops and the problems found so
 /// far are reported (each fix costs a decode of the whole document).
 pub(super) const MAX_FIXES: usize = 25;
@@ -39,6 +45,9 @@ pub(super) const MAX_FIXES: usize = 25;
 pub(super) struct Plan {
     /// Values replaced by a stand-in, by path.
     stand_ins: HashSet<String>,
+    /// Of those, the values their type refused (a scalar of the right type but a wrong
+    /// text): an optional field there was given, so its stand-in is `Some`.
+    refused: HashSet<String>,
     /// Fields added after the last entry of the mapping at a path, with a stand-in value.
     inserts: HashMap<String, Vec<String>>,
     /// Fixes in the plan.
@@ -46,9 +55,14 @@ pub(super) struct Plan {
 }
 
 impl Plan {
-    /// Replaces the value at `path` with a stand-in; false if it already is one.
-    pub(super) fn stand_in(&mut self, path: &str) -> bool {
+    /// Replaces the value at `path` with a stand-in; false if it already is one. A value
+    /// its type `refused` (rather than one of the wrong type) was given: where the field is
+    /// optional, its stand-in is present.
+    pub(super) fn stand_in(&mut self, path: &str, refused: bool) -> bool {
         let new = self.stand_ins.insert(path.to_owned());
+        if new && refused {
+            self.refused.insert(path.to_owned());
+        }
         self.fixes += usize::from(new);
         new
     }
@@ -664,7 +678,15 @@ impl<'de, E: de::Error> Deserializer<'de> for StandIn<'_, E> {
     }
 
     fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, E> {
-        visitor.visit_none()
+        let given = {
+            let t = self.t.borrow();
+            t.plan.refused.contains(&t.path)
+        };
+        if given {
+            visitor.visit_some(self)
+        } else {
+            visitor.visit_none()
+        }
     }
 
     fn deserialize_unit<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, E> {
@@ -681,10 +703,14 @@ impl<'de, E: de::Error> Deserializer<'de> for StandIn<'_, E> {
 
     fn deserialize_newtype_struct<V: Visitor<'de>>(
         self,
-        _name: &'static str,
+        name: &'static str,
         visitor: V,
     ) -> Result<V::Value, E> {
-        visitor.visit_newtype_struct(self)
+        if name == SCALAR {
+            visitor.visit_unit()
+        } else {
+            visitor.visit_newtype_struct(self)
+        }
     }
 
     fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, E> {
@@ -779,8 +805,8 @@ mod tests {
     #[test]
     fn each_fix_counts_once() {
         let mut plan = Plan::default();
-        assert!(plan.stand_in("routes[3].name"));
-        assert!(!plan.stand_in("routes[3].name"));
+        assert!(plan.stand_in("routes[3].name", false));
+        assert!(!plan.stand_in("routes[3].name", true));
         assert!(plan.insert("routes[4]", "name"));
         assert!(!plan.insert("routes[4]", "name"));
         assert!(plan.insert("", "apiVersion"));

@@ -1,8 +1,9 @@
 //! The `tls` section of an `egress-connect` listener and of a route's `egress`: the server
 //! certificate chain, its private key and the CA bundle client certificates must chain to,
-//! as three PEM files. Validation resolves relative paths (against the directory of the file
-//! that names them) and, where asked, reads and checks the files themselves (see
-//! [`crate::net::tls`]); it never keeps their contents.
+//! as three PEM files. A listener's is decoded straight into [`TlsFiles`]; a route's, in the
+//! routing table's schema, is [`RawTls`] and validated with the route. Relative paths are
+//! resolved against the directory of the file that names them; where asked, the files
+//! themselves are read and checked (see [`crate::net::tls`]); their contents are never kept.
 
 use std::path::{Path, PathBuf};
 
@@ -10,12 +11,41 @@ pub use crate::route::TlsFiles;
 
 use serde::{Deserialize, Serialize};
 
-use super::Errors;
+use super::decode::{Derived, MappingOnly};
+use super::error::Errors;
+use super::value::{FilePath, plain};
 
 mapping_only!(RawTls);
 serialize_derived!(RawTls);
 
-/// A `tls` section as written.
+/// A `tls` section decoded into the files it names.
+#[derive(Deserialize)]
+#[serde(remote = "TlsFiles", rename_all = "camelCase")]
+struct TlsFilesDef {
+    /// PEM file with the server certificate first, then its intermediates.
+    #[serde(deserialize_with = "plain::<FilePath, _>")]
+    certificate_file: PathBuf,
+    /// PEM file with the certificate's private key (PKCS#8, PKCS#1 or SEC1).
+    #[serde(deserialize_with = "plain::<FilePath, _>")]
+    key_file: PathBuf,
+    /// PEM file with the CA certificates a client certificate must chain to.
+    #[serde(rename = "clientCAFile", deserialize_with = "plain::<FilePath, _>")]
+    client_ca_file: PathBuf,
+}
+
+impl<'de> Deserialize<'de> for TlsFiles {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(MappingOnly::<TlsFiles>::new())
+    }
+}
+
+impl<'de> Derived<'de> for TlsFiles {
+    fn derived<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        TlsFilesDef::deserialize(d)
+    }
+}
+
+/// A `tls` section as a routing table has it.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct RawTls {
@@ -28,8 +58,8 @@ pub struct RawTls {
     pub client_ca_file: String,
 }
 
-/// Validates `raw` at `path` (e.g. `listeners[1].tls`); relative paths are taken relative to
-/// `dir`. Every problem is recorded in `errors`.
+/// Validates `raw` at `path` (e.g. `routes[1].egress.tls`); relative paths are taken
+/// relative to `dir`. Every problem is recorded in `errors`.
 pub(crate) fn files(errors: &mut Errors, path: &str, dir: &Path, raw: &RawTls) -> Option<TlsFiles> {
     let mut ok = true;
     let mut one = |field: &str, value: &str| {
@@ -50,14 +80,10 @@ pub(crate) fn files(errors: &mut Errors, path: &str, dir: &Path, raw: &RawTls) -
     })
 }
 
-/// For `trellis check`: loads the material `raw` names (relative to `dir`) and records, at
-/// `path`, why it cannot serve (unreadable, not PEM, the key not the certificate's, no CA).
-/// Problems with the section itself are left to validation, which reports them.
-pub(crate) fn check_material(errors: &mut Errors, path: &str, dir: &Path, raw: &RawTls) {
-    let mut ignored = Errors::default();
-    if let Some(files) = files(&mut ignored, path, dir, raw)
-        && let Err(e) = crate::net::tls::load(&files)
-    {
+/// For `trellis check`: loads the material `files` names and records, at `path`, why it
+/// cannot serve (unreadable, not PEM, the key not the certificate's, no CA).
+pub(crate) fn check_material(errors: &mut Errors, path: &str, files: &TlsFiles) {
+    if let Err(e) = crate::net::tls::load(files) {
         errors.push(path, e);
     }
 }

@@ -320,7 +320,7 @@ impl<S: ClientStream> Conn<S> {
                 idle: route.timeouts.idle.unwrap_or(cfg.timeouts.idle),
                 half_close: cfg.timeouts.half_close,
                 max_duration: route.max_connection_duration,
-                progress: cfg.access_log_interval,
+                progress: cfg.access_log.interval,
             },
         };
         forward::link(routed, dialer, reply).await
@@ -383,7 +383,7 @@ mod tests {
 
     use super::*;
     use crate::admin::Metrics;
-    use crate::config::node::IpFamily;
+    use crate::net::IpFamily;
     use crate::gateway::table::Tables;
     use crate::net::dial::Direct;
     use crate::route::BackendAddress;
@@ -408,7 +408,7 @@ mod tests {
             "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: RoutingTable\nroutes: []\n",
         )
         .unwrap();
-        let config = crate::config::gateway::parse(
+        let config = crate::config::parse::<crate::config::gateway::GatewayConfig>(
             &dir.join("gateway.yaml"),
             b"apiVersion: trellis.gardener.cloud/v1alpha1
 kind: GatewayConfiguration

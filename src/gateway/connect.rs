@@ -27,7 +27,8 @@ use tokio::net::TcpStream;
 
 use super::conn::{Conn, Ready};
 use super::{Pick, Shared};
-use crate::config::gateway::{DEFAULT_DESTINATION_HEADER, ListenerConfig, ListenerKind};
+use crate::config::gateway::{Listener, ListenerKind};
+use crate::config::value::DEFAULT_DESTINATION_HEADER;
 use crate::net::dial::Dest;
 use crate::serve::forward::{Forwarded, Reply};
 use crate::serve::record::Outcome;
@@ -39,9 +40,9 @@ const REVERSED_VPN_HEADER: &str = "Reversed-VPN";
 /// Every CONNECT destination header the gateway knows, each once (compared
 /// case-insensitively): the `destinationHeader` of every `http-connect` listener, and
 /// always Gardener's two, which the CONNECT proxies a route may forward to route by.
-pub(super) fn known_destination_headers(listeners: &[ListenerConfig]) -> Vec<String> {
-    let configured = listeners.iter().filter_map(|l| match &l.kind {
-        ListenerKind::HttpConnect { destination_header } => Some(destination_header.as_str()),
+pub(super) fn known_destination_headers(listeners: &[Listener]) -> Vec<String> {
+    let configured = listeners.iter().filter_map(|l| match l.kind() {
+        ListenerKind::HttpConnect { destination_header } => Some(destination_header),
         _ => None,
     });
     let mut known: Vec<String> = Vec::new();
@@ -109,7 +110,7 @@ fn strip_trusted_headers(buf: &mut Vec<u8>, head_len: usize) -> usize {
 /// it ended before).
 pub(super) async fn handle(
     mut conn: Box<Conn<TcpStream>>,
-    config: &ListenerConfig,
+    config: &Listener,
     destination_header: &str,
     shared: &Shared,
 ) -> Option<Ready> {
@@ -252,7 +253,7 @@ mod tests {
 
     #[test]
     fn every_configured_header_is_known_once() {
-        let config = crate::config::gateway::parse(
+        let config = crate::config::parse::<crate::config::gateway::GatewayConfig>(
             std::path::Path::new("gateway.yaml"),
             b"apiVersion: trellis.gardener.cloud/v1alpha1
 kind: GatewayConfiguration
@@ -268,7 +269,7 @@ admin: {address: \"127.0.0.1:5\"}
         let config = config.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(known_destination_headers(&config.listeners), known());
         // Gardener's two are known without a listener of their own.
-        let config = crate::config::gateway::parse(
+        let config = crate::config::parse::<crate::config::gateway::GatewayConfig>(
             std::path::Path::new("gateway.yaml"),
             b"apiVersion: trellis.gardener.cloud/v1alpha1
 kind: GatewayConfiguration

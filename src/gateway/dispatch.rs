@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::Shared;
 use super::conn::{Conn, Ready, StageReject, header_result, proxy_stage_error};
 use super::egress::EgressReady;
-use crate::config::gateway::{ListenerConfig, ListenerKind, ProxyMode};
+use crate::config::gateway::{Listener, ListenerKind, ProxyMode};
 use crate::net::socket::normalize;
 use crate::serve::accept::Accepted;
 use crate::serve::record::Outcome;
@@ -28,10 +28,10 @@ use futures_util::future::Either;
 /// the task of every other connection would otherwise keep room for its larger state.
 pub(super) fn serve(
     acc: Accepted<TcpStream>,
-    config: Arc<ListenerConfig>,
+    config: Arc<Listener>,
     shared: Arc<Shared>,
 ) -> impl Future<Output = ()> + Send + 'static {
-    if let ListenerKind::EgressConnect { .. } = config.kind {
+    if let ListenerKind::EgressConnect { .. } = config.kind() {
         let pipeline = Box::pin(egress_pipeline(acc, config, shared.clone()));
         return Either::Right(async move {
             if let Some(ready) = pipeline.await {
@@ -51,12 +51,12 @@ pub(super) fn serve(
 /// An `egress-connect` connection before its relay: the shared stages, then the listener's.
 async fn egress_pipeline(
     acc: Accepted<TcpStream>,
-    config: Arc<ListenerConfig>,
+    config: Arc<Listener>,
     shared: Arc<Shared>,
 ) -> Option<Box<EgressReady>> {
     let (config, shared) = (&*config, &*shared);
     let conn = admit(acc, config, shared).await?;
-    match &config.kind {
+    match config.kind() {
         ListenerKind::EgressConnect { tls } => super::egress::handle(conn, tls, shared).await,
         // `serve` sends only egress-connect listeners here.
         _ => conn.reject(Outcome::BadRequest, "not an egress-connect listener"),
@@ -67,12 +67,12 @@ async fn egress_pipeline(
 /// listener's protocol, routing and [`Conn::link`].
 async fn pipeline(
     acc: Accepted<TcpStream>,
-    config: Arc<ListenerConfig>,
+    config: Arc<Listener>,
     shared: Arc<Shared>,
 ) -> Option<Ready> {
     let (config, shared) = (&*config, &*shared);
     let conn = admit(acc, config, shared).await?;
-    match &config.kind {
+    match config.kind() {
         ListenerKind::Sni => super::sni::handle(conn, config, shared).await,
         ListenerKind::HttpConnect { destination_header } => {
             super::connect::handle(conn, config, destination_header, shared).await
@@ -92,7 +92,7 @@ async fn pipeline(
 /// client). `None`: the connection ended there.
 async fn admit(
     acc: Accepted<TcpStream>,
-    config: &ListenerConfig,
+    config: &Listener,
     shared: &Shared,
 ) -> Option<Box<Conn<TcpStream>>> {
     let Accepted {
@@ -114,7 +114,7 @@ async fn admit(
         destination: None,
     });
 
-    let mode = config.proxy_protocol.mode_for(peer.ip());
+    let mode = config.proxy_mode_for(peer.ip());
     if mode != ProxyMode::Off {
         match load_balancer_header(&mut conn, mode, shared).await {
             Ok(Some(info)) => {

@@ -25,8 +25,8 @@ use tokio::sync::watch;
 
 use crate::admin::{self, AdminState, Metrics};
 use crate::config::ConfigError;
-use crate::config::gateway::{GatewayConfig, ListenerConfig, ListenerKind};
-use crate::config::node::IpFamily;
+use crate::config::gateway::{GatewayConfig, Listener, ListenerKind};
+use crate::net::IpFamily;
 use crate::net::dial::Direct;
 use crate::net::resolve::Resolver;
 use crate::net::socket;
@@ -123,12 +123,12 @@ pub(crate) struct Shared {
 pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     crate::serve::memory::fix_mmap_threshold();
     let metrics = Arc::new(Metrics::gateway());
-    let mut tables = Tables::load(&config.routes_file, metrics.clone())?;
+    let mut tables = Tables::load(&config.routes.file, metrics.clone())?;
     tables.set_default_routes(
         config
             .listeners
             .iter()
-            .filter_map(|l| Some((l.name.clone(), l.default_route.clone()?)))
+            .filter_map(|l| Some((l.name.0.clone(), l.default_route.clone()?)))
             .collect(),
     );
     tables.reserve_destinations(
@@ -138,7 +138,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             .collect(),
     )?;
     let tables = Arc::new(tables);
-    let listener_tls = config.listeners.iter().filter_map(|l| match &l.kind {
+    let listener_tls = config.listeners.iter().filter_map(|l| match l.kind() {
         ListenerKind::EgressConnect { tls } => Some(tls.clone()),
         _ => None,
     });
@@ -154,11 +154,11 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     // claimed first without SO_REUSEPORT, which fails if any other process listens there: an
     // instance started twice would otherwise share the port with the first.
     let workers = config.workers.max(1);
-    let mut per_worker: Vec<Vec<(Arc<ListenerConfig>, std::net::TcpListener)>> =
+    let mut per_worker: Vec<Vec<(Arc<Listener>, std::net::TcpListener)>> =
         (0..workers).map(|_| Vec::new()).collect();
     let mut claims = Vec::new();
     // `wireguard` (UDP) is bound by the tunnel driver.
-    for l in config.listeners.iter().filter(|l| l.kind.is_tcp()) {
+    for l in config.listeners.iter().filter(|l| l.kind().is_tcp()) {
         let l = Arc::new(l.clone());
         let bind_error = |source: std::io::Error| {
             GatewayError::bind(format!("listener {}", l.name), l.address, source)
@@ -169,8 +169,8 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         claims.push(claim);
         for sockets in per_worker.iter_mut() {
             let keepalive = (
-                config.keepalive_downstream.idle,
-                config.keepalive_downstream.interval,
+                config.keepalive.downstream.idle,
+                config.keepalive.downstream.interval,
             );
             let sock =
                 socket::bind_std_with(address, socket::LISTEN_BACKLOG, true, Some(keepalive))
@@ -185,7 +185,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     for l in &config.listeners {
         if let ListenerKind::WireGuard {
             private_key_file, ..
-        } = &l.kind
+        } = l.kind()
         {
             let key = crate::route::read_key_file(private_key_file)?;
             let sock = socket::bind_udp(l.address).map_err(|source| {
@@ -193,13 +193,13 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             })?;
             let address = sock.local_addr().map_or(l.address, |a| a);
             tracing::info!(listener = %l.name, %address, protocol = "wireguard", "listening");
-            wireguard = Some((sock, key, private_key_file.clone()));
+            wireguard = Some((sock, key, private_key_file.to_owned()));
         }
     }
-    let admin_sock = admin::bind(config.admin)
-        .map_err(|source| GatewayError::bind("admin".into(), config.admin, source))?;
-    let debug_sock = admin::bind(config.debug_address).map_err(|source| {
-        GatewayError::bind("debug endpoint".into(), config.debug_address, source)
+    let admin_sock = admin::bind(config.admin.address.0)
+        .map_err(|source| GatewayError::bind("admin".into(), config.admin.address.0, source))?;
+    let debug_sock = admin::bind(config.debug_address()).map_err(|source| {
+        GatewayError::bind("debug endpoint".into(), config.debug_address(), source)
     })?;
     let admin_state = Arc::new(AdminState::new(metrics.clone()));
     let json_tables = tables.clone();
@@ -228,7 +228,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         admin::Server::start(admin_sock, Some((debug_sock, routes)), admin_state.clone()).map_err(
             |source| GatewayError::Bind {
                 what: "admin".into(),
-                address: config.admin,
+                address: config.admin.address.0,
                 source,
             },
         )?;
@@ -238,14 +238,14 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let (hup_tx, hup_rx) = watch::channel(());
     let watch_task = tokio::spawn(tables.clone().watch(
         watches.clone(),
-        config.routes_check_interval,
+        config.routes.check_interval,
         hup_rx.clone(),
     ));
     let certs_task = tokio::spawn(certs::keep_current(
         certs.clone(),
         tables.subscribe(),
         watches.clone(),
-        config.routes_check_interval,
+        config.routes.check_interval,
         hup_rx.clone(),
     ));
     let tunnel_task = tunnels.as_ref().map(|(t, key_file)| {
@@ -254,25 +254,25 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
             key_file.clone(),
             tables.subscribe(),
             watches,
-            config.routes_check_interval,
+            config.routes.check_interval,
             hup_rx,
         ))
     });
 
     let drain_times = DrainTimes {
-        delay: config.timeouts.drain_delay,
+        delay: config.timeouts.drain_delay(),
         timeout: config.timeouts.drain,
     };
     // The process's one resolver, shared by every worker: backends named by DNS and
     // CONNECT targets.
-    let resolver = Resolver::start(&config.resolver, crate::net::fds::lookup_budget())
+    let resolver = Resolver::start(&config.resolver_settings(), crate::net::fds::lookup_budget())
         .map_err(|e| GatewayError::Resolver(e.to_string()))?;
     let dialer = Direct {
         zone: config.zone.clone(),
         connect_timeout: config.timeouts.connect,
         keepalive: (
-            config.keepalive_upstream.idle,
-            config.keepalive_upstream.interval,
+            config.keepalive.upstream.idle,
+            config.keepalive.upstream.interval,
         ),
         family: IpFamily::Any,
         resolver: Arc::new(resolver),
@@ -302,7 +302,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
                 let address = sock
                     .local_addr()
                     .map_or_else(|_| l.address.to_string(), |a| a.to_string());
-                tracing::info!(listener = %l.name, address, protocol = l.kind.as_str(), workers, "listening");
+                tracing::info!(listener = %l.name, address, protocol = l.kind().as_str(), workers, "listening");
             }
         }
         let (shared, stop_rx, exit_rx) = (shared.clone(), stop_rx.clone(), exit_rx.clone());
@@ -314,7 +314,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     }
     admin_state.set_ready(true);
     tracing::info!(
-        admin = %shared.config.admin,
+        admin = %shared.config.admin.address.0,
         generation = tables.snapshot().generation,
         max_connections = shared.config.limits.max_connections,
         max_connections_per_source = shared.config.limits.per_source(),
@@ -359,7 +359,7 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
 /// One worker thread: a single-threaded event loop that accepts on its own sockets and runs
 /// every connection it accepted to the end. A connection never changes threads.
 fn worker(
-    sockets: Vec<(Arc<ListenerConfig>, std::net::TcpListener)>,
+    sockets: Vec<(Arc<Listener>, std::net::TcpListener)>,
     shared: Arc<Shared>,
     stop: watch::Receiver<bool>,
     mut exit: watch::Receiver<bool>,
@@ -456,7 +456,7 @@ pub(crate) enum Pick {
 /// is the connection's snapshot of the route.
 pub(crate) fn pick_route(
     shared: &Shared,
-    listener: &ListenerConfig,
+    listener: &Listener,
     source: std::net::IpAddr,
     lookup: impl FnOnce(&crate::route::RoutingTable) -> Option<&Arc<Route>>,
 ) -> Pick {

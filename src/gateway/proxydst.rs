@@ -10,7 +10,7 @@ use tokio::net::TcpStream;
 
 use super::conn::{Conn, Ready, header_result, proxy_stage_error};
 use super::{Pick, Shared};
-use crate::config::gateway::ListenerConfig;
+use crate::config::gateway::Listener;
 use crate::net::dial::Dest;
 use crate::net::socket::normalize;
 use crate::serve::forward::Reply;
@@ -21,7 +21,7 @@ use crate::wire::proxy;
 /// (`None`: it ended before).
 pub(super) async fn handle(
     mut conn: Box<Conn<TcpStream>>,
-    config: &ListenerConfig,
+    config: &Listener,
     shared: &Shared,
 ) -> Option<Ready> {
     let limit = shared.config.limits.max_header_bytes;

@@ -9,7 +9,7 @@ use tokio::net::TcpStream;
 
 use super::conn::{Conn, Ready};
 use super::{Pick, Shared};
-use crate::config::gateway::ListenerConfig;
+use crate::config::gateway::Listener;
 use crate::net::dial::Dest;
 use crate::serve::forward::Reply;
 use crate::serve::record::Outcome;
@@ -19,7 +19,7 @@ use crate::wire::tls;
 /// before).
 pub(super) async fn handle(
     mut conn: Box<Conn<TcpStream>>,
-    config: &ListenerConfig,
+    config: &Listener,
     shared: &Shared,
 ) -> Option<Ready> {
     let max = shared.config.limits.max_client_hello_bytes;

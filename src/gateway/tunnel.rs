@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use super::Shared;
 use super::conn::Conn;
 use super::table::Snapshot;
-use crate::config::gateway::{ListenerConfig, ListenerKind};
+use crate::config::gateway::{Listener, ListenerKind};
 use crate::net::relay::{End, IoKind, Stats};
 use crate::route::{Tunnel, read_key_file};
 use crate::serve::record::Reason;
@@ -25,12 +25,12 @@ use crate::tunnel::Tunnels;
 const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
 
 /// The `wireguard` listener's `connectDestination` and the listener's name, if it has one.
-pub(super) fn connect_destination(listeners: &[ListenerConfig]) -> Option<(String, String)> {
-    listeners.iter().find_map(|l| match &l.kind {
+pub(super) fn connect_destination(listeners: &[Listener]) -> Option<(String, String)> {
+    listeners.iter().find_map(|l| match l.kind() {
         ListenerKind::WireGuard {
             connect_destination: Some(d),
             ..
-        } => Some((d.clone(), l.name.clone())),
+        } => Some((d.to_owned(), l.name.0.clone())),
         _ => None,
     })
 }

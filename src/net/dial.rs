@@ -28,7 +28,7 @@ use super::lograte::LogRate;
 use super::relay::{Leg, read_leg};
 use super::resolve::{ResolveError, Resolver};
 use super::socket;
-use crate::config::node::IpFamily;
+use crate::net::IpFamily;
 use crate::route::{BackendAddress, BackendGuard, BackendState, Route};
 use crate::wire::{Parsed, http, proxy};
 

@@ -17,3 +17,32 @@ pub(crate) mod resolve;
 pub mod socket;
 pub(crate) mod stream;
 pub mod tls;
+
+pub use dial_family::IpFamily;
+
+mod dial_family {
+    use std::net::SocketAddr;
+
+    /// Which resolved addresses a dialer uses.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum IpFamily {
+        /// Both.
+        #[default]
+        Any,
+        /// IPv4 only.
+        V4,
+        /// IPv6 only.
+        V6,
+    }
+
+    impl IpFamily {
+        /// Whether `addr` is acceptable.
+        pub fn allows(self, addr: &SocketAddr) -> bool {
+            match self {
+                IpFamily::Any => true,
+                IpFamily::V4 => addr.is_ipv4(),
+                IpFamily::V6 => addr.is_ipv6(),
+            }
+        }
+    }
+}

@@ -39,7 +39,30 @@ use tokio::runtime::Handle;
 use tokio::sync::{Semaphore, oneshot};
 use tokio::time::Instant;
 
-use crate::config::ResolverSettings;
+/// Longest a name lookup may take by default, retries and search-list names included: below
+/// the default connect budget (5 s), so a backend whose name never answers leaves time for
+/// the next.
+pub(crate) const DEFAULT_RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How backend names are resolved (the gateway's `resolver`; the node uses the defaults).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ResolverSettings {
+    /// Name servers asked instead of `/etc/resolv.conf`'s (its search list and `ndots` still
+    /// apply); empty: its own.
+    pub(crate) nameservers: Vec<std::net::SocketAddr>,
+    /// Longest a lookup may take, retries and search-list names included.
+    pub(crate) timeout: Duration,
+}
+
+impl Default for ResolverSettings {
+    fn default() -> Self {
+        ResolverSettings {
+            nameservers: Vec::new(),
+            timeout: DEFAULT_RESOLVE_TIMEOUT,
+        }
+    }
+}
+
 
 /// Most names whose answers are kept at once; past it, expired answers are dropped first,
 /// then any one.

@@ -19,7 +19,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::admin::{self, AdminState, Metrics};
-use crate::config::ResolverSettings;
 use crate::config::node::{NodeConfig, UpstreamProtocol};
 use crate::net::dial::{Dest, Direct, Hello, Tunneled};
 use crate::net::fds;
@@ -148,15 +147,15 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     let mut sigterm = signal(SignalKind::terminate()).map_err(NodeError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(NodeError::Signals)?;
 
-    let admin_sock = admin::bind(config.admin)
-        .map_err(|source| NodeError::bind("admin", config.admin, source))?;
+    let admin_sock = admin::bind(config.admin.address.0)
+        .map_err(|source| NodeError::bind("admin", config.admin.address.0, source))?;
     let admin_state = Arc::new(AdminState::new(metrics.clone()));
     // Probes and metrics run on a thread of their own.
     let admin_server =
         admin::Server::start(admin_sock, None, admin_state.clone()).map_err(|source| {
             NodeError::Bind {
                 what: "admin",
-                address: config.admin,
+                address: config.admin.address.0,
                 source,
             }
         })?;
@@ -182,8 +181,8 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     };
 
     let keepalive = (
-        config.keepalive_downstream.idle,
-        config.keepalive_downstream.interval,
+        config.keepalive.downstream.idle,
+        config.keepalive.downstream.interval,
     );
     let options = ListenOptions {
         backlog: socket::LISTEN_BACKLOG,
@@ -204,7 +203,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     readiness.publish(&admin_state);
 
     // The process's one resolver: the gateway's name, cached for its TTL.
-    let resolver = Resolver::start(&ResolverSettings::default(), fds::lookup_budget())
+    let resolver = Resolver::start(&crate::net::resolve::ResolverSettings::default(), fds::lookup_budget())
         .map_err(|e| NodeError::Resolver(e.to_string()))?;
     let node = Arc::new(Node::new(config.clone(), Arc::new(resolver)));
     let memory_task = tokio::spawn(crate::serve::memory::return_after_floods(
@@ -221,14 +220,14 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
             metrics: metrics.clone(),
             listener: listener_metrics.clone(),
             tracker: node.drain.tracker.clone(),
-            max_connections: config.max_connections,
+            max_connections: config.limits.max_connections,
         };
         let stop = node.drain.listeners_stop();
         let node = node.clone();
         let handle = move |accepted| node.clone().handle(accepted);
         accept_tasks.push(tokio::spawn(accept_loop(l, admission, stop, handle)));
     }
-    tracing::info!(upstream = %format!("{}:{}", config.upstream_host, config.upstream_port), "node serving");
+    tracing::info!(upstream = %format!("{}:{}", config.upstream.address.host, config.upstream.address.port), "node serving");
 
     tokio::select! {
         _ = sigterm.recv() => tracing::info!("SIGTERM: draining"),
@@ -240,7 +239,7 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     // balancer that needs time to notice.
     let times = DrainTimes {
         delay: Duration::ZERO,
-        timeout: config.drain_timeout,
+        timeout: config.timeouts.drain,
     };
     node.drain.run(times).await;
     for t in accept_tasks {
@@ -325,21 +324,21 @@ struct Node {
 
 impl Node {
     fn new(config: Arc<NodeConfig>, resolver: Arc<Resolver>) -> Self {
-        let upstream = match config.upstream_host.parse::<std::net::IpAddr>() {
-            Ok(ip) => BackendAddress::Ip(SocketAddr::new(ip, config.upstream_port)),
+        let upstream = match config.upstream.address.host.parse::<std::net::IpAddr>() {
+            Ok(ip) => BackendAddress::Ip(SocketAddr::new(ip, config.upstream.address.port)),
             Err(_) => BackendAddress::Dns {
-                host: config.upstream_host.clone(),
-                port: config.upstream_port,
+                host: config.upstream.address.host.clone(),
+                port: config.upstream.address.port,
             },
         };
         let route = Route::new::<&str, &str>(ROUTE, &[], &[], Vec::new(), Vec::new())
             .unwrap_or_else(|_| unreachable!("a route without keys is never too long"));
-        let hello = match &config.protocol {
+        let hello = match &config.upstream.protocol() {
             UpstreamProtocol::HttpConnect {
                 header,
                 destination,
             } => Hello::Connect {
-                authority: format!("{}:443", config.upstream_host),
+                authority: format!("{}:443", config.upstream.address.host),
                 header: header.clone(),
                 destination: destination.clone(),
             },
@@ -348,16 +347,16 @@ impl Node {
         let dialer = Tunneled {
             inner: Direct {
                 zone: None,
-                connect_timeout: config.connect_timeout,
+                connect_timeout: config.timeouts.connect,
                 keepalive: (
-                    config.keepalive_upstream.idle,
-                    config.keepalive_upstream.interval,
+                    config.keepalive.upstream.idle,
+                    config.keepalive.upstream.interval,
                 ),
-                family: config.ip_family,
+                family: config.upstream.ip_family,
                 resolver,
             },
             hello,
-            handshake_timeout: config.handshake_timeout,
+            handshake_timeout: config.timeouts.handshake,
         };
         Node {
             config,
@@ -406,8 +405,8 @@ impl Node {
             route: &self.route,
             to: Dest::Address(&self.upstream),
             limits: Limits {
-                idle: self.config.idle_timeout,
-                half_close: self.config.half_close_timeout,
+                idle: self.config.timeouts.idle,
+                half_close: self.config.timeouts.half_close,
                 max_duration: None,
                 progress: None,
             },
