@@ -194,13 +194,14 @@ fn controller(_config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
 }
 
 fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let mut config = match trellis::config::load::<trellis::config::gateway::GatewayConfig>(config_file) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return Ok(ExitCode::FAILURE);
-        }
-    };
+    let mut config =
+        match trellis::config::load::<trellis::config::gateway::GatewayConfig>(config_file) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("{e}");
+                return Ok(ExitCode::FAILURE);
+            }
+        };
     // Each worker has its own socket per listener and its own event loop.
     let workers = config.workers.max(1);
     let fixed = trellis::net::fds::Budget::fixed(workers, config.listeners.len());

@@ -14,11 +14,11 @@ use serde::Deserialize;
 
 use super::common::Admin;
 use super::error::Errors;
-use super::value::{
-    ApiVersion, DEFAULT_DESTINATION_HEADER, Destination, FilePath, HeaderName, Ip, Positive,
-    Span, Text, parse_duration, plain, plain_list,
-};
 use super::load::{ConfigKind, Source};
+use super::value::{
+    ApiVersion, DEFAULT_DESTINATION_HEADER, Destination, FilePath, HeaderName, Ip, Positive, Span,
+    Text, parse_duration, plain, plain_list,
+};
 use crate::route::{Net, WgKey};
 
 mapping_only!(
@@ -289,7 +289,11 @@ impl AgentConfig {
         if gateway.replicas.is_empty() {
             vec![lane(&gateway.endpoints)]
         } else {
-            gateway.replicas.iter().map(|r| lane(&r.endpoints)).collect()
+            gateway
+                .replicas
+                .iter()
+                .map(|r| lane(&r.endpoints))
+                .collect()
         }
     }
 }
@@ -344,7 +348,10 @@ fn addresses(errors: &mut Errors, addresses: &mut [IpAddr]) {
         {
             errors.push(&at_i, format!("{ip} is not a unicast address"));
         }
-        if let Some(other) = addresses[..i].iter().position(|o| o.is_ipv4() == ip.is_ipv4()) {
+        if let Some(other) = addresses[..i]
+            .iter()
+            .position(|o| o.is_ipv4() == ip.is_ipv4())
+        {
             let family = if ip.is_ipv4() { "IPv4" } else { "IPv6" };
             errors.push(
                 &at_i,
@@ -430,7 +437,8 @@ mod tests {
     use std::path::Path;
 
     fn check(yaml: &str) -> Result<AgentConfig, String> {
-        crate::config::parse::<AgentConfig>(Path::new("/etc/trellis/agent.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
+        crate::config::parse::<AgentConfig>(Path::new("/etc/trellis/agent.yaml"), yaml.as_bytes())
+            .map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: AgentConfiguration\n";
@@ -476,7 +484,10 @@ admin: {{address: \"0.0.0.0:16911\"}}
             key()
         ))
         .unwrap();
-        assert_eq!(c.wireguard.private_key_file, Path::new("/etc/trellis/agent.key"));
+        assert_eq!(
+            c.wireguard.private_key_file,
+            Path::new("/etc/trellis/agent.key")
+        );
         assert_eq!(c.wireguard.gateway.public_key, WgKey([9; 32]));
         assert_eq!(c.wireguard.addresses.len(), 2);
         assert_eq!(
@@ -497,7 +508,10 @@ admin: {{address: \"0.0.0.0:16911\"}}
                 },
             ]
         );
-        assert_eq!(c.wireguard.gateway.persistent_keepalive.0, Some(Duration::from_secs(25)));
+        assert_eq!(
+            c.wireguard.gateway.persistent_keepalive.0,
+            Some(Duration::from_secs(25))
+        );
         assert_eq!(c.networks[2], Net::parse("100.96.0.1/32").unwrap());
         assert_eq!(
             c.timeouts,
@@ -510,8 +524,14 @@ admin: {{address: \"0.0.0.0:16911\"}}
         );
         // Relative key files are relative to the config; keepalive defaults to 25s, 0s is off.
         let c = check(&agent(UDP, "")).unwrap();
-        assert_eq!(c.wireguard.private_key_file, Path::new("/etc/trellis/agent.key"));
-        assert_eq!(c.wireguard.gateway.persistent_keepalive.0, Some(DEFAULT_PERSISTENT_KEEPALIVE));
+        assert_eq!(
+            c.wireguard.private_key_file,
+            Path::new("/etc/trellis/agent.key")
+        );
+        assert_eq!(
+            c.wireguard.gateway.persistent_keepalive.0,
+            Some(DEFAULT_PERSISTENT_KEEPALIVE)
+        );
         let c = check(&agent(&format!("{UDP}    persistentKeepalive: 0s\n"), "")).unwrap();
         assert_eq!(c.wireguard.gateway.persistent_keepalive.0, None);
         let c = check(&agent(

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use serde::Deserializer;
 
+use super::agent::AgentConfig;
 use super::controller::ControllerConfig;
 use super::decode::{self, Kinds, Recovery};
 use super::error::{ConfigError, Errors};
@@ -14,7 +15,6 @@ use super::gateway::{GatewayConfig, ListenerKind};
 use super::load::{ConfigKind, Source, read_file};
 use super::node::NodeConfig;
 use super::routes::{self, LoadedTable, RawRoutingTable, Tables};
-use super::agent::AgentConfig;
 use crate::route::BackendRegistry;
 
 /// Any file `trellis check` understands, validated.
@@ -99,12 +99,11 @@ pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
         path: file,
         bytes: &bytes,
     };
-    let result = decode::decode::<Decoded>(file, &bytes, Recovery::All).and_then(
-        |(decoded, mut errors)| {
+    let result =
+        decode::decode::<Decoded>(file, &bytes, Recovery::All).and_then(|(decoded, mut errors)| {
             let any = validate(decoded, &source, &mut errors);
             errors.finish(file, any)
-        },
-    );
+        });
     let any = decode::located(file, &bytes, result)?;
     if let AnyFile::Gateway(config) = &any {
         decode::located(file, &bytes, check_routes(file, config))?;
@@ -228,7 +227,9 @@ fn table_placeholder() -> LoadedTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{API_VERSION, ConfigError, FieldError, MAX_FILE_BYTES, duration_text, parse_duration};
+    use crate::config::{
+        API_VERSION, ConfigError, FieldError, MAX_FILE_BYTES, duration_text, parse_duration,
+    };
     use std::time::Duration;
 
     /// Decodes any kind, as `trellis check` does.
@@ -274,10 +275,7 @@ mod tests {
             _ => panic!("not a table"),
         };
         assert_eq!(table(yaml), table(json));
-        let err = decode_any(f, br#"{"kind": "#)
-            .err()
-            .unwrap()
-            .to_string();
+        let err = decode_any(f, br#"{"kind": "#).err().unwrap().to_string();
         assert_eq!(
             err,
             "x:1:9: kind: EOF while parsing a value (a file that starts with '{' is read as JSON)"

@@ -17,7 +17,13 @@ use super::table::RawRoute;
 use super::value::{ApiVersion, FilePath, Ip, Text, plain_option};
 use crate::route::{BackendAddress, BackendRegistry, ProxyVersion};
 
-mapping_only!(ControllerFile, Target, Fallback, TunnelSection, OutputSection);
+mapping_only!(
+    ControllerFile,
+    Target,
+    Fallback,
+    TunnelSection,
+    OutputSection
+);
 text_values!(ParentRef);
 
 /// The `spec.selector` of the Istio Gateways gardenlet writes for the seed's default ingress
@@ -421,7 +427,11 @@ mod tests {
     use super::*;
 
     fn check(yaml: &str) -> Result<ControllerConfig, String> {
-        crate::config::parse::<ControllerConfig>(Path::new("/etc/trellis/controller.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
+        crate::config::parse::<ControllerConfig>(
+            Path::new("/etc/trellis/controller.yaml"),
+            yaml.as_bytes(),
+        )
+        .map_err(|e| e.to_string())
     }
 
     const HEAD: &str =

@@ -639,7 +639,10 @@ impl<'de, S: Kinds> Visitor<'de> for Dispatch<S> {
                         pending: Some(key),
                         map,
                     };
-                    return Ok(Outcome::Decoded(S::decode(&k, MapAccessDeserializer::new(rest))?));
+                    return Ok(Outcome::Decoded(S::decode(
+                        &k,
+                        MapAccessDeserializer::new(rest),
+                    )?));
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;

@@ -334,9 +334,7 @@ impl Text for ProxyMode {
             "off" => Ok(ProxyMode::Off),
             "optional" => Ok(ProxyMode::Optional),
             "required" => Ok(ProxyMode::Required),
-            other => Err(format!(
-                "expected off, optional or required, got {other:?}"
-            )),
+            other => Err(format!("expected off, optional or required, got {other:?}")),
         }
     }
     fn stand_in() -> Self {
@@ -417,7 +415,10 @@ impl Limits {
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct AccessLog {
     /// Log a line for long-lived connections this often (off by default).
-    #[serde(default, deserialize_with = "super::value::plain_option::<Positive, _>")]
+    #[serde(
+        default,
+        deserialize_with = "super::value::plain_option::<Positive, _>"
+    )]
     pub interval: Option<Duration>,
 }
 
@@ -431,7 +432,10 @@ pub struct Resolver {
     pub nameservers: Vec<Nameserver>,
     /// Longest a lookup may take, retries included (default `2s`, or half of
     /// `timeouts.connect` when that is less); below `timeouts.connect`.
-    #[serde(default, deserialize_with = "super::value::plain_option::<Positive, _>")]
+    #[serde(
+        default,
+        deserialize_with = "super::value::plain_option::<Positive, _>"
+    )]
     pub timeout: Option<Duration>,
 }
 
@@ -466,7 +470,9 @@ pub const ZONE_ENV: &str = "TRELLIS_ZONE";
 impl GatewayConfig {
     /// Where `/routes` and other state are served (loopback by default).
     pub fn debug_address(&self) -> SocketAddr {
-        self.admin.debug_address.map_or(DEFAULT_DEBUG_ADDRESS, |a| a.0)
+        self.admin
+            .debug_address
+            .map_or(DEFAULT_DEBUG_ADDRESS, |a| a.0)
     }
 
     /// How names are resolved: the timeout defaults to 2 s, or half the connect budget
@@ -503,7 +509,10 @@ impl ConfigKind for GatewayConfig {
         let addresses = listeners(errors, dir, &mut c.listeners);
         let admin = c.admin.address.0;
         if addresses.contains(&admin) {
-            errors.push("admin.address", format!("address {admin} is used by a listener"));
+            errors.push(
+                "admin.address",
+                format!("address {admin} is used by a listener"),
+            );
         }
         if let Some(debug) = c.admin.debug_address.map(|a| a.0) {
             if addresses.contains(&debug) {
@@ -629,7 +638,12 @@ fn protocol_settings(errors: &mut Errors, path: &str, l: &Listener) {
         l.destination_header.is_some(),
         errors,
     );
-    only("wireguard", Protocol::WireGuard, l.wireguard.is_some(), errors);
+    only(
+        "wireguard",
+        Protocol::WireGuard,
+        l.wireguard.is_some(),
+        errors,
+    );
     match l.protocol {
         Protocol::EgressConnect if l.tls.is_none() => errors.push(
             at(path, "tls"),
@@ -696,7 +710,11 @@ mod tests {
     }
 
     fn check(yaml: &str) -> Result<GatewayConfig, String> {
-        crate::config::parse::<GatewayConfig>(Path::new("/etc/trellis/gateway.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
+        crate::config::parse::<GatewayConfig>(
+            Path::new("/etc/trellis/gateway.yaml"),
+            yaml.as_bytes(),
+        )
+        .map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: GatewayConfiguration\n";
@@ -921,7 +939,9 @@ admin: {{address: \"127.0.0.1:5\"}}
         .unwrap_err();
         assert_eq!(
             err,
-            format!("{f}:6:112: listeners[1].wireguard.connectDestination: needs an http-connect listener for the CONNECTs to arrive on")
+            format!(
+                "{f}:6:112: listeners[1].wireguard.connectDestination: needs an http-connect listener for the CONNECTs to arrive on"
+            )
         );
     }
 

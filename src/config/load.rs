@@ -98,7 +98,11 @@ impl<K: ConfigKind> Kinds for One<K> {
         } else {
             "a"
         };
-        let message = format!("kind {kind}, but {} needs {article} {}", K::READ_BY, K::KIND);
+        let message = format!(
+            "kind {kind}, but {} needs {article} {}",
+            K::READ_BY,
+            K::KIND
+        );
         Some(invalid(file, "", message))
     }
 }

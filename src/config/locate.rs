@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde_saphyr::granit_parser::{Event, Parser};
 
-use super::FieldError;
+use super::error::FieldError;
 
 /// Which end of a mapping entry a problem is pointed at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

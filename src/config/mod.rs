@@ -37,8 +37,8 @@ pub mod tls;
 
 pub use check::{AnyFile, check_file, check_routes};
 pub use common::{Admin, Downstream, GatewayUpstream, Keepalive, NodeUpstream, Timeouts};
-pub use decode::{MAX_FILE_BYTES, Recovery};
 pub(crate) use decode::yaml_options_with;
+pub use decode::{MAX_FILE_BYTES, Recovery};
 pub use error::{ConfigError, Errors, FieldError};
 pub use load::{ConfigKind, Source, load, parse, parse_with, read_file};
 pub use value::{API_VERSION, MAX_DURATION, duration_text, parse_duration};

@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::common::{Admin, NodeUpstream, Keepalive, Timeouts};
+use super::common::{Admin, Keepalive, NodeUpstream, Timeouts};
 use super::error::Errors;
 use super::load::{ConfigKind, Source};
 use super::value::{
-    Address, ApiVersion, Count, DEFAULT_DESTINATION_HEADER, HeaderName, Ip, Positive, Text,
-    plain, plain_list, secs,
+    Address, ApiVersion, Count, DEFAULT_DESTINATION_HEADER, HeaderName, Ip, Positive, Text, plain,
+    plain_list, secs,
 };
 use crate::net::IpFamily;
 
@@ -53,7 +53,10 @@ pub struct NodeConfig {
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct Interface {
     /// Link name; created as a dummy link if missing (default `apiserver-proxy`).
-    #[serde(default = "LinkName::default_name", deserialize_with = "plain::<LinkName, _>")]
+    #[serde(
+        default = "LinkName::default_name",
+        deserialize_with = "plain::<LinkName, _>"
+    )]
     pub name: String,
     /// The address, added as /32 (/128) with global scope.
     #[serde(deserialize_with = "plain::<Ip, _>")]
@@ -249,7 +252,9 @@ impl ConfigKind for NodeConfig {
         match u.protocol {
             ProtocolName::HttpConnect => {
                 if let Some(h) = &u.destination_header
-                    && !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                    && !h
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
                 {
                     errors.push(
                         "upstream.destinationHeader",
@@ -290,7 +295,8 @@ mod tests {
     use std::path::Path;
 
     fn check(yaml: &str) -> Result<NodeConfig, String> {
-        crate::config::parse::<NodeConfig>(Path::new("node.yaml"), yaml.as_bytes()).map_err(|e| e.to_string())
+        crate::config::parse::<NodeConfig>(Path::new("node.yaml"), yaml.as_bytes())
+            .map_err(|e| e.to_string())
     }
 
     const HEAD: &str = "apiVersion: trellis.gardener.cloud/v1alpha1\nkind: NodeConfiguration\n";
@@ -310,7 +316,10 @@ admin: {{address: \"0.0.0.0:16910\"}}
 "
         ))
         .unwrap();
-        assert_eq!(c.upstream.address.host, "api.alpha.dev.internal.example.com");
+        assert_eq!(
+            c.upstream.address.host,
+            "api.alpha.dev.internal.example.com"
+        );
         assert_eq!(c.upstream.address.port, 8443);
         assert_eq!(c.limits.max_connections, 10_000);
         assert_eq!(c.keepalive.upstream.idle, Duration::from_secs(7200));

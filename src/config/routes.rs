@@ -74,7 +74,15 @@ pub fn parse(
     bytes: &[u8],
     registry: &BackendRegistry,
 ) -> Result<LoadedTable, ConfigError> {
-    parse_with(file, bytes, Tables { registry, hash: None }, Recovery::All)
+    parse_with(
+        file,
+        bytes,
+        Tables {
+            registry,
+            hash: None,
+        },
+        Recovery::All,
+    )
 }
 
 /// [`parse`] for a running gateway's reload, which has already hashed the bytes with
@@ -87,7 +95,15 @@ pub fn parse_hashed(
     hash: String,
     registry: &BackendRegistry,
 ) -> Result<LoadedTable, ConfigError> {
-    parse_with(file, bytes, Tables { registry, hash: Some(&hash) }, Recovery::First)
+    parse_with(
+        file,
+        bytes,
+        Tables {
+            registry,
+            hash: Some(&hash),
+        },
+        Recovery::First,
+    )
 }
 
 /// What validating a table needs besides the file.
@@ -117,7 +133,9 @@ impl ConfigKind for LoadedTable {
         // back whole after a reload.
         raw.api_version.check(errors);
         let table = table_of("routes", &raw.routes, source.dir(), cx.registry, errors);
-        let hash = cx.hash.map_or_else(|| content_hash(source.bytes), str::to_owned);
+        let hash = cx
+            .hash
+            .map_or_else(|| content_hash(source.bytes), str::to_owned);
         LoadedTable { table, hash }
     }
 }

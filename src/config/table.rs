@@ -700,4 +700,3 @@ fn positive(errors: &mut Errors, path: &str, value: &str) -> Option<std::time::D
         .ok()
         .map(|p| p.0)
 }
-

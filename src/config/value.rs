@@ -141,7 +141,7 @@ impl Default for ApiVersion {
 
 impl ApiVersion {
     /// Records an error unless this is the version this build understands.
-    pub(crate) fn check(&self, errors: &mut super::Errors) {
+    pub(crate) fn check(&self, errors: &mut super::error::Errors) {
         if self.0 != API_VERSION {
             errors.push(
                 "apiVersion",

@@ -383,8 +383,8 @@ mod tests {
 
     use super::*;
     use crate::admin::Metrics;
-    use crate::net::IpFamily;
     use crate::gateway::table::Tables;
+    use crate::net::IpFamily;
     use crate::net::dial::Direct;
     use crate::route::BackendAddress;
     use crate::serve::drain::Drain;

@@ -265,8 +265,11 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     };
     // The process's one resolver, shared by every worker: backends named by DNS and
     // CONNECT targets.
-    let resolver = Resolver::start(&config.resolver_settings(), crate::net::fds::lookup_budget())
-        .map_err(|e| GatewayError::Resolver(e.to_string()))?;
+    let resolver = Resolver::start(
+        &config.resolver_settings(),
+        crate::net::fds::lookup_budget(),
+    )
+    .map_err(|e| GatewayError::Resolver(e.to_string()))?;
     let dialer = Direct {
         zone: config.zone.clone(),
         connect_timeout: config.timeouts.connect,

@@ -63,7 +63,6 @@ impl Default for ResolverSettings {
     }
 }
 
-
 /// Most names whose answers are kept at once; past it, expired answers are dropped first,
 /// then any one.
 pub(crate) const MAX_CACHED: usize = 4096;

@@ -203,8 +203,11 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     readiness.publish(&admin_state);
 
     // The process's one resolver: the gateway's name, cached for its TTL.
-    let resolver = Resolver::start(&crate::net::resolve::ResolverSettings::default(), fds::lookup_budget())
-        .map_err(|e| NodeError::Resolver(e.to_string()))?;
+    let resolver = Resolver::start(
+        &crate::net::resolve::ResolverSettings::default(),
+        fds::lookup_budget(),
+    )
+    .map_err(|e| NodeError::Resolver(e.to_string()))?;
     let node = Arc::new(Node::new(config.clone(), Arc::new(resolver)));
     let memory_task = tokio::spawn(crate::serve::memory::return_after_floods(
         node.drain.tracker.clone(),
