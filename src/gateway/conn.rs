@@ -185,6 +185,7 @@ impl<S: Leg> Conn<S> {
 }
 
 /// Why a stage ended a connection before routing.
+#[derive(Debug)]
 pub(super) struct Refusal {
     /// What it is counted as.
     pub outcome: Outcome,
