@@ -17,9 +17,13 @@
 pub(crate) mod device;
 pub(crate) mod dialer;
 pub(crate) mod driver;
+pub(crate) mod failover;
 pub(crate) mod framed;
 pub(crate) mod index;
 pub(crate) mod peer;
+pub(crate) mod queues;
+pub(crate) mod reconcile;
+pub(crate) mod shared;
 pub(crate) mod shoot;
 pub(crate) mod stack;
 pub(crate) mod stream;
@@ -27,5 +31,6 @@ pub(crate) mod stream;
 #[cfg(test)]
 mod testing;
 
-pub(crate) use driver::{AgentSide, DialError, Tunnels};
+pub(crate) use driver::AgentSide;
+pub(crate) use shared::Tunnels;
 pub(crate) use stream::TunnelStream;
