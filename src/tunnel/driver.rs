@@ -1,5 +1,7 @@
-//! The tokio side of the tunnel: the UDP socket, the one timer, the device state that table
-//! changes replace, dials from the gateway and connections accepted on the agent.
+//! The tokio side of the tunnel: the UDP receive task, the one timer, table changes
+//! ([`super::reconcile`] plans them, this publishes the result), dials from the gateway
+//! ([`super::failover`] chooses the peers, this opens the attempts and waits) and connections
+//! accepted on the agent.
 //!
 //! Threading: each shoot is one `Mutex` ([`super::device::ShootCell`]). The UDP task, the
 //! timer and every stream's task lock the shoot they touch and do the work there and then

@@ -2,8 +2,8 @@
 //! framed with a 16-bit big-endian length ([`crate::wire::udp_over_tcp`]) and go through
 //! the device exactly as UDP datagrams do, from [`Endpoint::Stream`]; a peer whose last
 //! authenticated packet came on the stream is answered on it (roaming works both ways
-//! between UDP and streams). Replies are framed into the stream's bounded queue, which its
-//! writer drains: a full queue drops the datagram and counts it (`stream_full`), so a slow
+//! between UDP and streams). Replies are framed into the stream's bounded queue
+//! ([`super::queues`]), which its writer drains: a full queue drops the datagram and counts it (`stream_full`), so a slow
 //! stream never blocks the device (WireGuard's inner TCP sees a loss, as over UDP). A stream ends when its peer closes it, after `idle`
 //! without a byte from it, on an I/O error, when its owner closes it, or when the device
 //! closes every stream (the gateway's drain); then it is no endpoint any more.

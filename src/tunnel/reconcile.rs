@@ -377,9 +377,9 @@ mod tests {
     /// The product promise: a table that did not change a tunnel leaves its sessions and
     /// streams alone, also when the key file is read again unchanged.
     /// Mutants caught: the reuse condition left out (every route a new shoot: sessions
-    /// and streams lost); a kept shoot resetting all its flows instead of the removed
-    /// peers' (`reset_flows(None)`); a kept shoot counted as ended (marked removed);
-    /// the same key read again taken for a new one (`rekey = private`).
+    /// and streams lost); a kept shoot resetting all its flows (`reset_flows(None)` on every
+    /// kept shoot); a kept shoot counted as ended (marked removed); the same key read again
+    /// taken for a new one (`rekey` without its comparison).
     #[test]
     fn an_unchanged_table_keeps_every_session_and_stream() {
         let a = tunnel(
@@ -413,8 +413,8 @@ mod tests {
 
     /// A replica's key changed: that peer goes (its streams end) and the new one joins; the
     /// other replica of the route and the other route keep their sessions and streams.
-    /// Mutants caught: the removed peer left in the shoot (`retain` left out); its streams
-    /// left running; every stream of the shoot reset; the new peer not added.
+    /// Mutants caught: the removed peer left in the shoot (`retain` left out); the removed
+    /// peer's streams reset as `reset_flows(None)` (the kept replica's stream ends too).
     #[test]
     fn a_changed_key_replaces_only_that_peer() {
         let a = tunnel(
