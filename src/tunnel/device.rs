@@ -22,9 +22,9 @@ use boringtun::x25519::{PublicKey, StaticSecret};
 use super::index::{
     Bucket, RECOVERY_BURST, RECOVERY_PER_PEER, RECOVERY_RATE, index_peer, peer_index,
 };
-use super::peer::Endpoint;
+use super::peer::{Endpoint, Peer};
 use super::shoot::{Drop, Io, Shoot};
-use crate::route::WgKey;
+use crate::route::{Net, WgKey};
 
 /// Handshake messages per second the whole device takes before it asks for cookies. Each
 /// is counted twice (the device's check and the peer's session check share the limiter), so
@@ -70,6 +70,19 @@ impl Keys {
     /// The upper 24 bits of `peer`'s receiver indexes under this key.
     pub(crate) fn index_of(&self, peer: &WgKey) -> u32 {
         peer_index(&self.secret.to_bytes(), peer)
+    }
+
+    /// A peer under this key, sharing the device's handshake limiter (one budget for the
+    /// device; a replayed initiation cannot push one peer into cookies on its own).
+    pub(crate) fn new_peer(&self, key: WgKey, allowed: &[Net], keepalive: Option<u16>) -> Peer {
+        Peer::new(
+            &self.secret,
+            key,
+            allowed.into(),
+            self.index_of(&key),
+            keepalive,
+            Some(self.limiter.clone()),
+        )
     }
 }
 

@@ -5,7 +5,8 @@ use std::time::Instant;
 
 use tokio::net::TcpStream;
 
-use super::driver::{DialError as TunnelDialError, Tunnels};
+use super::failover::DialError as TunnelDialError;
+use super::shared::Tunnels;
 use super::stream::TunnelStream;
 use crate::net::dial::{ConnectFailure, Dest, DialError, Dialed, Dialer, Direct, Target};
 use crate::net::relay::Either;

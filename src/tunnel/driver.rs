@@ -1,5 +1,7 @@
-//! The tokio side of the tunnel: the UDP socket, the one timer, the device state that table
-//! changes replace, dials from the gateway and connections accepted on the agent.
+//! The tokio side of the tunnel: the UDP receive task, the one timer, table changes
+//! ([`super::reconcile`] plans them, this publishes the result), dials from the gateway
+//! ([`super::failover`] chooses the peers, this opens the attempts and waits) and connections
+//! accepted on the agent.
 //!
 //! Threading: each shoot is one `Mutex` ([`super::device::ShootCell`]). The UDP task, the
 //! timer and every stream's task lock the shoot they touch and do the work there and then
@@ -15,20 +17,22 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
 use boringtun::noise::TunnResult;
-use rustix::net::SendFlags;
-use thiserror::Error;
 use tokio::net::UdpSocket;
 use tokio::sync::{Notify, mpsc};
 
-use super::device::{self, Keys, Maps, Recovery, ShootCell, lock};
-use super::framed::Streams;
-use super::peer::{Endpoint, Peer};
-use super::shoot::{Accept, Dialed, Drop, Io, Mode, Shoot};
-use super::stack::StackError;
+use super::device::{Keys, Maps, Recovery, ShootCell, lock};
+use super::failover::{Choice, DialError, Failover, Unanswered};
+use super::peer::Endpoint;
+use super::queues::Streams;
+use super::reconcile::{current, reconcile};
+// The agent takes `Incoming` from here.
+pub(crate) use super::shared::Incoming;
+use super::shared::{Inner, State, Tunnels};
+use super::shoot::{Accept, Dialed, Io, Mode, Shoot};
 use super::stream::{StreamMetrics, TunnelStream};
 use crate::admin::metrics::{
-    ReasonLabel, RouteDirectionLabels, RouteLabel, RoutePeerLabels, RouteReasonLabels,
-    RouteResultLabels, TunnelMetrics,
+    RouteDirectionLabels, RouteLabel, RoutePeerLabels, RouteReasonLabels, RouteResultLabels,
+    TunnelMetrics,
 };
 use crate::route::{Net, Tunnel, WgKey};
 
@@ -39,225 +43,8 @@ pub(crate) const ACCEPT_QUEUE: usize = 1024;
 /// Datagrams handled before each touched shoot's stack runs.
 const RECEIVE_BATCH: usize = 64;
 
-/// How long a dial waits for an answer through one peer before an attempt through another
-/// live peer of the route joins it (the first is marked suspect, and still wins if it
-/// answers first).
-const FAILOVER_AFTER: Duration = Duration::from_secs(1);
-
 /// How often every peer's timers run (WireGuard's own resolution is coarser).
 const TIMER_TICK: Duration = Duration::from_millis(250);
-
-/// Why a stream could not be opened through a tunnel.
-#[derive(Debug, Error)]
-pub(crate) enum DialError {
-    /// The route has no tunnel.
-    #[error("the route has no tunnel")]
-    NoTunnel,
-    /// No peer whose `allowedIPs` hold the target has a live session.
-    #[error("no live tunnel peer for the target")]
-    NoLivePeer,
-    /// The target answered with a reset.
-    #[error("connection refused in the shoot")]
-    Refused,
-    /// No answer in time.
-    #[error("no answer in time")]
-    Timeout,
-    /// The stack could not open the stream.
-    #[error("{0}")]
-    Stack(#[from] StackError),
-    /// The route or peer went away while dialing.
-    #[error("route removed")]
-    RouteRemoved,
-}
-
-impl DialError {
-    /// Every `reason` label.
-    const REASONS: [&'static str; 6] = [
-        "no_tunnel",
-        "no_live_peer",
-        "refused",
-        "timeout",
-        "stack",
-        "route_removed",
-    ];
-
-    /// The `reason` label.
-    pub(crate) fn as_str(&self) -> &'static str {
-        match self {
-            DialError::NoTunnel => "no_tunnel",
-            DialError::NoLivePeer => "no_live_peer",
-            DialError::Refused => "refused",
-            DialError::Timeout => "timeout",
-            DialError::Stack(_) => "stack",
-            DialError::RouteRemoved => "route_removed",
-        }
-    }
-}
-
-/// The device state a table change replaces as a whole.
-pub(crate) struct State {
-    keys: Keys,
-    pub(super) maps: Maps,
-}
-
-/// What every task of the tunnel shares.
-pub(crate) struct Inner {
-    socket: Arc<UdpSocket>,
-    pub(super) state: ArcSwap<State>,
-    recovery: Recovery,
-    pub(super) metrics: Arc<TunnelMetrics>,
-    /// The TCP streams that are endpoints of the device.
-    pub(super) streams: Streams,
-    wake: Notify,
-    /// Serializes table changes.
-    apply: Mutex<()>,
-    /// The agent's accepted connections, for its dialer.
-    accepts: Option<mpsc::Sender<Incoming>>,
-    mode: Mode,
-}
-
-/// Sends through the UDP socket and counts.
-pub(crate) struct UdpIo<'a> {
-    inner: &'a Inner,
-}
-
-impl Io for UdpIo<'_> {
-    fn send(&mut self, to: Endpoint, datagram: &[u8]) {
-        let sent = match to {
-            // Straight to the (non-blocking) socket: tokio's `try_send_to` refuses until
-            // its reactor has seen the socket writable, so a new socket's first datagram (an
-            // agent's first handshake initiation) would be dropped.
-            Endpoint::Udp(to) => {
-                match rustix::net::sendto(&*self.inner.socket, datagram, SendFlags::empty(), &to) {
-                    Ok(_) => Ok(()),
-                    Err(_) => Err(Drop::Busy),
-                }
-            }
-            Endpoint::Stream { id, .. } => self.inner.streams.send(id, datagram),
-        };
-        if let Err(reason) = sent {
-            self.dropped(reason);
-        }
-    }
-
-    fn dropped(&mut self, reason: Drop) {
-        self.inner
-            .metrics
-            .dropped
-            .get_or_create(&ReasonLabel {
-                reason: reason.as_str(),
-            })
-            .inc();
-    }
-
-    fn handshake(&mut self, route: &str, _peer: &WgKey) {
-        self.count(route, "ok");
-    }
-
-    fn recovery(&mut self, route: &str) {
-        self.count(route, "recovery");
-    }
-}
-
-impl UdpIo<'_> {
-    fn count(&self, route: &str, result: &'static str) {
-        self.inner
-            .metrics
-            .handshakes
-            .get_or_create(&RouteResultLabels {
-                route: route.to_string(),
-                result,
-            })
-            .inc();
-    }
-}
-
-impl Inner {
-    pub(crate) fn io(&self) -> UdpIo<'_> {
-        UdpIo { inner: self }
-    }
-}
-
-/// Datagrams received together, from any endpoint: each is handled at once (decrypted,
-/// queued for its shoot's stack), and [`Batch::finish`] runs every shoot they touched once
-/// and hands the agent's new connections on.
-pub(crate) struct Batch<'a> {
-    tunnels: &'a Tunnels,
-    state: arc_swap::Guard<Arc<State>>,
-    now: Instant,
-    touched: &'a mut Vec<ShootCell>,
-}
-
-impl Batch<'_> {
-    /// Handles one datagram from `from`; whether a peer's key authenticated it.
-    pub(crate) fn receive(&mut self, from: Endpoint, datagram: &[u8]) -> bool {
-        let inner = &self.tunnels.inner;
-        let Some(cell) = device::receive(
-            &self.state.keys,
-            &self.state.maps,
-            &inner.recovery,
-            self.now,
-            from,
-            datagram,
-            &mut inner.io(),
-        ) else {
-            return false;
-        };
-        if !self.touched.iter().any(|c| Arc::ptr_eq(c, &cell)) {
-            self.touched.push(cell);
-        }
-        true
-    }
-
-    /// Runs the touched shoots' stacks and sends what they produced.
-    pub(crate) fn finish(self) {
-        let inner = &self.tunnels.inner;
-        let mut io = inner.io();
-        for cell in self.touched.drain(..) {
-            let mut s = lock(&cell);
-            s.flush(self.now, &mut io);
-            if let Some(tx) = &inner.accepts {
-                for a in s.take_accepts() {
-                    // More connections waiting for their dial than the agent takes on,
-                    // or the agent draining: refused (reset) at once.
-                    let incoming = Incoming {
-                        tunnels: self.tunnels.clone(),
-                        cell: cell.clone(),
-                        accept: a,
-                    };
-                    if tx.try_send(incoming).is_err() {
-                        io.dropped(Drop::Busy);
-                        s.accepted(self.now, &a, Dialed::Refused, &mut io);
-                    }
-                }
-            }
-        }
-        inner.wake.notify_one();
-    }
-}
-
-/// The tunnel device of a gateway or an agent.
-#[derive(Clone)]
-pub(crate) struct Tunnels {
-    pub(super) inner: Arc<Inner>,
-}
-
-impl std::fmt::Debug for Tunnels {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tunnels").finish_non_exhaustive()
-    }
-}
-
-/// A connection an agent's device opened (its SYN paused), for the agent's dialer.
-#[derive(Debug)]
-pub(crate) struct Incoming {
-    /// The device it arrived on.
-    pub(crate) tunnels: Tunnels,
-    /// Its shoot.
-    pub(crate) cell: ShootCell,
-    /// The paused socket and its ends.
-    pub(crate) accept: Accept,
-}
 
 /// The agent's view of its gateway peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -319,19 +106,6 @@ fn seed() -> u64 {
     let mut b = [0u8; 8];
     let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b);
     u64::from_le_bytes(b)
-}
-
-/// A peer under `keys`, sharing the device's handshake limiter (one budget for the device;
-/// a replayed initiation cannot push one peer into cookies on its own).
-fn new_peer(keys: &Keys, key: WgKey, allowed: &[Net], keepalive: Option<u16>) -> Peer {
-    Peer::new(
-        &keys.secret,
-        key,
-        allowed.into(),
-        keys.index_of(&key),
-        keepalive,
-        Some(keys.limiter.clone()),
-    )
 }
 
 impl Tunnels {
@@ -397,7 +171,9 @@ impl Tunnels {
             .into_iter()
             .filter_map(|a| Net::new(a, 0).ok())
             .collect();
-            let peer = new_peer(&state.keys, side.gateway, &everything, side.keepalive);
+            let peer = state
+                .keys
+                .new_peer(side.gateway, &everything, side.keepalive);
             let shoot = Shoot::new(
                 "agent".into(),
                 vec![peer],
@@ -524,87 +300,22 @@ impl Tunnels {
         let _serial = self.inner.apply.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         let old = self.inner.state.load_full();
-        let rekeyed = private.is_some_and(|k| k.0 != old.keys.secret.to_bytes());
-        let keys = match private {
-            Some(k) if rekeyed => Keys::new(k),
-            // The cookie secret and the handshake count carry over.
-            _ => old.keys.share(),
-        };
-        let mut io = self.inner.io();
-        let mut maps = Maps::default();
-        for (name, tunnel) in tunnels {
-            let reuse = (!rekeyed)
-                .then(|| old.maps.shoots.get(name))
-                .flatten()
-                .filter(|c| lock(c).stack.addresses() == &tunnel.local_addresses[..]);
-            let cell = match reuse {
-                Some(cell) => {
-                    let mut s = lock(cell);
-                    let wanted: HashMap<WgKey, &[Net]> = tunnel
-                        .peers
-                        .iter()
-                        .map(|p| (p.public_key, &p.allowed_ips[..]))
-                        .collect();
-                    let gone: Vec<WgKey> = s
-                        .peers
-                        .iter()
-                        .map(|p| p.key)
-                        .filter(|k| !wanted.contains_key(k))
-                        .collect();
-                    for k in &gone {
-                        s.stack.reset_flows(Some(k));
-                    }
-                    s.peers.retain(|p| wanted.contains_key(&p.key));
-                    for p in s.peers.iter_mut() {
-                        if let Some(allowed) = wanted.get(&p.key) {
-                            p.allowed = (*allowed).into();
-                        }
-                    }
-                    for tp in tunnel.peers.iter() {
-                        if s.peer_position(&tp.public_key).is_none() {
-                            let peer = new_peer(&keys, tp.public_key, &tp.allowed_ips, None);
-                            s.peers.push(peer);
-                        }
-                    }
-                    // The table's order: a peer's index is the same in /routes and metrics.
-                    s.peers
-                        .sort_by_key(|p| tunnel.peers.iter().position(|tp| tp.public_key == p.key));
-                    s.flush(now, &mut io);
-                    drop(s);
-                    cell.clone()
-                }
-                None => {
-                    let peers = tunnel
-                        .peers
-                        .iter()
-                        .map(|tp| new_peer(&keys, tp.public_key, &tp.allowed_ips, None))
-                        .collect();
-                    let shoot = Shoot::new(
-                        name.clone(),
-                        peers,
-                        &tunnel.local_addresses,
-                        self.inner.mode.clone(),
-                        now,
-                        seed(),
-                    );
-                    Arc::new(Mutex::new(shoot))
-                }
-            };
-            maps.insert(&keys, cell);
+        let changes = reconcile(&current(&old.maps), &old.keys, tunnels, private);
+        let applied = changes.execute(
+            &old.keys,
+            &old.maps,
+            &self.inner.mode,
+            now,
+            &mut seed,
+            &mut self.inner.io(),
+        );
+        for (route, peers) in &applied.gone {
+            self.forget_metrics(route, *peers);
         }
-        for (name, cell) in &old.maps.shoots {
-            if maps.shoots.get(name).is_some_and(|c| Arc::ptr_eq(c, cell)) {
-                continue;
-            }
-            let mut s = lock(cell);
-            s.removed = true;
-            s.stack.reset_flows(None);
-            s.flush(now, &mut io);
-            if !maps.shoots.contains_key(name) {
-                self.forget_metrics(name, s.peers.len());
-            }
-        }
-        self.inner.state.store(Arc::new(State { keys, maps }));
+        self.inner.state.store(Arc::new(State {
+            keys: applied.keys,
+            maps: applied.maps,
+        }));
         self.inner.wake.notify_one();
     }
 
@@ -662,6 +373,8 @@ impl Tunnels {
         result
     }
 
+    /// [`Tunnels::dial`] without the failure count: a thin loop carrying out the
+    /// [`Failover`] policy's choices.
     async fn try_dial(
         &self,
         route: &str,
@@ -677,41 +390,18 @@ impl Tunnels {
                 .cloned()
                 .ok_or(DialError::NoTunnel)?
         };
-        let deadline = tokio::time::Instant::now() + timeout;
-        let mut tried: Vec<usize> = Vec::new();
+        let mut failover = Failover::new(Instant::now() + timeout);
         // Attempts still waiting for an answer: (peer, stream, label). An earlier attempt
         // keeps running when the next starts, and the first answer wins.
         let mut pending: Vec<(usize, TunnelStream, String)> = Vec::new();
         loop {
-            // The next attempt, through the best live peer not tried yet (if any).
-            let next = {
+            let (next, until) = {
                 let now = Instant::now();
                 let mut s = lock(&cell);
-                // Peers with somewhere to send first: one whose stream just ended has none
-                // until it is heard from again.
-                let live = |s: &Shoot, tried: &[usize]| {
-                    let best = |skip: &[usize]| {
-                        s.best_peer_except(now, target.ip(), skip)
-                            .filter(|i| s.peers[*i].live(now))
-                    };
-                    let nowhere = s
-                        .peers
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, p)| p.endpoint.is_none());
-                    let skip: Vec<usize> = tried
-                        .iter()
-                        .copied()
-                        .chain(nowhere.map(|(i, _)| i))
-                        .collect();
-                    best(&skip).or_else(|| best(tried))
-                };
-                match live(&s, &tried) {
-                    None if pending.is_empty() => return Err(DialError::NoLivePeer),
-                    None => None,
-                    Some(peer) => {
-                        tried.push(peer);
-                        let others = live(&s, &tried).is_some();
+                match failover.choose(&s, target.ip(), now) {
+                    Choice::NoLivePeer => return Err(DialError::NoLivePeer),
+                    Choice::Wait { until } => (None, until),
+                    Choice::Dial { peer, until } => {
                         let key = s.peers[peer].key;
                         let label = match s.peers[peer].endpoint {
                             Some(e) => format!("{}@{e}", key.to_base64()),
@@ -719,15 +409,11 @@ impl Tunnels {
                         };
                         let h = s.stack.connect(target, Some(key))?;
                         s.flush(now, &mut self.inner.io());
-                        Some((peer, h, label, others))
+                        (Some((peer, h, label)), until)
                     }
                 }
             };
-            // With another live peer to try, this attempt gets a head start of
-            // FAILOVER_AFTER before the next one joins it: a replica that died still looks
-            // live until its session expires, and only an unanswered SYN tells.
-            let mut next_at = deadline;
-            if let Some((peer, handle, label, others)) = next {
+            if let Some((peer, handle, label)) = next {
                 self.inner.wake.notify_one();
                 let stream = TunnelStream::new(
                     cell.clone(),
@@ -736,12 +422,9 @@ impl Tunnels {
                     self.stream_metrics(route),
                 );
                 pending.push((peer, stream, label));
-                if others {
-                    next_at = deadline.min(tokio::time::Instant::now() + FAILOVER_AFTER);
-                }
             }
             let answer = tokio::time::timeout_at(
-                next_at,
+                tokio::time::Instant::from_std(until),
                 std::future::poll_fn(|cx| {
                     for (k, (_, stream, _)) in pending.iter().enumerate() {
                         if let Poll::Ready(r) = stream.poll_established(cx) {
@@ -760,19 +443,15 @@ impl Tunnels {
                     return Ok((stream, label));
                 }
                 Ok((_, Err(e))) => return Err(e),
-                Err(_) if tokio::time::Instant::now() >= deadline => {
-                    return Err(DialError::Timeout);
-                }
                 Err(_) => {
-                    // Unanswered for FAILOVER_AFTER: suspect (chosen last until it is heard
-                    // from again), and the next peer joins.
                     let mut s = lock(&cell);
-                    for (peer, _, label) in &pending {
-                        if let Some(p) = s.peers.get_mut(*peer)
-                            && !p.suspect
-                        {
-                            p.suspect = true;
-                            tracing::debug!(route, peer = %label, "dial unanswered, trying another peer");
+                    match failover.unanswered(&mut s, Instant::now()) {
+                        Unanswered::Timeout => return Err(DialError::Timeout),
+                        Unanswered::Suspect(newly) => {
+                            for (_, _, label) in pending.iter().filter(|(p, ..)| newly.contains(p))
+                            {
+                                tracing::debug!(route, peer = %label, "dial unanswered, trying another peer");
+                            }
                         }
                     }
                 }
@@ -816,17 +495,6 @@ impl Tunnels {
                 self.stream_metrics("agent"),
             )
         })
-    }
-
-    /// A batch of received datagrams (see [`Batch`]); `touched` is the caller's scratch.
-    pub(crate) fn batch<'a>(&'a self, touched: &'a mut Vec<ShootCell>) -> Batch<'a> {
-        touched.clear();
-        Batch {
-            tunnels: self,
-            state: self.inner.state.load(),
-            now: Instant::now(),
-            touched,
-        }
     }
 
     async fn receive_loop(self) {

@@ -2,8 +2,8 @@
 //! framed with a 16-bit big-endian length ([`crate::wire::udp_over_tcp`]) and go through
 //! the device exactly as UDP datagrams do, from [`Endpoint::Stream`]; a peer whose last
 //! authenticated packet came on the stream is answered on it (roaming works both ways
-//! between UDP and streams). Replies are framed into the stream's bounded queue, which its
-//! writer drains: a full queue drops the datagram and counts it (`stream_full`), so a slow
+//! between UDP and streams). Replies are framed into the stream's bounded queue
+//! ([`super::queues`]), which its writer drains: a full queue drops the datagram and counts it (`stream_full`), so a slow
 //! stream never blocks the device (WireGuard's inner TCP sees a loss, as over UDP). A stream ends when its peer closes it, after `idle`
 //! without a byte from it, on an I/O error, when its owner closes it, or when the device
 //! closes every stream (the gateway's drain); then it is no endpoint any more.
@@ -11,167 +11,28 @@
 //! It knows nothing of CONNECT or of who opened the stream: the gateway hands it a stream
 //! it answered `200` on, the agent one it dialed.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{Notify, watch};
 
 use super::device::ShootCell;
 use super::device::lock;
-use super::driver::Tunnels;
-use super::peer::{Endpoint, StreamId};
+use super::peer::Endpoint;
+use super::queues::{KEEP_IDLE, Queue, Take};
+use super::shared::Tunnels;
 use super::shoot::{Drop, Io};
 use crate::net::relay::{End, IoKind, Stats};
-use crate::wire::udp_over_tcp::{self, EncodeError, MAX_FRAME};
-
-/// Framed bytes a stream's queue holds at most; a datagram that does not fit is dropped.
-/// Over UDP the kernel's socket buffer absorbs a burst; here this queue does, and a burst
-/// is a window's worth of every stream the peer carries (128 KiB each): a drop costs the
-/// stream behind it a retransmission timeout (smoltcp waits at least 1 s). The writer takes
-/// the whole queue at once, so a stalled stream holds at most twice this (the write in
-/// progress and a full queue); an idle one holds none of it.
-pub(crate) const QUEUE_BYTES: usize = 1024 * 1024;
+use crate::wire::udp_over_tcp::{self, MAX_FRAME};
 
 /// What a stream's read buffer starts with (and returns to when the traffic goes quiet).
 const READ_MIN: usize = 4 * 1024;
 
 /// What a stream's read buffer grows to when reads keep filling it.
 const READ_MAX: usize = 128 * 1024;
-
-/// Buffers of an idle stream above this are freed.
-const KEEP_IDLE: usize = 16 * 1024;
-
-/// A stream's outgoing frames, between the device and the stream's writer.
-#[derive(Debug, Default)]
-struct Queue {
-    state: Mutex<QueueState>,
-    /// Wakes the writer: frames were queued, or the stream is to close.
-    ready: Notify,
-    /// Wakes the carry when the owner closes the stream (a writer blocked on a peer that
-    /// does not read would never see `closed`).
-    gone: Notify,
-}
-
-#[derive(Debug, Default)]
-struct QueueState {
-    /// Framed datagrams not written yet.
-    frames: Vec<u8>,
-    /// The owner asked the stream to end.
-    closed: bool,
-}
-
-impl Queue {
-    fn state(&self) -> std::sync::MutexGuard<'_, QueueState> {
-        // Every update is one statement on plain data: a poisoned lock is still consistent.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn push(&self, datagram: &[u8]) -> Result<(), Drop> {
-        let mut q = self.state();
-        if q.closed {
-            return Err(Drop::NoEndpoint);
-        }
-        if q.frames.len() + udp_over_tcp::HEADER_LEN + datagram.len() > QUEUE_BYTES {
-            return Err(Drop::StreamFull);
-        }
-        match udp_over_tcp::encode(datagram, &mut q.frames) {
-            Ok(()) => {}
-            Err(EncodeError::Empty | EncodeError::TooLarge { .. }) => return Err(Drop::Invalid),
-        }
-        drop(q);
-        self.ready.notify_one();
-        Ok(())
-    }
-
-    fn close(&self) {
-        self.state().closed = true;
-        self.ready.notify_one();
-        self.gone.notify_waiters();
-    }
-
-    /// Resolves once the owner closed the stream.
-    async fn closed(&self) {
-        loop {
-            // Created before the check: a close in between still wakes it.
-            let gone = self.gone.notified();
-            if self.state().closed {
-                return;
-            }
-            gone.await;
-        }
-    }
-
-    /// Swaps the queued frames into `out` (empty, its capacity reused); an idle queue keeps
-    /// no large buffer, in it or in `out`.
-    fn take(&self, out: &mut Vec<u8>) -> Take {
-        let mut q = self.state();
-        if q.closed {
-            return Take::Closed;
-        }
-        if q.frames.is_empty() {
-            if q.frames.capacity() > KEEP_IDLE {
-                q.frames = Vec::new();
-            }
-            if out.capacity() > KEEP_IDLE {
-                *out = Vec::new();
-            }
-            return Take::Empty;
-        }
-        std::mem::swap(&mut q.frames, out);
-        Take::Frames
-    }
-}
-
-/// What the writer found in the queue.
-enum Take {
-    /// The owner closed the stream.
-    Closed,
-    /// Nothing to write.
-    Empty,
-    /// Frames, now in the writer's buffer.
-    Frames,
-}
-
-/// The device's stream endpoints, by id.
-#[derive(Debug)]
-pub(crate) struct Streams {
-    next: AtomicU64,
-    queues: RwLock<HashMap<StreamId, Arc<Queue>>>,
-    /// Turns true when every stream is to end (the gateway's drain is over).
-    closing: watch::Sender<bool>,
-}
-
-impl Default for Streams {
-    fn default() -> Self {
-        Streams {
-            next: AtomicU64::new(1),
-            queues: RwLock::default(),
-            closing: watch::Sender::new(false),
-        }
-    }
-}
-
-impl Streams {
-    /// Queues `datagram` on stream `id`: [`Drop::NoEndpoint`] if it has ended,
-    /// [`Drop::StreamFull`] if its queue is full.
-    pub(crate) fn send(&self, id: StreamId, datagram: &[u8]) -> Result<(), Drop> {
-        let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
-        match queues.get(&id) {
-            Some(q) => q.push(datagram),
-            None => Err(Drop::NoEndpoint),
-        }
-    }
-
-    /// Ends every stream (and every one opened from now on).
-    pub(crate) fn close_all(&self) {
-        self.closing.send_replace(true);
-    }
-}
 
 /// A stream registered as an endpoint of the device, not yet (or no longer) carried. Dropping
 /// it removes the endpoint: what the device sends there from then on is dropped
@@ -212,12 +73,7 @@ impl std::ops::Drop for StreamEndpoint {
             return;
         };
         let inner = &self.tunnels.inner;
-        inner
-            .streams
-            .queues
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
+        inner.streams.remove(id);
         inner.metrics.tcp_endpoints.dec();
         let state = inner.state.load();
         for cell in state.maps.shoots.values() {
@@ -247,14 +103,7 @@ pub(crate) struct Carried {
 impl Tunnels {
     /// Registers a stream from `peer` as an endpoint (see [`StreamEndpoint`]).
     pub(crate) fn open_stream(&self, peer: SocketAddr) -> StreamEndpoint {
-        let streams = &self.inner.streams;
-        let id = StreamId(streams.next.fetch_add(1, Ordering::Relaxed));
-        let queue = Arc::new(Queue::default());
-        streams
-            .queues
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, queue.clone());
+        let (id, queue) = self.inner.streams.open();
         self.inner.metrics.tcp_endpoints.inc();
         StreamEndpoint {
             endpoint: Endpoint::Stream { id, peer },
@@ -271,8 +120,7 @@ impl Tunnels {
     /// Stream endpoints open now.
     #[cfg(test)]
     pub(crate) fn stream_count(&self) -> usize {
-        let queues = self.inner.streams.queues.read();
-        queues.unwrap_or_else(|e| e.into_inner()).len()
+        self.inner.streams.len()
     }
 
     /// Carries `endpoint`'s datagrams over `stream` until it ends (see the module docs).
@@ -292,7 +140,7 @@ impl Tunnels {
         let (rx, tx) = (AtomicU64::new(0), AtomicU64::new(0));
         let from = endpoint.endpoint;
         let queue = endpoint.queue.clone();
-        let mut closing = self.inner.streams.closing.subscribe();
+        let mut closing = self.inner.streams.closing();
         let (mut r, mut w) = stream.split();
         let read = async {
             let mut buf = early;
@@ -406,6 +254,7 @@ mod tests {
     use super::*;
     use crate::admin::metrics::{ReasonLabel, TunnelMetrics};
     use crate::route::WgKey;
+    use crate::tunnel::queues::QUEUE_BYTES;
 
     fn dropped(m: &TunnelMetrics, reason: &'static str) -> u64 {
         m.dropped.get_or_create(&ReasonLabel { reason }).get()

@@ -16,7 +16,8 @@ use smoltcp::socket::tcp;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::device::{ShootCell, lock};
-use super::driver::Inner;
+use super::failover::DialError;
+use super::shared::Inner;
 use crate::net::relay::{Leg, ROUTE_REMOVED};
 
 /// Per-stream metric handles.
@@ -156,7 +157,7 @@ impl AsyncWrite for TunnelStream {
 impl TunnelStream {
     /// Waits until the connection is established: `Refused` when it was reset (or closed)
     /// first, `RouteRemoved` when its route or peer went away.
-    pub(crate) async fn established(&self) -> Result<(), super::DialError> {
+    pub(crate) async fn established(&self) -> Result<(), DialError> {
         std::future::poll_fn(|cx| self.poll_established(cx)).await
     }
 
@@ -164,10 +165,10 @@ impl TunnelStream {
     pub(crate) fn poll_established(
         &self,
         cx: &mut std::task::Context<'_>,
-    ) -> Poll<Result<(), super::DialError>> {
+    ) -> Poll<Result<(), DialError>> {
         let mut s = lock(&self.shoot);
         if s.removed || s.stack.flow(self.handle).is_some_and(|f| f.killed) {
-            return Poll::Ready(Err(super::DialError::RouteRemoved));
+            return Poll::Ready(Err(DialError::RouteRemoved));
         }
         let sock = s.stack.socket(self.handle);
         match sock.state() {
@@ -175,7 +176,7 @@ impl TunnelStream {
                 sock.register_send_waker(cx.waker());
                 Poll::Pending
             }
-            tcp::State::Closed => Poll::Ready(Err(super::DialError::Refused)),
+            tcp::State::Closed => Poll::Ready(Err(DialError::Refused)),
             _ => Poll::Ready(Ok(())),
         }
     }

@@ -1,6 +1,8 @@
 //! Two devices in memory: a gateway shoot and an agent joined by a lossless link that the
 //! test steps by hand, so handshakes, dials, refusals, replays and a restart run in
-//! microseconds with no sockets.
+//! microseconds with no sockets. Also helpers for other modules' tests: [`bring_up`] gives
+//! a shoot's peer a session by a handshake in memory, [`Recorder`] is an [`Io`] that keeps
+//! what it was handed.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
@@ -21,7 +23,7 @@ fn addr(s: &str) -> SocketAddr {
     s.parse().unwrap()
 }
 
-fn net(s: &str) -> Net {
+pub(super) fn net(s: &str) -> Net {
     Net::parse(s).unwrap()
 }
 
@@ -37,6 +39,61 @@ struct Wire {
     gw_cut: bool,
     handshakes: usize,
     recoveries: usize,
+}
+
+/// An [`Io`] that keeps every datagram sent and every drop.
+#[derive(Debug, Default)]
+pub(super) struct Recorder {
+    /// Datagrams sent, in order.
+    pub(super) sent: Vec<(Endpoint, Vec<u8>)>,
+    /// Drops, in order.
+    pub(super) drops: Vec<Drop>,
+}
+
+impl Io for Recorder {
+    fn send(&mut self, to: Endpoint, datagram: &[u8]) {
+        self.sent.push((to, datagram.to_vec()));
+    }
+    fn dropped(&mut self, reason: Drop) {
+        self.drops.push(reason);
+    }
+}
+
+/// Gives the peer of `shoot` whose private key is `peer` (an agent replica) a session at
+/// `now`: its initiation from `from` and its first packet on the new session (a keepalive)
+/// are handed to the shoot, as from the wire, with the shoot's device key `gw`.
+pub(super) fn bring_up(shoot: &mut Shoot, gw: WgKey, peer: WgKey, from: SocketAddr, now: Instant) {
+    use boringtun::noise::{Tunn, TunnResult};
+    use boringtun::x25519::{PublicKey, StaticSecret};
+    let i = shoot
+        .peer_position(&public(peer))
+        .expect("a peer of the shoot");
+    let mut agent = Tunn::new(
+        StaticSecret::from(peer.0),
+        PublicKey::from(public(gw).0),
+        None,
+        None,
+        7,
+        None,
+    );
+    let mut buf = vec![0u8; 2048];
+    let TunnResult::WriteToNetwork(init) = agent.format_handshake_initiation(&mut buf, true) else {
+        panic!("no initiation");
+    };
+    let init = init.to_vec();
+    let mut io = Recorder::default();
+    shoot
+        .receive(now, i, Endpoint::Udp(from), &init, &mut io)
+        .expect("initiation taken");
+    let (_, response) = io.sent.pop().expect("a handshake response");
+    let TunnResult::WriteToNetwork(keepalive) = agent.decapsulate(None, &response, &mut buf) else {
+        panic!("no keepalive after the response");
+    };
+    let keepalive = keepalive.to_vec();
+    shoot
+        .receive(now, i, Endpoint::Udp(from), &keepalive, &mut io)
+        .expect("keepalive taken");
+    assert!(shoot.peers[i].live(now), "session up");
 }
 
 struct SideIo<'a> {
@@ -86,12 +143,12 @@ struct Pair {
     agent_addr: SocketAddr,
 }
 
-fn key(b: u8) -> WgKey {
+pub(super) fn key(b: u8) -> WgKey {
     // Any 32 bytes are a valid x25519 private key (clamped when used).
     WgKey([b; 32])
 }
 
-fn public(k: WgKey) -> WgKey {
+pub(super) fn public(k: WgKey) -> WgKey {
     let s = boringtun::x25519::StaticSecret::from(k.0);
     WgKey(boringtun::x25519::PublicKey::from(&s).to_bytes())
 }
