@@ -23,15 +23,10 @@ use tokio::io::{AsyncWrite, Interest, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::pool::{LARGE_BUF, MEDIUM_BUF, SMALL_BUF};
 use super::{Leg, pool, read, splice};
 use crate::net::fds::{self, PipeBudget};
 
-/// Buffer for a direction that has carried little (interactive traffic).
-pub(crate) const SMALL_BUF: usize = 4 * 1024;
-/// Buffer once a direction has carried [`GROW_AFTER`] bytes.
-pub(crate) const MEDIUM_BUF: usize = 16 * 1024;
-/// Buffer once a direction has carried [`BULK_AFTER`] bytes.
-pub(crate) const LARGE_BUF: usize = 64 * 1024;
 const GROW_AFTER: u64 = 128 * 1024;
 const BULK_AFTER: u64 = 4 * 1024 * 1024;
 /// A direction that has carried this much, and whose last read filled its buffer (more was

@@ -3,7 +3,12 @@
 
 use std::cell::RefCell;
 
-use super::copy::{LARGE_BUF, MEDIUM_BUF, SMALL_BUF};
+/// Buffer for a direction that has carried little (interactive traffic).
+pub(crate) const SMALL_BUF: usize = 4 * 1024;
+/// Buffer once a direction has carried 128 KiB (the copy loop's `GROW_AFTER`).
+pub(crate) const MEDIUM_BUF: usize = 16 * 1024;
+/// Buffer once a direction has carried 4 MiB (the copy loop's `BULK_AFTER`).
+pub(crate) const LARGE_BUF: usize = 64 * 1024;
 
 /// Buffers kept per size class and thread.
 const KEEP: usize = 64;
