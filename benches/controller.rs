@@ -19,7 +19,11 @@
 //! exposed on a zonal gateway (not served by the default one), one in 20 is L7 (HTTPS
 //! Gateway, HTTP routes, its `-istio-tls-termination` EnvoyFilter), one in 5 is HA.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 use std::hint::black_box;
 use std::process::Command;

@@ -21,7 +21,11 @@
 //! A shoot here is what `tests/e2e/` writes: Namespace, Gateway, VirtualService, Service
 //! `kube-apiserver` and its EndpointSlice (5 objects, one route).
 // A bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 #[path = "../tests/common/mod.rs"]
 mod common;

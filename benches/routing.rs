@@ -4,7 +4,11 @@
 //! `cargo bench --bench routing` (criterion prints time per lookup and per table).
 //! The gateway's memory and reload time with the same table: `--bench routing_scale`.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

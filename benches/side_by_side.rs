@@ -55,7 +55,11 @@
 //! asked for in-band, since a proxy that relays CONNECT over HTTP, as Envoy does, closes the
 //! whole connection at the client's half-close), `E` = echo everything.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
@@ -930,7 +934,7 @@ fn ensure_installed(bin: &str, packages: &[&str]) -> bool {
 /// Out of the terminal's process group, the proxy no longer gets the Ctrl-C that stops the
 /// bench, so it is told to stop (`SIGTERM`) when the bench exits, however it exits: a
 /// leftover proxy would keep its ports and answer in place of the next run's.
-#[allow(unsafe_code)] // pre_exec is unsafe by contract
+#[expect(unsafe_code, reason = "pre_exec is unsafe by contract")]
 fn own_session(cmd: &mut Command) -> &mut Command {
     use rustix::process::{Signal, getpid, getppid, set_parent_process_death_signal, setsid};
     let bench = getpid();

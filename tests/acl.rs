@@ -3,7 +3,11 @@
 //! close), counted as `denied` and access-logged; the address matched is a trusted load
 //! balancer's PROXY source, else the peer, never a header the client writes itself.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

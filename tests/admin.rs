@@ -3,7 +3,11 @@
 //! an attacker keeps re-opening them, and while the data plane has taken every descriptor
 //! the open-files limit allows. `/routes` is served on the debug address only.
 // A test fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -1,7 +1,11 @@
 //! `trellis check` and startup validation: every shipped config is valid; invalid files are
 //! reported with file, field path and problem, exit non-zero, and bind nothing.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 
@@ -238,7 +242,7 @@ fn gateway_that_cannot_bind_exits_non_zero() {
     }
 }
 
-#[allow(unsafe_code)] // pre_exec: setting a limit in the child before exec
+#[expect(unsafe_code, reason = "pre_exec: setting a limit in the child before exec")]
 #[test]
 fn gateway_lowers_max_connections_to_what_open_files_hold() {
     use std::os::unix::process::CommandExt;

@@ -2,7 +2,11 @@
 //! peers: curl (CONNECT tunnels, `--haproxy-protocol`), HAProxy (`send-proxy-v2`), rustls;
 //! TCP urgent data across a forwarded CONNECT.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 
@@ -276,7 +280,10 @@ routes:
 }
 
 /// HAProxy and the directory holding its config (removed on drop).
-struct HaProxy(Child, #[allow(dead_code)] TestDir);
+struct HaProxy(
+    Child,
+    #[expect(dead_code, reason = "held so that the directory outlives the process")] TestDir,
+);
 
 impl Drop for HaProxy {
     fn drop(&mut self) {

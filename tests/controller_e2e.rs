@@ -3,7 +3,11 @@
 //! A shoot's objects created, changed and deleted in the API move what a TLS client with
 //! its server name reaches.
 
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 mod e2e;

@@ -6,7 +6,10 @@
 //! `expected-report.json`, and `trellis check` must accept the table with its files.
 //! `TRELLIS_BLESS=1` rewrites the expected files instead (review every change by hand).
 
-#![allow(clippy::unwrap_used)]
+#![expect(
+    clippy::unwrap_used,
+    reason = "a test or bench fails loudly on what it did not expect"
+)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -5,7 +5,11 @@
 //! Istio kinds only as `v1beta1`, or not at all, are watched as they are, also when that
 //! changes while the controller runs.
 
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 mod e2e;

@@ -10,7 +10,11 @@
 //! replicas render tunnels and may read Secrets. Skipped with a printed reason without kubectl or
 //! kubernetes-validate (`scripts/test` installs the latter into `target/deploy-venv`).
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 mod fakekube;

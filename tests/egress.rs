@@ -4,7 +4,11 @@
 //! curl, speaking kube-apiserver's bytes (`CONNECT 10.x.y.z:port HTTP/1.1`,
 //! `Host: 127.0.0.1`); targets are plain TCP servers on loopback.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

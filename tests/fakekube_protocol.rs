@@ -1,7 +1,11 @@
 //! The fake Kubernetes API server speaks the real protocol: kubectl lists, watches and applies
 //! against it; raw HTTP checks what kubectl does not show (410, selectors, faults).
 
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod fakekube;
 #[path = "common/skipped.rs"]

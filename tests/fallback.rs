@@ -6,7 +6,11 @@
 //! Envoy's own parsing matters (it routes by either destination header, and reads the next
 //! CONNECT on a connection after refusing one), [`FakeEnvoy`] does.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

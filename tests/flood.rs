@@ -1,7 +1,11 @@
 //! Memory after a flood: 8,000 slow clients each send part of a large ClientHello
 //! and wait; once they are gone and the gateway has rested, its resident memory is back within
 //! twice what it was fresh.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -5,7 +5,11 @@
 //! `trellis --version` and `trellis check` in it as user 65532. Skipped with a printed reason
 //! when not root or when umoci or runc is missing (scripts/test installs them).
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -2,7 +2,11 @@
 //! answers within a second while clients keep `/routes` rendering the whole table, and
 //! resident memory returns once the huge table is replaced by a small one.
 // A test fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

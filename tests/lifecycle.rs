@@ -1,7 +1,11 @@
 //! Process lifecycle: graceful drain on SIGTERM, the drain deadline, and no descriptor leak
 //! after thousands of concurrent connections.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -13,7 +13,11 @@
 //! Needs kubectl, promtool and kubernetes-validate (`scripts/test` installs the last two under
 //! `target/`); skipped with a recorded reason without them.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 mod e2e;

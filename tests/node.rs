@@ -3,7 +3,11 @@
 //! included, in both directions; the gateway's first tunnel bytes reach the client; a
 //! refused tunnel is counted.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -3,7 +3,11 @@
 //! joined by a veth pair; and link management on a veth pair in its own namespace. Needs
 //! root and `ip`; skipped with a printed reason otherwise.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

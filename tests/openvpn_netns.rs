@@ -5,7 +5,11 @@
 //! crosses each tunnel; the routing table is rewritten while the tunnels are up and OpenVPN's
 //! logs show no restart. Needs root, `ip`, `openvpn` and /dev/net/tun; skipped otherwise.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -3,7 +3,11 @@
 //! directory watch (plain rename and ConfigMap-style symlink swap), SIGHUP, and the periodic
 //! re-read.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

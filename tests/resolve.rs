@@ -3,7 +3,11 @@
 //! connections use it; a flood to a route whose name never answers leaves a healthy DNS route
 //! serving every request, keeps the gateway's threads few, and is counted as
 //! `resolve_timeout`, apart from connect timeouts and from names that do not exist.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -1,7 +1,11 @@
 //! `sni` listener end to end: real TLS clients (rustls with post-quantum key exchange,
 //! openssl s_client, curl) reach real TLS backends through the gateway binary.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

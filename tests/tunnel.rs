@@ -4,7 +4,11 @@
 //! over TCP through the gateway's CONNECT port (`connectDestination`, the agent's `connect`
 //! endpoints), with a forwarder the test can cut and a UDP gate it can close in between.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -8,7 +8,11 @@
 //! reported and loosely bounded (its real figure comes from the bench).
 //! Needs root, wireguard-go tooling (`wg` is not used), setpriv and /dev/net/tun.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

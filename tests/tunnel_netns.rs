@@ -11,7 +11,11 @@
 //! `udptunnel` and a CONNECT relay. Needs root, wireguard-go, wg, ping, setpriv and
 //! /dev/net/tun (and nft, udptunnel for the TCP ones); skipped otherwise.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -5,7 +5,11 @@
 //! (namespace, process or control socket) once the lab is dropped. Needs root,
 //! `wireguard-go`, `wg`, `socat`, `ping`, `ss` and /dev/net/tun; skipped otherwise.
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![expect(
+    clippy::unwrap_used,
+    unreachable_pub,
+    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+)]
 
 mod common;
 

@@ -146,7 +146,7 @@ impl Conn {
 
 /// Sets `TCP_DEFER_ACCEPT` (seconds to wait for a connection's first bytes before it is
 /// accepted anyway), which neither rustix nor socket2 wraps.
-#[allow(unsafe_code)] // setsockopt has no safe wrapper for this option.
+#[expect(unsafe_code, reason = "setsockopt has no safe wrapper for this option")]
 fn set_defer_accept(listener: &TcpListener, secs: libc::c_int) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     // SAFETY: the descriptor is open for the call, and the option value is a c_int whose

@@ -734,7 +734,7 @@ pub fn run(work: &Path, cache: &Path) {
 }
 
 /// Everything measured, as the report's text.
-#[allow(clippy::too_many_arguments)]
+#[expect(clippy::too_many_arguments, reason = "the lab and each measured part")]
 async fn measure(
     lab: &Lab,
     seed: &Handle,

@@ -214,8 +214,8 @@ impl<S> Conn<S> {
 
     /// Takes the connection apart and frees its box (in a plain function: a box moved out
     /// of inside an async fn stays allocated until that future ends).
-    #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
-    #[allow(clippy::type_complexity, reason = "a private destructuring helper")]
+    #[expect(clippy::boxed_local, reason = "callers hold the connection boxed")]
+    #[expect(clippy::type_complexity, reason = "a private destructuring helper")]
     fn into_parts(
         self: Box<Self>,
     ) -> (
@@ -240,7 +240,7 @@ impl<S> Conn<S> {
 
     /// The client stream, the bytes buffered from it, its record and its guard: for a
     /// connection the gateway serves itself rather than links to a backend.
-    #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
+    #[expect(clippy::boxed_local, reason = "callers hold the connection boxed")]
     pub(super) fn into_stream(self: Box<Self>) -> (S, Vec<u8>, ConnRecord, ConnGuard) {
         let (stream, buf, record, guard, ..) = self.into_parts();
         (stream, buf, record, guard)
@@ -248,7 +248,7 @@ impl<S> Conn<S> {
 
     /// Rejects the connection before routing: counts `outcome`, logs, closes. `None`, for
     /// a stage's `return`: nothing to relay.
-    #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
+    #[expect(clippy::boxed_local, reason = "callers hold the connection boxed")]
     pub(super) fn reject<R>(self: Box<Self>, outcome: Outcome, detail: &str) -> Option<R> {
         let Conn { record, .. } = *self;
         record.reject(outcome, detail);
@@ -257,7 +257,7 @@ impl<S> Conn<S> {
 
     /// Refuses a client that `route` does not admit: counts `denied`, logs, closes. `None`,
     /// like [`Conn::reject`].
-    #[allow(clippy::boxed_local, reason = "callers hold the connection boxed")]
+    #[expect(clippy::boxed_local, reason = "callers hold the connection boxed")]
     pub(super) fn deny<R>(self: Box<Self>, route: Arc<Route>) -> Option<R> {
         let Conn { record, .. } = *self;
         record.deny(route);

@@ -18,7 +18,7 @@ const TRIM_AFTER_DROP: usize = 256;
 /// Keeps large allocations (a table's route list and indexes, a file's bytes) out of the
 /// heap: glibc otherwise raises its mmap threshold after the first such block is freed, and
 /// from then on every reload's large blocks fragment the heap so it never shrinks back.
-#[allow(unsafe_code)] // glibc's allocator settings have no safe wrapper.
+#[expect(unsafe_code, reason = "glibc's allocator settings have no safe wrapper")]
 pub(crate) fn fix_mmap_threshold() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets a glibc allocator parameter; it has no preconditions.
@@ -28,7 +28,7 @@ pub(crate) fn fix_mmap_threshold() {
 }
 
 /// Returns free heap memory of every arena to the operating system.
-#[allow(unsafe_code)] // glibc's malloc_trim has no safe wrapper.
+#[expect(unsafe_code, reason = "glibc's malloc_trim has no safe wrapper")]
 pub(crate) fn release_free_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only walks and shrinks glibc's own heaps; it has no preconditions.

@@ -5,15 +5,12 @@
 //! periodic re-read — and [`DirWatches`] lets any number of such groups share one
 //! file-system watcher. What to read is decided by a file's [`Stamp`]: a directory event
 //! reads a file only when its stamp moved or cannot be trusted yet (the coarse-timestamp
-//! rule), while SIGHUP and the period always read. [`Tracked`] applies that rule to one file;
-//! [`FileGroup`] to files used together (a certificate, its key, a CA), handing over their
-//! bytes only when one of them changed.
+//! rule), while SIGHUP and the period always read. [`Tracked`] applies that rule to one file.
 //!
 //! This module never parses what it reads: a bad file is its consumer's business (keep the
 //! last good version, log, count).
 
 use std::collections::{BTreeSet, HashMap};
-use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -113,12 +110,6 @@ impl Tracked {
         }
     }
 
-    /// The file.
-    #[allow(dead_code, reason = "for groups of files; tests use it now")]
-    pub(crate) fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Whether a directory event can skip this file: its stamp at `now` is trusted and the
     /// one it had when last read.
     pub(crate) fn unchanged(&self, now: SystemTime) -> bool {
@@ -150,93 +141,6 @@ impl Tracked {
         self.read = stamp;
         out
     }
-}
-
-/// Files used together — a certificate, its key, a CA — checked as one: their bytes are
-/// handed over, all of them, only when one of them is not what the last check read.
-#[allow(
-    dead_code,
-    reason = "the TLS files' reload (certificates, keys, CAs) uses it; tests do now"
-)]
-#[derive(Debug, Clone)]
-pub(crate) struct FileGroup {
-    /// The files, in the order their bytes are handed over.
-    files: Vec<Member>,
-}
-
-/// One file of a [`FileGroup`].
-#[allow(
-    dead_code,
-    reason = "the TLS files' reload (certificates, keys, CAs) uses it; tests do now"
-)]
-#[derive(Debug, Clone)]
-struct Member {
-    /// The file and its stamp.
-    file: Tracked,
-    /// What the last check read: `None` before the first, `Some(None)` if the read failed,
-    /// else a hash of the bytes.
-    content: Option<Option<u64>>,
-}
-
-#[allow(
-    dead_code,
-    reason = "the TLS files' reload (certificates, keys, CAs) uses it; tests do now"
-)]
-impl FileGroup {
-    /// A group of files not read yet: the first check hands every file over.
-    pub(crate) fn new(paths: impl IntoIterator<Item = PathBuf>) -> FileGroup {
-        FileGroup {
-            files: paths
-                .into_iter()
-                .map(|p| Member {
-                    file: Tracked::new(p),
-                    content: None,
-                })
-                .collect(),
-        }
-    }
-
-    /// The files, in order.
-    pub(crate) fn paths(&self) -> impl Iterator<Item = &Path> {
-        self.files.iter().map(|m| m.file.path())
-    }
-
-    /// Every file's bytes (or read error), in order, when one of them changed since the last
-    /// check; `None` when none did. A directory event reads nothing when every file's stamp
-    /// is trusted and unchanged; otherwise every file is read with `read` and compared by a
-    /// hash of its bytes with what the last check read (a file that failed to read and still
-    /// does counts as unchanged).
-    pub(crate) fn check<E>(
-        &mut self,
-        trigger: Trigger,
-        now: SystemTime,
-        mut read: impl FnMut(&Path) -> Result<Vec<u8>, E>,
-    ) -> Option<Vec<Result<Vec<u8>, E>>> {
-        if trigger == Trigger::Watch && self.files.iter().all(|m| m.file.unchanged(now)) {
-            return None;
-        }
-        let mut changed = false;
-        let mut out = Vec::with_capacity(self.files.len());
-        for m in &mut self.files {
-            let bytes = m.file.read_now(now, &mut read);
-            let content = Some(bytes.as_ref().ok().map(|b| content_hash(b)));
-            changed |= m.content != content;
-            m.content = content;
-            out.push(bytes);
-        }
-        changed.then_some(out)
-    }
-}
-
-/// A hash of a file's bytes, to tell a new version from the last one read.
-#[allow(
-    dead_code,
-    reason = "the TLS files' reload (certificates, keys, CAs) uses it; tests do now"
-)]
-fn content_hash(bytes: &[u8]) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    bytes.hash(&mut h);
-    h.finish()
 }
 
 /// The file-system watcher shared by every [`Watched`] group of a process: one inotify
@@ -588,74 +492,29 @@ mod tests {
         assert!(t.read(Trigger::Watch, later, read).unwrap().is_err());
     }
 
-    /// A group hands every file over when one changed, and nothing while none did.
-    #[test]
-    fn a_group_hands_over_its_files_when_one_changed() {
-        let dir = TempDir::new("group");
-        let (crt, key) = (dir.0.join("tls.crt"), dir.0.join("tls.key"));
-        std::fs::write(&crt, "cert 1").unwrap();
-        std::fs::write(&key, "key 1").unwrap();
-        let mut g = FileGroup::new([crt.clone(), key.clone()]);
-        assert_eq!(g.paths().collect::<Vec<_>>(), [&crt, &key]);
-        let t0 = SystemTime::now() + HOUR;
-        let first = g.check(Trigger::Watch, t0, read).expect("the first check");
-        assert_eq!(first[0].as_ref().unwrap(), b"cert 1");
-        assert_eq!(first[1].as_ref().unwrap(), b"key 1");
-        // Read again (the period), same bytes: nothing handed over.
-        assert!(g.check(Trigger::Timer, t0, read).is_none());
-        assert!(g.check(Trigger::Hup, t0, read).is_none());
-        // Skipped without reading on an event: every stamp is trusted and unchanged.
-        let mut reads = 0;
-        assert!(
-            g.check(Trigger::Watch, t0, |p| {
-                reads += 1;
-                read(p)
-            })
-            .is_none()
-        );
-        assert_eq!(reads, 0);
-        // The key alone rewritten: both handed over.
-        std::fs::write(&key, "key 2").unwrap();
-        let t1 = t0 + HOUR;
-        let got = g.check(Trigger::Watch, t1, read).expect("the key changed");
-        assert_eq!(got[0].as_ref().unwrap(), b"cert 1");
-        assert_eq!(got[1].as_ref().unwrap(), b"key 2");
-        // Removed: handed over once with the error, then unchanged while it stays away.
-        std::fs::remove_file(&crt).unwrap();
-        let got = g.check(Trigger::Timer, t1, read).expect("the cert went");
-        assert!(got[0].is_err());
-        assert!(g.check(Trigger::Timer, t1, read).is_none());
-        std::fs::write(&crt, "cert 1").unwrap();
-        assert!(g.check(Trigger::Timer, t1 + HOUR, read).is_some());
-    }
-
-    /// A file rewritten in place wakes its group; a rewrite with the same bytes is no change.
+    /// A file rewritten in place wakes its owner, which reads the new bytes.
     #[tokio::test]
-    async fn a_rewritten_file_wakes_its_group() {
+    async fn a_rewritten_file_wakes_its_owner() {
         let dir = TempDir::new("rewrite");
         let file = dir.0.join("ca.crt");
         std::fs::write(&file, "ca 1").unwrap();
         let watches = DirWatches::new();
         let (_hup_tx, hup_rx) = hup();
         let mut w = Watched::new(&watches, "test", [file.as_path()], HOUR, hup_rx);
-        let mut g = FileGroup::new([file.clone()]);
-        assert!(g.check(Trigger::Hup, SystemTime::now(), read).is_some());
+        let mut t = Tracked::new(&file);
+        assert_eq!(t.read_now(SystemTime::now(), read).unwrap(), b"ca 1");
 
         std::fs::write(&file, "ca 2").unwrap();
         assert_eq!(next(&mut w).await, Trigger::Watch);
-        let got = g.check(Trigger::Watch, SystemTime::now(), read);
-        assert_eq!(got.unwrap()[0].as_ref().unwrap(), b"ca 2");
-
-        std::fs::write(&file, "ca 2").unwrap();
-        assert_eq!(next(&mut w).await, Trigger::Watch);
-        assert!(g.check(Trigger::Watch, SystemTime::now(), read).is_none());
+        assert_eq!(t.read_now(SystemTime::now(), read).unwrap(), b"ca 2");
     }
 
     /// A ConfigMap or Secret volume: `tls.crt` -> `..data/tls.crt`, `..data` -> a timestamped
-    /// directory, swapped by renaming a new `..data` symlink over the old one. The group
-    /// wakes and reads the new version through the same path.
+    /// directory, swapped by renaming a new `..data` symlink over the old one. The owner
+    /// wakes, the file's trusted stamp has moved, and it reads the new version through the
+    /// same path.
     #[tokio::test]
-    async fn a_configmap_style_symlink_swap_wakes_its_group() {
+    async fn a_configmap_style_symlink_swap_wakes_its_owner() {
         let dir = TempDir::new("swap");
         let d = &dir.0;
         std::fs::create_dir(d.join("..v1")).unwrap();
@@ -666,10 +525,11 @@ mod tests {
         let watches = DirWatches::new();
         let (_hup_tx, hup_rx) = hup();
         let mut w = Watched::new(&watches, "test", [file.as_path()], HOUR, hup_rx);
-        let mut g = FileGroup::new([file.clone()]);
+        let mut t = Tracked::new(&file);
         // Trusted stamps from here on (a clock an hour ahead): only a new inode moves them.
         let mut clock = SystemTime::now() + HOUR;
-        assert!(g.check(Trigger::Hup, clock, read).is_some());
+        assert_eq!(t.read_now(clock, read).unwrap(), b"cert 1");
+        assert!(t.unchanged(clock));
 
         std::fs::create_dir(d.join("..v2")).unwrap();
         // The same size, so that only the inode tells the versions apart.
@@ -680,8 +540,8 @@ mod tests {
 
         assert_eq!(next(&mut w).await, Trigger::Watch);
         clock += HOUR;
-        let got = g.check(Trigger::Watch, clock, read).expect("swapped");
-        assert_eq!(got[0].as_ref().unwrap(), b"cert 2");
+        assert!(!t.unchanged(clock), "the swap moves the stamp");
+        assert_eq!(t.read_now(clock, read).unwrap(), b"cert 2");
     }
 
     /// Groups sharing one watcher are woken for their own directories only; replacing a

@@ -1,6 +1,6 @@
 //! Shared harness for integration tests: runs the real `trellis` binary on loopback with
 //! real peers (rustls clients and servers, plain TCP backends, openssl, curl).
-#![allow(dead_code)]
+#![expect(dead_code, reason = "each test crate uses a part of the shared helpers")]
 
 pub(crate) mod dns;
 pub(crate) mod egress;

@@ -172,7 +172,10 @@ pub(crate) struct Stats {
 /// The returned future is a hand-written state machine rather than an `async fn`: an idle
 /// connection's task then holds a few hundred bytes of relay state instead of two nested
 /// copy futures, a drain future and their wait-list nodes.
-#[allow(clippy::too_many_arguments)]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "both legs, what each owes the other, the counters, the limits and the stop: one call per connection"
+)]
 pub(crate) fn relay<'a, C: Leg, B: Leg>(
     client: &'a mut C,
     backend: &'a mut B,

@@ -15,7 +15,7 @@
 
 // `recvmsg` with a control message and the `TCP_INQ` option: neither rustix nor socket2
 // offers them.
-#![allow(unsafe_code)]
+#![expect(unsafe_code, reason = "system calls the safe crates do not wrap")]
 
 use std::io;
 use std::mem::MaybeUninit;

@@ -4,7 +4,7 @@
 //! bytes it moves.
 
 // The one `ioctl` (SIOCATMARK) that neither rustix nor socket2 offers.
-#![allow(unsafe_code)]
+#![expect(unsafe_code, reason = "system calls the safe crates do not wrap")]
 
 use std::io;
 use std::os::fd::OwnedFd;
