@@ -387,7 +387,6 @@ mod tests {
     use crate::gateway::table::Tables;
     use crate::net::dial::Direct;
     use crate::route::BackendAddress;
-    use crate::serve::drain::Drain;
     use crate::wire::http;
 
     impl Leg for TlsStream<TcpStream> {}
@@ -435,7 +434,7 @@ admin: {address: \"127.0.0.1:2\"}
             config,
             metrics,
             tables,
-            drain: Drain::default(),
+            drain: Default::default(),
             certs: Arc::new(crate::gateway::certs::Certs::new([], metrics_for_certs).unwrap()),
             tunnels: None,
             connect_destination: None,
