@@ -24,10 +24,11 @@ use crate::config::agent::AgentConfig;
 use crate::config::node::IpFamily;
 use crate::net::dial::{ConnectFailure, Dest, DialError, Dialer, Direct, Target};
 use crate::net::fds;
-use crate::net::relay::{self, Counters, Limits, Stats};
+use crate::net::relay::{Limits, Stats};
 use crate::net::resolve::Resolver;
 use crate::route::{BackendAddress, KeyFileError, Route, WgKey, read_key_file};
 use crate::serve::drain::{Drain, DrainTimes};
+use crate::serve::forward::Linked;
 use crate::serve::process::{self, Context, Spec, StartError};
 use crate::serve::record::{ConnRecord, Outcome, Reason};
 use crate::tunnel::driver::{ACCEPT_QUEUE, Incoming};
@@ -291,7 +292,7 @@ async fn serve(agent: Arc<Agent>, incoming: Incoming) {
         local: None,
         on_failure: &|_| {},
     };
-    let mut tcp = match agent.dialer.dial(target).await {
+    let tcp = match agent.dialer.dial(target).await {
         Ok(dialed) => {
             record.backend = Some(dialed.backend);
             dialed.stream
@@ -315,7 +316,7 @@ async fn serve(agent: Arc<Agent>, incoming: Incoming) {
             return;
         }
     };
-    let Some(mut stream) = tunnels.accepted(&cell, &accept, Dialed::Connected) else {
+    let Some(stream) = tunnels.accepted(&cell, &accept, Dialed::Connected) else {
         record.finish(Reason::Rejected(Outcome::ClosedEarly), Stats::default());
         return;
     };
@@ -330,30 +331,9 @@ async fn serve(agent: Arc<Agent>, incoming: Incoming) {
             return;
         }
     }
-    let (end, stats) = {
-        let counters = Counters {
-            rx: &rm.rx,
-            tx: &rm.tx,
-            half_closed: &record.metrics().half_closed,
-        };
-        let progress = |s: Stats| record.progress(s);
-        relay::relay(
-            &mut stream,
-            &mut tcp,
-            Vec::new(),
-            Vec::new(),
-            agent.limits,
-            counters,
-            &progress,
-            &agent.drain.hard_stop,
-        )
-        .await
-    };
-    tracing::debug!(target_addr = %accept.target, client = %accept.client, end = %end, rx = stats.rx, tx = stats.tx, "connection ended");
-    drop(tcp);
-    record.finish(Reason::Relay(end), stats);
-    drop(stream);
-    drop(guard);
+    Linked::new(stream, tcp, record, rm, agent.limits, guard)
+        .relay(&agent.drain.hard_stop)
+        .await;
 }
 
 #[cfg(test)]
