@@ -20,6 +20,7 @@ pub(crate) mod tunnel;
 pub mod wire;
 
 pub use serve::access_log;
+pub use serve::process::StartError;
 
 /// The version `trellis --version` prints and `trellis_build_info` carries: the crate
 /// version, or `TRELLIS_VERSION` from the build environment when set (the container image

@@ -314,7 +314,10 @@ fn main() -> ExitCode {
             trellis::access_log::init(access_format(cli.log_format));
             node(config, *cleanup)
         }
-        Command::Agent { config } => agent(config),
+        Command::Agent { config } => {
+            trellis::access_log::init(access_format(cli.log_format));
+            agent(config)
+        }
     };
     // Access-log lines still waiting for their writer thread.
     trellis::access_log::flush();

@@ -3,8 +3,7 @@
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![expect(
     clippy::unwrap_used,
-    unreachable_pub,
-    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+    reason = "a test or bench fails loudly on what it did not expect"
 )]
 
 mod common;
@@ -242,7 +241,10 @@ fn gateway_that_cannot_bind_exits_non_zero() {
     }
 }
 
-#[expect(unsafe_code, reason = "pre_exec: setting a limit in the child before exec")]
+#[expect(
+    unsafe_code,
+    reason = "pre_exec: setting a limit in the child before exec"
+)]
 #[test]
 fn gateway_lowers_max_connections_to_what_open_files_hold() {
     use std::os::unix::process::CommandExt;

@@ -6,8 +6,7 @@
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![expect(
     clippy::unwrap_used,
-    unreachable_pub,
-    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+    reason = "a test or bench fails loudly on what it did not expect"
 )]
 
 mod common;

@@ -6,8 +6,7 @@
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![expect(
     clippy::unwrap_used,
-    unreachable_pub,
-    reason = "a test or bench fails loudly on what it did not expect; its helpers are its own"
+    reason = "a test or bench fails loudly on what it did not expect"
 )]
 
 mod common;
@@ -394,6 +393,52 @@ async fn a_draining_gateway_keeps_its_tunnel_until_the_last_tunneled_stream_ende
     let data = vec![7u8; 300_000];
     assert_eq!(echo_round(&mut tls, &data).await, data);
     drop(tls);
+}
+
+/// SIGTERM drains the agent as it drains the other roles: readiness fails at once, the
+/// connection it relays still carries bytes and holds the process, which exits (0) once that
+/// connection ended; the connection has its access-log line.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_draining_agent_fails_readiness_and_exits_once_its_last_connection_ended() {
+    let lab = Lab::start();
+    let mut agent = lab.agent("[\"127.0.0.0/8\"]");
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    let (mut tls, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(answer, OK);
+    assert_eq!(echo_round(&mut tls, b"before").await, b"before");
+    let pid = agent.child.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            (http_get(agent.admin, "/ready").map(|(s, _)| s) != Some(200)).then_some(())
+        })
+        .is_some(),
+        "{}",
+        agent.logs()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let data = vec![7u8; 300_000];
+    assert_eq!(echo_round(&mut tls, &data).await, data);
+    assert!(
+        agent.child.try_wait().unwrap().is_none(),
+        "the agent left before its open connection ended:\n{}",
+        agent.logs()
+    );
+    drop(tls);
+    let status = wait_for(Duration::from_secs(10), || agent.child.try_wait().unwrap());
+    let logs = agent.logs();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{logs}");
+    assert!(logs.contains("\"agent stopped\""), "{logs}");
+    let line = logs
+        .lines()
+        .find(|l| l.contains("\"message\":\"access\""))
+        .unwrap_or_else(|| panic!("no access line:\n{logs}"));
+    assert!(
+        line.contains(&format!("\"target_name\":\"{target}\""))
+            && line.contains("\"rx_bytes\":300006"),
+        "{line}"
+    );
 }
 
 /// A soak across WireGuard rekeys (the agent starts a new handshake 120 s into a session it

@@ -376,7 +376,10 @@ pub fn runtime_in(ns: &str, threads: usize) -> tokio::runtime::Runtime {
 
 /// Moves the calling thread into the network namespace at `path` (a thread's namespace is
 /// its own: the rest of the process stays where it is).
-#[expect(unsafe_code, reason = "setns(2) has no safe wrapper among the crate's dependencies")]
+#[expect(
+    unsafe_code,
+    reason = "setns(2) has no safe wrapper among the crate's dependencies"
+)]
 fn enter_netns(path: &str) {
     use std::os::fd::AsRawFd;
     let file = std::fs::File::open(path).unwrap();

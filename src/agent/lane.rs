@@ -26,6 +26,7 @@ use crate::admin::metrics::{LaneKindLabels, TunnelMetrics};
 use crate::config::agent::AgentEndpoint;
 use crate::net::relay::End;
 use crate::route::{Net, WgKey};
+use crate::serve::process::StartError;
 use crate::tunnel::driver::Incoming;
 use crate::tunnel::framed::StreamCloser;
 use crate::tunnel::peer::{Endpoint, REKEY_AFTER};
@@ -132,8 +133,8 @@ impl Lane {
         };
         let socket = UdpSocket::bind(bind)
             .await
-            .map_err(|source| AgentError::Bind {
-                what: "tunnel socket",
+            .map_err(|source| StartError::Bind {
+                what: "tunnel socket".into(),
                 address: bind,
                 source,
             })?;
@@ -509,8 +510,9 @@ impl Driver {
 
 /// TCP keepalive of a `connect` endpoint's stream: a dead gateway is noticed within a few
 /// minutes even when the session is idle.
-const KEEPALIVE_IDLE: Duration = Duration::from_secs(55);
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
+pub(super) const KEEPALIVE_IDLE: Duration = Duration::from_secs(55);
+/// The interval of a `connect` endpoint's keepalive probes.
+pub(super) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
 
 /// `d` give or take a fifth, so lanes of many agents do not retry in step.
 fn jitter(d: Duration) -> Duration {

@@ -11,212 +11,361 @@
 
 mod lane;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
-use tokio::net::TcpStream;
-use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
-use crate::admin::metrics::{Metrics, Role, RouteReasonLabels};
-use crate::admin::{self, AdminState};
+use crate::admin::metrics::{ListenerMetrics, Metrics, Role as MetricsRole, RouteReasonLabels};
 use crate::config::agent::AgentConfig;
-use crate::net::relay::{self, Counters, Limits, Stop};
-use crate::route::{KeyFileError, read_key_file};
+use crate::net::IpFamily;
+use crate::net::dial::{ConnectFailure, Dest, DialError, Dialer, Direct, Target};
+use crate::net::fds;
+use crate::net::relay::{Limits, Stats};
+use crate::net::resolve::Resolver;
+use crate::net::resolve::ResolverSettings;
+use crate::route::{BackendAddress, KeyFileError, Route, WgKey, read_key_file};
+use crate::serve::drain::{Drain, DrainTimes};
+use crate::serve::forward::Linked;
+use crate::serve::process::{self, Context, Spec, StartError};
+use crate::serve::record::{ConnRecord, Outcome, Reason};
 use crate::tunnel::driver::{ACCEPT_QUEUE, Incoming};
 use crate::tunnel::shoot::Dialed;
 use lane::{Lane, LaneSpec};
 
+/// Listener name in metrics and the access log: the connections the gateway opens through
+/// the tunnel.
+pub const LISTENER: &str = "tunnel";
+/// Route name in metrics and logs (every connection goes to the target it asked for).
+pub const ROUTE: &str = "agent";
+
+/// TCP keepalive of the sockets the agent dials, as on its `connect` endpoint's stream.
+const KEEPALIVE: (Duration, Duration) = (lane::KEEPALIVE_IDLE, lane::KEEPALIVE_INTERVAL);
+
 /// Why the agent could not start.
 #[derive(Debug, Error)]
 pub enum AgentError {
+    /// A failure every role shares: a socket that cannot be bound (`tunnel socket`,
+    /// `admin`), signal handling.
+    #[error(transparent)]
+    Start(#[from] StartError),
     /// The private key could not be read.
     #[error("private key: {0}")]
     Key(#[from] KeyFileError),
-    /// A socket could not be bound.
-    #[error("cannot bind {what} on {address}: {source}")]
-    Bind {
-        /// `tunnel socket` or `admin`.
-        what: &'static str,
-        /// The address.
-        address: SocketAddr,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// Signal handlers could not be installed.
-    #[error("signal handling: {0}")]
-    Signals(std::io::Error),
+    /// The resolver the dialer carries could not be set up (the agent dials addresses
+    /// only: it never asks it).
+    #[error("resolver: {0}")]
+    Resolver(String),
 }
 
 /// Runs the agent until SIGTERM/SIGINT and a drain.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
-    let metrics = Arc::new(Metrics::new(Role::Agent));
+    let metrics = Arc::new(Metrics::new(MetricsRole::Agent));
     let private = read_key_file(&config.wireguard.private_key_file)?;
-    let admin_sock = admin::bind(config.admin.address.0).map_err(|source| AgentError::Bind {
-        what: "admin",
-        address: config.admin.address.0,
-        source,
-    })?;
-    let admin_state = Arc::new(AdminState::new(metrics.clone()));
-    let _admin = admin::Server::start(admin_sock, None, admin_state.clone()).map_err(|source| {
-        AgentError::Bind {
-            what: "admin",
-            address: config.admin.address.0,
-            source,
-        }
-    })?;
-    let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
-    let keepalive = config
-        .wireguard
-        .gateway
-        .persistent_keepalive
-        .0
-        .map(|d| d.as_secs().clamp(1, u64::from(u16::MAX)) as u16);
-    // One lane per gateway replica (one for a single gateway), each over its endpoints.
-    let (tx, mut accepts) = mpsc::channel::<Incoming>(ACCEPT_QUEUE);
-    let lanes_config = config.lanes();
-    let mut lanes = Vec::with_capacity(lanes_config.len());
-    for (index, endpoints) in lanes_config.iter().enumerate() {
-        let spec = LaneSpec {
-            index,
-            gateway: config.wireguard.gateway.public_key,
-            endpoints: endpoints.clone(),
-            addresses: config.wireguard.addresses.clone(),
-            networks: config.networks.clone().into(),
-            keepalive,
-            connect: config.timeouts.connect,
-            idle: config.timeouts.idle,
-        };
-        lanes.push(Lane::start(spec, private, metrics.tunnel.clone(), tx.clone()).await?);
-    }
-    drop(tx);
-    let lanes = Arc::new(lanes);
-    tracing::info!(lanes = lanes.len(), admin = %config.admin.address.0, "agent started");
-    let ready = {
-        let (lanes, state) = (lanes.clone(), admin_state.clone());
-        tokio::spawn(async move {
-            let mut was = false;
-            loop {
-                let up = lanes.iter().any(Lane::up);
-                if up != was {
-                    tracing::info!(up, "tunnel");
-                    was = up;
-                }
-                state.set_ready(up);
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        })
+    // No drain delay: the gateway stops opening connections through a tunnel whose agent
+    // no longer accepts them.
+    let drain = DrainTimes {
+        delay: Duration::ZERO,
+        timeout: config.timeouts.drain,
     };
-    let shared = Arc::new(Serving {
-        metrics: metrics.clone(),
-        stop: Stop::default(),
-        active: AtomicUsize::new(0),
-        limits: Limits {
-            idle: config.timeouts.idle,
-            half_close: config.timeouts.half_close,
-            max_duration: None,
-            progress: None,
-        },
-        connect: config.timeouts.connect,
-    });
-    loop {
-        tokio::select! {
-            accepted = accepts.recv() => {
-                let Some(incoming) = accepted else { break };
-                tokio::spawn(serve(shared.clone(), incoming));
-            }
-            _ = sigterm.recv() => { tracing::info!("SIGTERM: draining"); break; }
-            _ = sigint.recv() => { tracing::info!("SIGINT: draining"); break; }
+    let spec = Spec::new(metrics.clone(), config.admin.address.0, drain);
+    process::run(spec, move || {
+        Ok(Starting {
+            config,
+            metrics,
+            private,
+        })
+    })
+    .await
+}
+
+/// The agent before it serves: its lanes start once the admin endpoint is up.
+struct Starting {
+    config: AgentConfig,
+    metrics: Arc<Metrics>,
+    private: WgKey,
+}
+
+impl process::Role for Starting {
+    type Error = AgentError;
+    type Serving = Serving;
+
+    async fn serve(self, cx: &Context) -> Result<Serving, AgentError> {
+        let Starting {
+            config,
+            metrics,
+            private,
+        } = self;
+        let keepalive = config
+            .wireguard
+            .gateway
+            .persistent_keepalive
+            .0
+            .map(|d| d.as_secs().clamp(1, u64::from(u16::MAX)) as u16);
+        // One lane per gateway replica (one for a single gateway), each over its endpoints.
+        let (tx, accepts) = mpsc::channel::<Incoming>(ACCEPT_QUEUE);
+        let mut lanes = Vec::with_capacity(config.lanes().len());
+        for (index, endpoints) in config.lanes().iter().enumerate() {
+            let spec = LaneSpec {
+                index,
+                gateway: config.wireguard.gateway.public_key,
+                endpoints: endpoints.clone(),
+                addresses: config.wireguard.addresses.clone(),
+                networks: config.networks.clone().into(),
+                keepalive,
+                connect: config.timeouts.connect,
+                idle: config.timeouts.idle,
+            };
+            lanes.push(Lane::start(spec, private, metrics.tunnel.clone(), tx.clone()).await?);
+        }
+        drop(tx);
+        let lanes = Arc::new(lanes);
+        tracing::info!(lanes = lanes.len(), admin = %config.admin.address.0, "agent started");
+        let ready = {
+            let (lanes, state) = (lanes.clone(), cx.admin.clone());
+            tokio::spawn(async move {
+                let mut was = false;
+                loop {
+                    let up = lanes.iter().any(Lane::up);
+                    if up != was {
+                        tracing::info!(up, "tunnel");
+                        was = up;
+                    }
+                    state.set_ready(up);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            })
+        };
+        // The dialer's resolver is never asked (targets are addresses), but it is the
+        // process's one, as on the other roles.
+        let resolver = Resolver::start(&ResolverSettings::default(), fds::lookup_budget())
+            .map_err(|e| AgentError::Resolver(e.to_string()))?;
+        let route = Route::new::<&str, &str>(ROUTE, &[], &[], Vec::new(), Vec::new())
+            .unwrap_or_else(|_| unreachable!("a route without keys is never too long"));
+        let agent = Arc::new(Agent {
+            listener: Arc::new(metrics.listener(LISTENER)),
+            metrics,
+            drain: cx.drain.clone(),
+            limits: Limits {
+                idle: config.timeouts.idle,
+                half_close: config.timeouts.half_close,
+                max_duration: None,
+                progress: None,
+            },
+            route,
+            dialer: Direct {
+                zone: None,
+                connect_timeout: config.timeouts.connect,
+                keepalive: KEEPALIVE,
+                family: IpFamily::Any,
+                resolver: Arc::new(resolver),
+            },
+        });
+        Ok(Serving {
+            agent,
+            accepts: Some(accepts),
+            _lanes: lanes,
+            ready,
+        })
+    }
+}
+
+/// The serving agent: its lanes, and the connections they bring.
+struct Serving {
+    agent: Arc<Agent>,
+    /// Connections the gateway opens, until the drain starts.
+    accepts: Option<mpsc::Receiver<Incoming>>,
+    /// Held until the agent stops.
+    _lanes: Arc<Vec<Lane>>,
+    /// Sets readiness from the lanes.
+    ready: JoinHandle<()>,
+}
+
+impl process::Serving for Serving {
+    /// Serves each connection the gateway opens; the channel goes with this future when
+    /// the drain starts, so new connections are refused from then on.
+    async fn run(&mut self) {
+        let Some(mut accepts) = self.accepts.take() else {
+            return;
+        };
+        while let Some(incoming) = accepts.recv().await {
+            tokio::spawn(serve(self.agent.clone(), incoming));
         }
     }
-    // New connections are refused from now on; those relaying may finish.
-    drop(accepts);
-    ready.abort();
-    admin_state.set_ready(false);
-    let deadline = tokio::time::Instant::now() + config.timeouts.drain;
-    while shared.active.load(Ordering::Relaxed) > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+
+    fn draining(&mut self) {
+        self.ready.abort();
     }
-    shared.stop.stop();
-    tracing::info!("agent stopped");
-    Ok(())
+
+    async fn stop(self) {
+        tracing::info!("agent stopped");
+    }
 }
 
 /// What every accepted connection shares.
-struct Serving {
+struct Agent {
     metrics: Arc<Metrics>,
-    stop: Stop,
-    active: AtomicUsize,
+    /// What every connection is counted and logged under ([`LISTENER`]).
+    listener: Arc<ListenerMetrics>,
+    /// The process's drain: its tracker, and the hard stop at its deadline.
+    drain: Arc<Drain>,
     limits: Limits,
-    connect: Duration,
+    /// What every connection is counted and logged under ([`ROUTE`]): it has no backends,
+    /// as every connection goes to its own target.
+    route: Route,
+    /// Dials the targets.
+    dialer: Direct,
 }
 
-/// Dials one accepted connection's target and relays it.
-async fn serve(shared: Arc<Serving>, incoming: Incoming) {
+/// Why the agent's dial of a target failed (metric label `reason` of
+/// `trellis_tunnel_dial_failures_total{route="agent"}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DialFailure {
+    /// The target refused the connection.
+    Refused,
+    /// No route to the target's network or host.
+    Unreachable,
+    /// No answer within the connect budget.
+    Timeout,
+    /// A local failure (descriptors, ports) or a reset.
+    Error,
+}
+
+impl DialFailure {
+    /// The failure a failed dial stands for.
+    fn of(e: &DialError) -> Self {
+        match e {
+            DialError::Failed { reason, .. } => match reason {
+                ConnectFailure::Refused => DialFailure::Refused,
+                ConnectFailure::Unreachable => DialFailure::Unreachable,
+                ConnectFailure::Timeout => DialFailure::Timeout,
+                _ => DialFailure::Error,
+            },
+            DialError::NoBackends { .. } | DialError::Upstream { .. } => DialFailure::Error,
+        }
+    }
+
+    /// The metric label.
+    fn as_str(self) -> &'static str {
+        match self {
+            DialFailure::Refused => "refused",
+            DialFailure::Unreachable => "unreachable",
+            DialFailure::Timeout => "timeout",
+            DialFailure::Error => "error",
+        }
+    }
+
+    /// What the seed sees: it mirrors what the dial met. A refusal is a reset; no route or
+    /// no answer is silence (the seed's own connect times out); a local failure is a reset
+    /// too, so the seed does not wait for nothing.
+    fn answer(self) -> Dialed {
+        match self {
+            DialFailure::Refused | DialFailure::Error => Dialed::Refused,
+            DialFailure::Unreachable | DialFailure::Timeout => Dialed::Silent,
+        }
+    }
+}
+
+/// Dials one accepted connection's target and relays it; one access-log line when it ends.
+async fn serve(agent: Arc<Agent>, incoming: Incoming) {
     let Incoming {
         tunnels,
         cell,
         accept,
     } = incoming;
-    let dial = tokio::time::timeout(shared.connect, TcpStream::connect(accept.target)).await;
-    // What the seed sees mirrors what the dial met: a refusal is a reset; no route or no
-    // answer is silence (the seed's own connect times out); a local failure (descriptors,
-    // ports) is a reset too, so the seed does not wait for nothing.
-    let (dialed, reason, tcp) = match dial {
-        Ok(Ok(tcp)) => (Dialed::Connected, None, Some(tcp)),
-        Ok(Err(e)) => match e.kind() {
-            std::io::ErrorKind::ConnectionRefused => (Dialed::Refused, Some("refused"), None),
-            std::io::ErrorKind::HostUnreachable
-            | std::io::ErrorKind::NetworkUnreachable
-            | std::io::ErrorKind::TimedOut => (Dialed::Silent, Some("unreachable"), None),
-            _ => (Dialed::Refused, Some("error"), None),
-        },
-        Err(_) => (Dialed::Silent, Some("timeout"), None),
-    };
-    if let Some(reason) = reason {
-        shared
-            .metrics
-            .tunnel
-            .dial_failures
-            .get_or_create(&RouteReasonLabels {
-                route: "agent".into(),
-                reason,
-            })
-            .inc();
-        tracing::debug!(target_addr = %accept.target, reason, "agent dial failed");
-    }
-    let (Some(mut tcp), Some(mut stream)) = (tcp, tunnels.accepted(&cell, &accept, dialed)) else {
+    // Counted from the dial on: the drain waits for it. (No limit: the gateway's is.)
+    let Some(guard) = agent.drain.tracker.admit(usize::MAX) else {
         return;
     };
-    if tokio::time::timeout(shared.connect, stream.established())
-        .await
-        .map_or(true, |r| r.is_err())
-    {
-        return;
-    }
-    shared.active.fetch_add(1, Ordering::Relaxed);
-    let m = &shared.metrics;
-    let route = m.route("agent");
-    let counters = Counters {
-        rx: &route.rx,
-        tx: &route.tx,
-        half_closed: &m.half_closed,
+    let mut record = ConnRecord::new(
+        agent.metrics.clone(),
+        agent.listener.clone(),
+        accept.client,
+        Instant::now(),
+    );
+    record.target = Some(accept.target.to_string());
+    let rm = record.routed(ROUTE);
+    let to = BackendAddress::Ip(accept.target);
+    let target = Target {
+        route: &agent.route,
+        to: Dest::Address(&to),
+        client: accept.client,
+        local: None,
+        on_failure: &|_| {},
     };
-    let (end, stats) = relay::relay(
-        &mut stream,
-        &mut tcp,
-        Vec::new(),
-        Vec::new(),
-        shared.limits,
-        counters,
-        &|_| {},
-        &shared.stop,
-    )
-    .await;
-    tracing::debug!(target_addr = %accept.target, client = %accept.client, end = %end, rx = stats.rx, tx = stats.tx, "connection ended");
-    shared.active.fetch_sub(1, Ordering::Relaxed);
+    let tcp = match agent.dialer.dial(target).await {
+        Ok(dialed) => {
+            record.backend = Some(dialed.backend);
+            dialed.stream
+        }
+        Err(e) => {
+            let failure = DialFailure::of(&e);
+            agent
+                .metrics
+                .tunnel
+                .dial_failures
+                .get_or_create(&RouteReasonLabels {
+                    route: ROUTE.into(),
+                    reason: failure.as_str(),
+                })
+                .inc();
+            tracing::debug!(target_addr = %accept.target, reason = failure.as_str(), "agent dial failed");
+            // Resets the inner connection or leaves it unanswered.
+            let _ = tunnels.accepted(&cell, &accept, failure.answer());
+            record.backend = e.backend().map(str::to_owned);
+            record.finish(Reason::from(&e), Stats::default());
+            return;
+        }
+    };
+    let Some(stream) = tunnels.accepted(&cell, &accept, Dialed::Connected) else {
+        record.finish(Reason::Rejected(Outcome::ClosedEarly), Stats::default());
+        return;
+    };
+    match tokio::time::timeout(agent.dialer.connect_timeout, stream.established()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => {
+            record.finish(Reason::Rejected(Outcome::ClosedEarly), Stats::default());
+            return;
+        }
+        Err(_) => {
+            record.finish(Reason::Rejected(Outcome::Timeout), Stats::default());
+            return;
+        }
+    }
+    Linked::new(stream, tcp, record, rm, agent.limits, guard)
+        .relay(&agent.drain.hard_stop)
+        .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(reason: ConnectFailure) -> DialError {
+        DialError::Failed {
+            route: ROUTE.into(),
+            backend: "10.0.0.1:80".into(),
+            reason,
+            timed_out: reason == ConnectFailure::Timeout,
+        }
+    }
+
+    /// The seed sees what the dial met: a refusal or a local failure resets the inner
+    /// connection, no route or no answer leaves it unanswered; each counted under its own
+    /// reason.
+    #[test]
+    fn a_failed_dial_is_answered_as_it_failed() {
+        for (reason, label, answer) in [
+            (ConnectFailure::Refused, "refused", Dialed::Refused),
+            (ConnectFailure::Unreachable, "unreachable", Dialed::Silent),
+            (ConnectFailure::Timeout, "timeout", Dialed::Silent),
+            (ConnectFailure::Reset, "error", Dialed::Refused),
+            (ConnectFailure::Error, "error", Dialed::Refused),
+        ] {
+            let f = DialFailure::of(&failed(reason));
+            assert_eq!((f.as_str(), f.answer()), (label, answer), "{reason:?}");
+        }
+    }
 }

@@ -33,7 +33,6 @@ use kube::runtime::watcher::{self, Event};
 use serde::Serialize;
 use serde_json::Value;
 use thiserror::Error;
-use tokio::signal::unix::{SignalKind, signal};
 use tokio::time::Instant;
 
 use super::kinds::{WATCHED, WatchedKind};
@@ -41,8 +40,9 @@ use super::model::{Object, Snapshot};
 use super::output::{Writer, Written};
 use super::{Target, manifest, to_json, translate};
 use crate::admin::metrics::{KindLabel, KindVersionLabels, ReasonLabel, ResultLabel};
-use crate::admin::{AdminState, Metrics, Server};
+use crate::admin::{AdminState, Metrics};
 use crate::config::controller::{ControllerConfig, Output};
+use crate::serve::process::{self, Context, Role, Spec, StartError};
 
 /// How long a render waits after the first change (a shoot's objects change together).
 pub const DEBOUNCE: Duration = Duration::from_millis(20);
@@ -70,7 +70,8 @@ pub enum WatchError {
     /// The client could not be built from the configuration.
     #[error("Kubernetes client: {0}")]
     Client(#[from] kube::Error),
-    /// The admin address could not be bound.
+    /// The admin address could not be bound (the controller's own wording of
+    /// [`StartError::InUse`] and [`StartError::Bind`]).
     #[error("admin endpoint {address}: {source}")]
     Admin {
         /// The address.
@@ -78,9 +79,24 @@ pub enum WatchError {
         /// The bind error.
         source: std::io::Error,
     },
-    /// Signal handlers could not be installed.
-    #[error("signal handling: {0}")]
-    Signals(std::io::Error),
+    /// A failure every role shares: signal handling.
+    #[error(transparent)]
+    Start(StartError),
+}
+
+impl From<StartError> for WatchError {
+    /// The controller binds only its admin endpoint, and has always said so in its own words.
+    fn from(e: StartError) -> Self {
+        match e {
+            StartError::InUse {
+                address, source, ..
+            }
+            | StartError::Bind {
+                address, source, ..
+            } => WatchError::Admin { address, source },
+            e => WatchError::Start(e),
+        }
+    }
 }
 
 /// Where and how a watched kind is read (its entry in [`WATCHED`]).
@@ -512,214 +528,280 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
         return Err(WatchError::NoOutput);
     };
     let metrics = Arc::new(Metrics::controller());
-    let admin = Arc::new(AdminState::new(metrics.clone()));
-    let _server = match config.admin {
-        Some(address) => {
-            let listener = crate::admin::bind(address)
-                .map_err(|source| WatchError::Admin { address, source })?;
-            Some(
-                Server::start(listener, None, admin.clone())
-                    .map_err(|source| WatchError::Admin { address, source })?,
-            )
-        }
-        None => None,
+    let spec = Spec {
+        metrics: metrics.clone(),
+        admin: config.admin,
+        debug: None,
+        hangup: false,
+        // Nothing to drain: the controller serves no connections.
+        drain: None,
     };
-    let mut sigterm = signal(SignalKind::terminate()).map_err(WatchError::Signals)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(WatchError::Signals)?;
-    let client = client(&config).await?;
-    let target = Target::from_config(&config);
-    let mut stores: Vec<Store> = WATCHED.iter().map(|_| Store::default()).collect();
-    // The kinds this configuration reads; the others are as good as listed, and empty.
-    let watched: Vec<usize> = (0..WATCHED.len())
-        .filter(|&i| WATCHED[i].is_watched(config.tunnel.is_some()))
-        .collect();
-    for (i, store) in stores.iter_mut().enumerate() {
-        if !watched.contains(&i) {
-            store.absent();
+    process::run(spec, move || {
+        Ok(Starting {
+            config,
+            path,
+            metrics,
+        })
+    })
+    .await
+}
+
+/// The controller before it watches: it builds its Kubernetes client once the admin
+/// endpoint is up.
+struct Starting {
+    config: ControllerConfig,
+    path: PathBuf,
+    metrics: Arc<Metrics>,
+}
+
+impl Role for Starting {
+    type Error = WatchError;
+    type Serving = Watching;
+
+    async fn serve(self, cx: &Context) -> Result<Watching, WatchError> {
+        let client = client(&self.config).await?;
+        Ok(Watching {
+            running: Some(Running {
+                config: self.config,
+                path: self.path,
+                metrics: self.metrics,
+                admin: cx.admin.clone(),
+                client,
+            }),
+            discovered: false,
+        })
+    }
+}
+
+/// The watching controller.
+struct Watching {
+    /// What the watch loop takes when it starts.
+    running: Option<Running>,
+    /// Whether API discovery answered (the controller then says that it stopped).
+    discovered: bool,
+}
+
+impl process::Serving for Watching {
+    async fn run(&mut self) {
+        if let Some(running) = self.running.take() {
+            running.watch(&mut self.discovered).await;
         }
     }
-    let discovered = tokio::select! {
-        found = discover_all(&client, &watched) => found,
-        _ = sigterm.recv() => return Ok(()),
-        _ = sigint.recv() => return Ok(()),
-    };
-    let mut watchers = Watchers::new(client.clone(), metrics.clone());
-    for (i, resource) in discovered {
-        let kind = WATCHED[i];
-        match resource {
-            Some(resource) => {
-                tracing::info!(kind = kind.kind, api_version = %resource.api_version, selector = kind.selector, "watching");
-                watchers.start(i, &resource);
-            }
-            None => {
-                tracing::warn!(
-                    kind = kind.kind,
-                    group = kind.group,
-                    versions = ?kind.versions,
-                    recheck = ?RECHECK,
-                    "not served by the API server; treated as empty until it is"
-                );
-                stores[i].absent();
-                watchers.stop(i);
-            }
+
+    async fn stop(self) {
+        if self.discovered {
+            tracing::info!("controller stopped");
         }
     }
-    // Discovery of kinds not served (every RECHECK) and of kinds whose list or watch found
-    // nothing (404), one task per question, at most one per kind at a time.
-    let mut discoveries: tokio::task::JoinSet<Discovered> = tokio::task::JoinSet::new();
-    let mut asking = vec![false; WATCHED.len()];
-    let ask = |discoveries: &mut tokio::task::JoinSet<Discovered>, kinds: Vec<usize>| {
-        let client = client.clone();
-        discoveries.spawn(async move {
-            let found = discover(&client, &kinds).await;
-            (kinds, found)
-        });
-    };
-    let mut recheck = tokio::time::interval_at(Instant::now() + RECHECK, RECHECK);
-    recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut writer = Rendering {
-        writer: Writer::new(path),
-        pending_since: None,
-    };
-    let mut render_at: Option<Instant> = None;
-    tracing::info!(
-        kinds = watched.len(),
-        tunnels = config.tunnel.is_some(),
-        file = %writer.writer.path().display(),
-        "controller watching"
-    );
-    // Nothing to wait for when no kind is served at all.
-    if stores.iter().all(Store::synced) {
-        render_at = Some(Instant::now());
-    }
-    loop {
-        let mut changed = Vec::new();
-        tokio::select! {
-            Some((i, event)) = watchers.events.next() => {
-                let kind = WATCHED[i].kind;
-                let change = match event {
-                    Ok(change) => change,
-                    Err(e) => {
-                        metrics.controller.watch_errors.get_or_create(&KindLabel { kind }).inc();
-                        tracing::warn!(kind, error = %e, "watch failed; retrying");
-                        if not_found(&e) && !asking[i] {
-                            tracing::info!(kind, "not found at the version watched; looking for it again");
-                            asking[i] = true;
-                            ask(&mut discoveries, vec![i]);
-                        }
-                        continue;
-                    }
-                };
-                let first_sync = matches!(change, Change::InitDone) && !stores[i].synced();
-                if stores[i].apply(change) {
-                    changed.push(i);
+}
+
+/// What the watch loop runs with.
+struct Running {
+    config: ControllerConfig,
+    path: PathBuf,
+    metrics: Arc<Metrics>,
+    admin: Arc<AdminState>,
+    client: kube::Client,
+}
+
+impl Running {
+    /// Discovers the kinds, watches them and writes the table, until cancelled (at SIGTERM
+    /// or SIGINT); `discovered` turns true once discovery answered.
+    async fn watch(self, discovered_flag: &mut bool) {
+        let Running {
+            config,
+            path,
+            metrics,
+            admin,
+            client,
+        } = self;
+        let target = Target::from_config(&config);
+        let mut stores: Vec<Store> = WATCHED.iter().map(|_| Store::default()).collect();
+        // The kinds this configuration reads; the others are as good as listed, and empty.
+        let watched: Vec<usize> = (0..WATCHED.len())
+            .filter(|&i| WATCHED[i].is_watched(config.tunnel.is_some()))
+            .collect();
+        for (i, store) in stores.iter_mut().enumerate() {
+            if !watched.contains(&i) {
+                store.absent();
+            }
+        }
+        let discovered = discover_all(&client, &watched).await;
+        *discovered_flag = true;
+        let mut watchers = Watchers::new(client.clone(), metrics.clone());
+        for (i, resource) in discovered {
+            let kind = WATCHED[i];
+            match resource {
+                Some(resource) => {
+                    tracing::info!(kind = kind.kind, api_version = %resource.api_version, selector = kind.selector, "watching");
+                    watchers.start(i, &resource);
                 }
-                if first_sync {
-                    tracing::info!(kind, objects = stores[i].len(), "listed");
+                None => {
+                    tracing::warn!(
+                        kind = kind.kind,
+                        group = kind.group,
+                        versions = ?kind.versions,
+                        recheck = ?RECHECK,
+                        "not served by the API server; treated as empty until it is"
+                    );
+                    stores[i].absent();
+                    watchers.stop(i);
                 }
             }
-            Some(Ok((kinds, found))) = discoveries.join_next() => {
-                for &i in &kinds {
-                    asking[i] = false;
-                }
-                let found = match found {
-                    Ok(found) => found,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "API discovery failed; asking again later");
-                        continue;
-                    }
-                };
-                for (i, resource) in found {
+        }
+        // Discovery of kinds not served (every RECHECK) and of kinds whose list or watch found
+        // nothing (404), one task per question, at most one per kind at a time.
+        let mut discoveries: tokio::task::JoinSet<Discovered> = tokio::task::JoinSet::new();
+        let mut asking = vec![false; WATCHED.len()];
+        let ask = |discoveries: &mut tokio::task::JoinSet<Discovered>, kinds: Vec<usize>| {
+            let client = client.clone();
+            discoveries.spawn(async move {
+                let found = discover(&client, &kinds).await;
+                (kinds, found)
+            });
+        };
+        let mut recheck = tokio::time::interval_at(Instant::now() + RECHECK, RECHECK);
+        recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut writer = Rendering {
+            writer: Writer::new(path),
+            pending_since: None,
+        };
+        let mut render_at: Option<Instant> = None;
+        tracing::info!(
+            kinds = watched.len(),
+            tunnels = config.tunnel.is_some(),
+            file = %writer.writer.path().display(),
+            "controller watching"
+        );
+        // Nothing to wait for when no kind is served at all.
+        if stores.iter().all(Store::synced) {
+            render_at = Some(Instant::now());
+        }
+        loop {
+            let mut changed = Vec::new();
+            tokio::select! {
+                Some((i, event)) = watchers.events.next() => {
                     let kind = WATCHED[i].kind;
-                    let was = watchers.version(i);
-                    match next(was, resource.as_ref().map(|r| r.version.as_str())) {
-                        Next::Keep => {}
-                        Next::Watch => {
-                            let Some(resource) = resource else { continue };
-                            match was {
-                                None => tracing::info!(kind, api_version = %resource.api_version, "now served; watching"),
-                                Some(was) => tracing::warn!(
-                                    kind,
-                                    was,
-                                    api_version = %resource.api_version,
-                                    "served at another version; watching it there"
-                                ),
+                    let change = match event {
+                        Ok(change) => change,
+                        Err(e) => {
+                            metrics.controller.watch_errors.get_or_create(&KindLabel { kind }).inc();
+                            tracing::warn!(kind, error = %e, "watch failed; retrying");
+                            if not_found(&e) && !asking[i] {
+                                tracing::info!(kind, "not found at the version watched; looking for it again");
+                                asking[i] = true;
+                                ask(&mut discoveries, vec![i]);
                             }
-                            // The store keeps its objects until the new watcher's list is done.
-                            watchers.start(i, &resource);
+                            continue;
                         }
-                        Next::Stop => {
-                            watchers.stop(i);
-                            if kind == KEPT_WHEN_NOT_SERVED {
-                                tracing::warn!(
-                                    kind,
-                                    objects = stores[i].len(),
-                                    recheck = ?RECHECK,
-                                    "no longer served; keeping its last objects, which restrict shoots"
-                                );
-                                // Its relist, if one was under way, is abandoned.
-                                stores[i].buffer = None;
-                            } else {
-                                tracing::warn!(
-                                    kind,
-                                    objects = stores[i].len(),
-                                    recheck = ?RECHECK,
-                                    "no longer served; its objects are gone"
-                                );
-                                if stores[i].clear() {
-                                    changed.push(i);
+                    };
+                    let first_sync = matches!(change, Change::InitDone) && !stores[i].synced();
+                    if stores[i].apply(change) {
+                        changed.push(i);
+                    }
+                    if first_sync {
+                        tracing::info!(kind, objects = stores[i].len(), "listed");
+                    }
+                }
+                Some(Ok((kinds, found))) = discoveries.join_next() => {
+                    for &i in &kinds {
+                        asking[i] = false;
+                    }
+                    let found = match found {
+                        Ok(found) => found,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "API discovery failed; asking again later");
+                            continue;
+                        }
+                    };
+                    for (i, resource) in found {
+                        let kind = WATCHED[i].kind;
+                        let was = watchers.version(i);
+                        match next(was, resource.as_ref().map(|r| r.version.as_str())) {
+                            Next::Keep => {}
+                            Next::Watch => {
+                                let Some(resource) = resource else { continue };
+                                match was {
+                                    None => tracing::info!(kind, api_version = %resource.api_version, "now served; watching"),
+                                    Some(was) => tracing::warn!(
+                                        kind,
+                                        was,
+                                        api_version = %resource.api_version,
+                                        "served at another version; watching it there"
+                                    ),
+                                }
+                                // The store keeps its objects until the new watcher's list is done.
+                                watchers.start(i, &resource);
+                            }
+                            Next::Stop => {
+                                watchers.stop(i);
+                                if kind == KEPT_WHEN_NOT_SERVED {
+                                    tracing::warn!(
+                                        kind,
+                                        objects = stores[i].len(),
+                                        recheck = ?RECHECK,
+                                        "no longer served; keeping its last objects, which restrict shoots"
+                                    );
+                                    // Its relist, if one was under way, is abandoned.
+                                    stores[i].buffer = None;
+                                } else {
+                                    tracing::warn!(
+                                        kind,
+                                        objects = stores[i].len(),
+                                        recheck = ?RECHECK,
+                                        "no longer served; its objects are gone"
+                                    );
+                                    if stores[i].clear() {
+                                        changed.push(i);
+                                    }
                                 }
                             }
                         }
                     }
                 }
-            }
-            _ = recheck.tick() => {
-                let missing: Vec<usize> = watched
-                    .iter()
-                    .copied()
-                    .filter(|&i| watchers.version(i).is_none() && !asking[i])
-                    .collect();
-                if !missing.is_empty() {
-                    for &i in &missing {
-                        asking[i] = true;
+                _ = recheck.tick() => {
+                    let missing: Vec<usize> = watched
+                        .iter()
+                        .copied()
+                        .filter(|&i| watchers.version(i).is_none() && !asking[i])
+                        .collect();
+                    if !missing.is_empty() {
+                        for &i in &missing {
+                            asking[i] = true;
+                        }
+                        ask(&mut discoveries, missing);
                     }
-                    ask(&mut discoveries, missing);
+                }
+                () = tokio::time::sleep_until(render_at.unwrap_or_else(Instant::now)), if render_at.is_some() => {
+                    render_at = None;
+                    if writer.render(&stores, &target, &metrics) {
+                        admin.set_ready(true);
+                    } else {
+                        render_at = Some(Instant::now() + WRITE_RETRY);
+                    }
                 }
             }
-            () = tokio::time::sleep_until(render_at.unwrap_or_else(Instant::now)), if render_at.is_some() => {
-                render_at = None;
-                if writer.render(&stores, &target, &metrics) {
-                    admin.set_ready(true);
-                } else {
-                    render_at = Some(Instant::now() + WRITE_RETRY);
-                }
+            for &i in &changed {
+                // A kind watched through several selectors: their objects together.
+                let kind = WATCHED[i].kind;
+                let objects: usize = (0..WATCHED.len())
+                    .filter(|&j| WATCHED[j].kind == kind)
+                    .map(|j| stores[j].len())
+                    .sum();
+                metrics
+                    .controller
+                    .objects
+                    .get_or_create(&KindLabel { kind })
+                    .set(objects as i64);
             }
-            _ = sigterm.recv() => break,
-            _ = sigint.recv() => break,
-        }
-        for &i in &changed {
-            // A kind watched through several selectors: their objects together.
-            let kind = WATCHED[i].kind;
-            let objects: usize = (0..WATCHED.len())
-                .filter(|&j| WATCHED[j].kind == kind)
-                .map(|j| stores[j].len())
-                .sum();
-            metrics
-                .controller
-                .objects
-                .get_or_create(&KindLabel { kind })
-                .set(objects as i64);
-        }
-        if !changed.is_empty() {
-            writer.pending_since.get_or_insert_with(Instant::now);
-            if stores.iter().all(Store::synced) {
-                render_at.get_or_insert_with(|| Instant::now() + DEBOUNCE);
+            if !changed.is_empty() {
+                writer.pending_since.get_or_insert_with(Instant::now);
+                if stores.iter().all(Store::synced) {
+                    render_at.get_or_insert_with(|| Instant::now() + DEBOUNCE);
+                }
             }
         }
     }
-    tracing::info!("controller stopped");
-    Ok(())
 }
 
 #[cfg(test)]

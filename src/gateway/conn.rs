@@ -215,7 +215,6 @@ impl<S> Conn<S> {
     /// Takes the connection apart and frees its box (in a plain function: a box moved out
     /// of inside an async fn stays allocated until that future ends).
     #[expect(clippy::boxed_local, reason = "callers hold the connection boxed")]
-    #[expect(clippy::type_complexity, reason = "a private destructuring helper")]
     fn into_parts(
         self: Box<Self>,
     ) -> (
@@ -240,7 +239,6 @@ impl<S> Conn<S> {
 
     /// The client stream, the bytes buffered from it, its record and its guard: for a
     /// connection the gateway serves itself rather than links to a backend.
-    #[expect(clippy::boxed_local, reason = "callers hold the connection boxed")]
     pub(super) fn into_stream(self: Box<Self>) -> (S, Vec<u8>, ConnRecord, ConnGuard) {
         let (stream, buf, record, guard, ..) = self.into_parts();
         (stream, buf, record, guard)
@@ -388,7 +386,6 @@ mod tests {
     use crate::net::IpFamily;
     use crate::net::dial::Direct;
     use crate::route::BackendAddress;
-    use crate::serve::drain::Drain;
     use crate::wire::http;
 
     impl Leg for TlsStream<TcpStream> {}
@@ -436,7 +433,7 @@ admin: {address: \"127.0.0.1:2\"}
             config,
             metrics,
             tables,
-            drain: Drain::default(),
+            drain: Default::default(),
             certs: Arc::new(crate::gateway::certs::Certs::new([], metrics_for_certs).unwrap()),
             tunnels: None,
             connect_destination: None,

@@ -3,7 +3,8 @@
 //!
 //! Startup binds everything before it reports ready, so a configuration that cannot be
 //! served fails before any traffic is accepted. One file per listener protocol, wired onto
-//! the shared serving layer ([`crate::serve`]): its accept loop, record, forward and drain.
+//! the shared serving layer ([`crate::serve`]): its accept loop, record, forward and drain,
+//! and the process skeleton (admin endpoint, signals, drain) it runs in.
 
 mod certs;
 mod conn;
@@ -15,15 +16,13 @@ mod sni;
 pub(crate) mod table;
 mod tunnel;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
-use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
-use crate::admin::{self, AdminState, Metrics};
+use crate::admin::{self, Metrics};
 use crate::config::ConfigError;
 use crate::config::gateway::{GatewayConfig, Listener, ListenerKind};
 use crate::net::IpFamily;
@@ -33,38 +32,20 @@ use crate::net::socket;
 use crate::route::Route;
 use crate::serve::accept::{Admission, accept_loop};
 use crate::serve::drain::{Drain, DrainTimes};
+use crate::serve::process::{self, Context, Role, Spec, StartError};
 use crate::serve::watch::DirWatches;
 use table::Tables;
 
 /// Why the gateway could not start or run.
 #[derive(Debug, Error)]
 pub enum GatewayError {
+    /// A failure every role shares: an address that cannot be bound (a listener, `admin`,
+    /// the `debug endpoint`), signal handling.
+    #[error(transparent)]
+    Start(#[from] StartError),
     /// The routing table could not be loaded at startup.
     #[error("routing table: {0}")]
     Routes(#[from] ConfigError),
-    /// Another process already listens on a listener's or the admin endpoint's address.
-    #[error("cannot bind {what} on {address}: another process already listens there ({source})")]
-    InUse {
-        /// `listener NAME` or `admin`.
-        what: String,
-        /// The address.
-        address: SocketAddr,
-        /// The error (`EADDRINUSE`).
-        source: std::io::Error,
-    },
-    /// A listener or the admin endpoint could not be bound.
-    #[error("cannot bind {what} on {address}: {source}")]
-    Bind {
-        /// `listener NAME`, `admin` or `debug endpoint`.
-        what: String,
-        /// The address.
-        address: SocketAddr,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// Signal handlers could not be installed.
-    #[error("signal handling: {0}")]
-    Signals(std::io::Error),
     /// The `wireguard` listener's private key could not be read.
     #[error("wireguard private key: {0}")]
     WireGuardKey(#[from] crate::route::KeyFileError),
@@ -76,25 +57,6 @@ pub enum GatewayError {
     Resolver(String),
 }
 
-impl GatewayError {
-    /// A failed bind: [`GatewayError::InUse`] when the address is taken.
-    fn bind(what: String, address: SocketAddr, source: std::io::Error) -> Self {
-        if source.kind() == std::io::ErrorKind::AddrInUse {
-            GatewayError::InUse {
-                what,
-                address,
-                source,
-            }
-        } else {
-            GatewayError::Bind {
-                what,
-                address,
-                source,
-            }
-        }
-    }
-}
-
 /// What every connection task shares.
 pub(crate) struct Shared {
     /// The validated configuration.
@@ -103,8 +65,8 @@ pub(crate) struct Shared {
     pub metrics: Arc<Metrics>,
     /// The live routing table.
     pub tables: Arc<Tables>,
-    /// Open connections, the listeners' stop and the relays' hard stop.
-    pub drain: Drain,
+    /// Open connections, the listeners' stop and the relays' hard stop (the process's).
+    pub drain: Arc<Drain>,
     /// Dials route backends.
     pub dialer: Direct,
     /// Every CONNECT destination header the gateway knows (see
@@ -145,218 +107,259 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     let certs = Arc::new(certs::Certs::new(listener_tls, metrics.clone())?);
     certs.set_table(tables.snapshot().table());
     crate::serve::memory::release_free_memory();
-    let mut sigterm = signal(SignalKind::terminate()).map_err(GatewayError::Signals)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(GatewayError::Signals)?;
-    let mut sighup = signal(SignalKind::hangup()).map_err(GatewayError::Signals)?;
-
-    // Bind everything before serving anything: one SO_REUSEPORT socket per listener and
-    // worker, so each worker thread accepts and serves its own connections. Each address is
-    // claimed first without SO_REUSEPORT, which fails if any other process listens there: an
-    // instance started twice would otherwise share the port with the first.
-    let workers = config.workers.max(1);
-    let mut per_worker: Vec<Vec<(Arc<Listener>, std::net::TcpListener)>> =
-        (0..workers).map(|_| Vec::new()).collect();
-    let mut claims = Vec::new();
-    // `wireguard` (UDP) is bound by the tunnel driver.
-    for l in config.listeners.iter().filter(|l| l.kind().is_tcp()) {
-        let l = Arc::new(l.clone());
-        let bind_error = |source: std::io::Error| {
-            GatewayError::bind(format!("listener {}", l.name), l.address, source)
-        };
-        let claim = socket::claim(l.address).map_err(bind_error)?;
-        // Port 0: every worker binds the port the claim got.
-        let address = socket::claimed_addr(l.address, &claim);
-        claims.push(claim);
-        for sockets in per_worker.iter_mut() {
-            let keepalive = (
-                config.keepalive.downstream.idle,
-                config.keepalive.downstream.interval,
-            );
-            let sock =
-                socket::bind_std_with(address, socket::LISTEN_BACKLOG, true, Some(keepalive))
-                    .map_err(bind_error)?;
-            sockets.push((l.clone(), sock));
-        }
-    }
-    // The listeners listen now: nobody else can claim their addresses.
-    drop(claims);
-    // The `wireguard` listener (at most one): its key and its UDP socket.
-    let mut wireguard = None;
-    for l in &config.listeners {
-        if let ListenerKind::WireGuard {
-            private_key_file, ..
-        } = l.kind()
-        {
-            let key = crate::route::read_key_file(private_key_file)?;
-            let sock = socket::bind_udp(l.address).map_err(|source| {
-                GatewayError::bind(format!("listener {}", l.name), l.address, source)
-            })?;
-            let address = sock.local_addr().map_or(l.address, |a| a);
-            tracing::info!(listener = %l.name, %address, protocol = "wireguard", "listening");
-            wireguard = Some((sock, key, private_key_file.to_owned()));
-        }
-    }
-    let admin_sock = admin::bind(config.admin.address.0)
-        .map_err(|source| GatewayError::bind("admin".into(), config.admin.address.0, source))?;
-    let debug_sock = admin::bind(config.debug_address()).map_err(|source| {
-        GatewayError::bind("debug endpoint".into(), config.debug_address(), source)
-    })?;
-    let admin_state = Arc::new(AdminState::new(metrics.clone()));
-    let json_tables = tables.clone();
-    let tunnels = match wireguard {
-        Some((sock, key, key_file)) => {
-            let sock = tokio::net::UdpSocket::from_std(sock).map_err(GatewayError::Signals)?;
-            let t = crate::tunnel::Tunnels::gateway(sock, key, metrics.tunnel.clone());
-            Some((t, key_file))
-        }
-        None => None,
-    };
-    let live_tunnels = tunnels.as_ref().map(|(t, _)| t.clone());
-    let routes: admin::RoutesJson = Box::new(move || match &live_tunnels {
-        Some(t) => {
-            let status = t.status();
-            let live = |route: &str, peer: usize| {
-                let p = status.get(route)?.peers.get(peer)?;
-                serde_json::to_value(p).ok()
-            };
-            json_tables.to_json_live(Some(&live))
-        }
-        None => json_tables.to_json(),
-    });
-    // Probes, metrics and /routes run on a thread of their own.
-    let admin_server =
-        admin::Server::start(admin_sock, Some((debug_sock, routes)), admin_state.clone()).map_err(
-            |source| GatewayError::Bind {
-                what: "admin".into(),
-                address: config.admin.address.0,
-                source,
-            },
-        )?;
-
-    // One file-system watcher for every watched file; SIGHUP reaches each watcher.
-    let watches = DirWatches::new();
-    let (hup_tx, hup_rx) = watch::channel(());
-    let watch_task = tokio::spawn(tables.clone().watch(
-        watches.clone(),
-        config.routes.check_interval,
-        hup_rx.clone(),
-    ));
-    let certs_task = tokio::spawn(certs::keep_current(
-        certs.clone(),
-        tables.subscribe(),
-        watches.clone(),
-        config.routes.check_interval,
-        hup_rx.clone(),
-    ));
-    let tunnel_task = tunnels.as_ref().map(|(t, key_file)| {
-        tokio::spawn(tunnel::keep_current(
-            t.clone(),
-            key_file.clone(),
-            tables.subscribe(),
-            watches,
-            config.routes.check_interval,
-            hup_rx,
-        ))
-    });
-
-    let drain_times = DrainTimes {
+    let drain = DrainTimes {
         delay: config.timeouts.drain_delay(),
         timeout: config.timeouts.drain,
     };
-    // The process's one resolver, shared by every worker: backends named by DNS and
-    // CONNECT targets.
-    let resolver = Resolver::start(
-        &config.resolver_settings(),
-        crate::net::fds::lookup_budget(),
-    )
-    .map_err(|e| GatewayError::Resolver(e.to_string()))?;
-    let dialer = Direct {
-        zone: config.zone.clone(),
-        connect_timeout: config.timeouts.connect,
-        keepalive: (
-            config.keepalive.upstream.idle,
-            config.keepalive.upstream.interval,
-        ),
-        family: IpFamily::Any,
-        resolver: Arc::new(resolver),
+    let spec = Spec {
+        debug: Some(config.debug_address()),
+        hangup: true,
+        ..Spec::new(metrics.clone(), config.admin.address.0, drain)
     };
-    let destination_headers = connect::known_destination_headers(&config.listeners);
-    let connect_destination = tunnel::connect_destination(&config.listeners);
-    let shared = Arc::new(Shared {
-        connect_destination,
-        destination_headers,
-        config,
-        metrics: metrics.clone(),
-        tables: tables.clone(),
-        drain: Drain::default(),
-        dialer,
-        certs,
-        tunnels: tunnels.map(|(t, _)| t),
-    });
-    let stop_rx = shared.drain.listeners_stop();
-    let (exit_tx, exit_rx) = watch::channel(false);
-    let memory_task = tokio::spawn(crate::serve::memory::return_after_floods(
-        shared.drain.tracker.clone(),
-    ));
-    let mut threads = Vec::new();
-    for (i, sockets) in per_worker.into_iter().enumerate() {
-        if i == 0 {
-            for (l, sock) in &sockets {
-                let address = sock
-                    .local_addr()
-                    .map_or_else(|_| l.address.to_string(), |a| a.to_string());
-                tracing::info!(listener = %l.name, address, protocol = l.kind().as_str(), workers, "listening");
+    process::run(spec, move || Bound::bind(config, metrics, tables, certs)).await
+}
+
+/// The gateway with every listener bound, before the admin endpoint is.
+struct Bound {
+    config: GatewayConfig,
+    metrics: Arc<Metrics>,
+    tables: Arc<Tables>,
+    certs: Arc<certs::Certs>,
+    /// Each worker's sockets.
+    per_worker: Vec<Vec<(Arc<Listener>, std::net::TcpListener)>>,
+    /// The `wireguard` listener's device and key file, if the gateway has one.
+    tunnels: Option<(crate::tunnel::Tunnels, std::path::PathBuf)>,
+}
+
+impl Bound {
+    /// Binds everything before serving anything: one SO_REUSEPORT socket per listener and
+    /// worker, so each worker thread accepts and serves its own connections. Each address is
+    /// claimed first without SO_REUSEPORT, which fails if any other process listens there: an
+    /// instance started twice would otherwise share the port with the first.
+    fn bind(
+        config: GatewayConfig,
+        metrics: Arc<Metrics>,
+        tables: Arc<Tables>,
+        certs: Arc<certs::Certs>,
+    ) -> Result<Self, GatewayError> {
+        let workers = config.workers.max(1);
+        let mut per_worker: Vec<Vec<(Arc<Listener>, std::net::TcpListener)>> =
+            (0..workers).map(|_| Vec::new()).collect();
+        let mut claims = Vec::new();
+        // `wireguard` (UDP) is bound by the tunnel driver.
+        for l in config.listeners.iter().filter(|l| l.kind().is_tcp()) {
+            let l = Arc::new(l.clone());
+            let bind_error = |source: std::io::Error| {
+                StartError::bind(format!("listener {}", l.name), l.address, source)
+            };
+            let claim = socket::claim(l.address).map_err(bind_error)?;
+            // Port 0: every worker binds the port the claim got.
+            let address = socket::claimed_addr(l.address, &claim);
+            claims.push(claim);
+            for sockets in per_worker.iter_mut() {
+                let keepalive = (
+                    config.keepalive.downstream.idle,
+                    config.keepalive.downstream.interval,
+                );
+                let sock =
+                    socket::bind_std_with(address, socket::LISTEN_BACKLOG, true, Some(keepalive))
+                        .map_err(bind_error)?;
+                sockets.push((l.clone(), sock));
             }
         }
-        let (shared, stop_rx, exit_rx) = (shared.clone(), stop_rx.clone(), exit_rx.clone());
-        let thread = std::thread::Builder::new()
-            .name(format!("trellis-w{i}"))
-            .spawn(move || worker(sockets, shared, stop_rx, exit_rx))
-            .map_err(GatewayError::Signals)?;
-        threads.push(thread);
-    }
-    admin_state.set_ready(true);
-    tracing::info!(
-        admin = %shared.config.admin.address.0,
-        generation = tables.snapshot().generation,
-        max_connections = shared.config.limits.max_connections,
-        max_connections_per_source = shared.config.limits.per_source(),
-        "gateway ready"
-    );
-
-    loop {
-        tokio::select! {
-            _ = sighup.recv() => { hup_tx.send_replace(()); }
-            _ = sigterm.recv() => { tracing::info!("SIGTERM: draining"); break; }
-            _ = sigint.recv() => { tracing::info!("SIGINT: draining"); break; }
+        // The listeners listen now: nobody else can claim their addresses.
+        drop(claims);
+        // The `wireguard` listener (at most one): its key and its UDP socket.
+        let mut wireguard = None;
+        for l in &config.listeners {
+            if let ListenerKind::WireGuard {
+                private_key_file, ..
+            } = l.kind()
+            {
+                let key = crate::route::read_key_file(private_key_file)?;
+                let sock = socket::bind_udp(l.address).map_err(|source| {
+                    StartError::bind(format!("listener {}", l.name), l.address, source)
+                })?;
+                let address = sock.local_addr().map_or(l.address, |a| a);
+                tracing::info!(listener = %l.name, %address, protocol = "wireguard", "listening");
+                wireguard = Some((sock, key, private_key_file.to_owned()));
+            }
         }
+        let tunnels = match wireguard {
+            Some((sock, key, key_file)) => {
+                let sock = tokio::net::UdpSocket::from_std(sock).map_err(StartError::Signals)?;
+                let t = crate::tunnel::Tunnels::gateway(sock, key, metrics.tunnel.clone());
+                Some((t, key_file))
+            }
+            None => None,
+        };
+        Ok(Bound {
+            config,
+            metrics,
+            tables,
+            certs,
+            per_worker,
+            tunnels,
+        })
+    }
+}
+
+impl Role for Bound {
+    type Error = GatewayError;
+    type Serving = Serving;
+
+    fn routes(&self) -> Option<admin::RoutesJson> {
+        let json_tables = self.tables.clone();
+        let live_tunnels = self.tunnels.as_ref().map(|(t, _)| t.clone());
+        Some(Box::new(move || match &live_tunnels {
+            Some(t) => {
+                let status = t.status();
+                let live = |route: &str, peer: usize| {
+                    let p = status.get(route)?.peers.get(peer)?;
+                    serde_json::to_value(p).ok()
+                };
+                json_tables.to_json_live(Some(&live))
+            }
+            None => json_tables.to_json(),
+        }))
     }
 
-    // Drain: fail readiness at once, keep accepting for the drain delay, close listeners,
-    // let connections finish until the deadline, cut the rest spread over a window.
-    admin_state.set_ready(false);
-    shared.drain.run(drain_times).await;
-    // The tunneled streams have ended: the streams carrying their tunnels end now.
-    if let Some(t) = &shared.tunnels {
-        t.close_streams();
-        let _ = tokio::time::timeout(STREAMS_GRACE, shared.drain.tracker.wait_empty()).await;
-    }
-    let _ = exit_tx.send(true);
-    let _ = tokio::task::spawn_blocking(move || {
-        for t in threads {
-            let _ = t.join();
+    async fn serve(self, cx: &Context) -> Result<Serving, GatewayError> {
+        let Bound {
+            config,
+            metrics,
+            tables,
+            certs,
+            per_worker,
+            tunnels,
+        } = self;
+        // One file-system watcher for every watched file; SIGHUP reaches each watcher.
+        let watches = DirWatches::new();
+        let hup_rx = cx.hangup.clone();
+        let mut tasks = vec![tokio::spawn(tables.clone().watch(
+            watches.clone(),
+            config.routes.check_interval,
+            hup_rx.clone(),
+        ))];
+        tasks.push(tokio::spawn(certs::keep_current(
+            certs.clone(),
+            tables.subscribe(),
+            watches.clone(),
+            config.routes.check_interval,
+            hup_rx.clone(),
+        )));
+        if let Some((t, key_file)) = &tunnels {
+            tasks.push(tokio::spawn(tunnel::keep_current(
+                t.clone(),
+                key_file.clone(),
+                tables.subscribe(),
+                watches,
+                config.routes.check_interval,
+                hup_rx,
+            )));
         }
-    })
-    .await;
-    watch_task.abort();
-    certs_task.abort();
-    if let Some(t) = tunnel_task {
-        t.abort();
+
+        // The process's one resolver, shared by every worker: backends named by DNS and
+        // CONNECT targets.
+        let resolver = Resolver::start(
+            &config.resolver_settings(),
+            crate::net::fds::lookup_budget(),
+        )
+        .map_err(|e| GatewayError::Resolver(e.to_string()))?;
+        let dialer = Direct {
+            zone: config.zone.clone(),
+            connect_timeout: config.timeouts.connect,
+            keepalive: (
+                config.keepalive.upstream.idle,
+                config.keepalive.upstream.interval,
+            ),
+            family: IpFamily::Any,
+            resolver: Arc::new(resolver),
+        };
+        let destination_headers = connect::known_destination_headers(&config.listeners);
+        let connect_destination = tunnel::connect_destination(&config.listeners);
+        let workers = config.workers.max(1);
+        let shared = Arc::new(Shared {
+            connect_destination,
+            destination_headers,
+            config,
+            metrics: metrics.clone(),
+            tables: tables.clone(),
+            drain: cx.drain.clone(),
+            dialer,
+            certs,
+            tunnels: tunnels.map(|(t, _)| t),
+        });
+        let stop_rx = shared.drain.listeners_stop();
+        let (exit_tx, exit_rx) = watch::channel(false);
+        tasks.push(tokio::spawn(crate::serve::memory::return_after_floods(
+            shared.drain.tracker.clone(),
+        )));
+        let mut threads = Vec::new();
+        for (i, sockets) in per_worker.into_iter().enumerate() {
+            if i == 0 {
+                for (l, sock) in &sockets {
+                    let address = sock
+                        .local_addr()
+                        .map_or_else(|_| l.address.to_string(), |a| a.to_string());
+                    tracing::info!(listener = %l.name, address, protocol = l.kind().as_str(), workers, "listening");
+                }
+            }
+            let (shared, stop_rx, exit_rx) = (shared.clone(), stop_rx.clone(), exit_rx.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("trellis-w{i}"))
+                .spawn(move || worker(sockets, shared, stop_rx, exit_rx))
+                .map_err(StartError::Signals)?;
+            threads.push(thread);
+        }
+        cx.admin.set_ready(true);
+        tracing::info!(
+            admin = %shared.config.admin.address.0,
+            generation = tables.snapshot().generation,
+            max_connections = shared.config.limits.max_connections,
+            max_connections_per_source = shared.config.limits.per_source(),
+            "gateway ready"
+        );
+        Ok(Serving {
+            shared,
+            exit_tx,
+            threads,
+            tasks,
+        })
     }
-    memory_task.abort();
-    drop(admin_server);
-    tracing::info!("gateway stopped");
-    Ok(())
+}
+
+/// The serving gateway: its worker threads and the tasks that keep its table, TLS material
+/// and tunnels current.
+struct Serving {
+    shared: Arc<Shared>,
+    /// Tells the workers' event loops to stop once the drain is over.
+    exit_tx: watch::Sender<bool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl process::Serving for Serving {
+    async fn stop(self) {
+        // The tunneled streams have ended: the streams carrying their tunnels end now.
+        if let Some(t) = &self.shared.tunnels {
+            t.close_streams();
+            let _ =
+                tokio::time::timeout(STREAMS_GRACE, self.shared.drain.tracker.wait_empty()).await;
+        }
+        let _ = self.exit_tx.send(true);
+        let threads = self.threads;
+        let _ = tokio::task::spawn_blocking(move || {
+            for t in threads {
+                let _ = t.join();
+            }
+        })
+        .await;
+        for t in self.tasks {
+            t.abort();
+        }
+        tracing::info!("gateway stopped");
+    }
 }
 
 /// One worker thread: a single-threaded event loop that accepts on its own sockets and runs

@@ -219,7 +219,6 @@ pub(crate) struct Dialed<S> {
     /// The address actually connected to.
     pub addr: SocketAddr,
     /// Keeps the backend's active count while the connection lives (held for its drop).
-    #[allow(dead_code, reason = "held, never read")]
     pub guard: Option<BackendGuard>,
     /// Time spent dialing, failover and tunnel set-up included.
     pub elapsed: Duration,

@@ -16,9 +16,8 @@ use std::time::Duration;
 
 use thiserror::Error;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::signal::unix::{SignalKind, signal};
 
-use crate::admin::{self, AdminState, Metrics};
+use crate::admin::{AdminState, Metrics};
 use crate::config::node::{NodeConfig, UpstreamProtocol};
 use crate::net::dial::{Dest, Direct, Hello, Tunneled};
 use crate::net::fds;
@@ -29,6 +28,7 @@ use crate::route::{BackendAddress, Route};
 use crate::serve::accept::{Accepted, Admission, accept_loop};
 use crate::serve::drain::{Drain, DrainTimes};
 use crate::serve::forward::{Linked, Reply, Routed, link};
+use crate::serve::process::{self, Context, Role, Spec, StartError};
 
 /// Listener name in metrics and logs.
 pub const LISTENER: &str = "apiserver-proxy";
@@ -38,55 +38,17 @@ pub const ROUTE: &str = "upstream";
 /// Why the node could not start.
 #[derive(Debug, Error)]
 pub enum NodeError {
-    /// Another process already listens on the listener's or the admin endpoint's address.
-    #[error("cannot bind {what} on {address}: another process already listens there ({source})")]
-    InUse {
-        /// `listener` or `admin`.
-        what: &'static str,
-        /// The address.
-        address: SocketAddr,
-        /// The error (`EADDRINUSE`).
-        source: std::io::Error,
-    },
-    /// A listener or the admin endpoint could not be bound.
-    #[error("cannot bind {what} on {address}: {source}")]
-    Bind {
-        /// `listener` or `admin`.
-        what: &'static str,
-        /// The address.
-        address: SocketAddr,
-        /// The error.
-        source: std::io::Error,
-    },
+    /// A failure every role shares: the listener or the admin endpoint cannot be bound (the
+    /// node's listeners do not use `SO_REUSEPORT`, so the kernel refuses a second listener
+    /// itself), signal handling.
+    #[error(transparent)]
+    Start(#[from] StartError),
     /// Netlink could not be opened or the address could not be managed.
     #[error("link management: {0}")]
     Link(String),
-    /// Signal handlers could not be installed.
-    #[error("signal handling: {0}")]
-    Signals(std::io::Error),
     /// The resolver (for a gateway named by DNS) could not be set up.
     #[error("resolver: {0}")]
     Resolver(String),
-}
-
-impl NodeError {
-    /// A failed bind: [`NodeError::InUse`] when the address is taken. The node's listeners
-    /// do not use `SO_REUSEPORT`, so the kernel refuses a second listener itself.
-    fn bind(what: &'static str, address: SocketAddr, source: std::io::Error) -> Self {
-        if source.kind() == std::io::ErrorKind::AddrInUse {
-            NodeError::InUse {
-                what,
-                address,
-                source,
-            }
-        } else {
-            NodeError::Bind {
-                what,
-                address,
-                source,
-            }
-        }
-    }
 }
 
 /// Local readiness: listeners bound, address in place (when managed), not draining.
@@ -143,118 +105,141 @@ pub async fn cleanup(config: &NodeConfig) -> Result<(), NodeError> {
 pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::node());
-    let readiness = Arc::new(Readiness::default());
-    let mut sigterm = signal(SignalKind::terminate()).map_err(NodeError::Signals)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(NodeError::Signals)?;
-
-    let admin_sock = admin::bind(config.admin.address.0)
-        .map_err(|source| NodeError::bind("admin", config.admin.address.0, source))?;
-    let admin_state = Arc::new(AdminState::new(metrics.clone()));
-    // Probes and metrics run on a thread of their own.
-    let admin_server =
-        admin::Server::start(admin_sock, None, admin_state.clone()).map_err(|source| {
-            NodeError::Bind {
-                what: "admin",
-                address: config.admin.address.0,
-                source,
-            }
-        })?;
-
-    // Link management first: the address should be in place before we report ready.
-    let link_task = match &config.interface {
-        None => {
-            readiness.address.store(true, Ordering::SeqCst);
-            None
-        }
-        Some(iface) => {
-            let handle = link::connect().map_err(|e| NodeError::Link(e.to_string()))?;
-            let events = link::subscribe().map_err(|e| NodeError::Link(e.to_string()))?;
-            let manager = link::LinkManager::new(handle, &iface.name, iface.address);
-            Some(tokio::spawn(manage_link(
-                manager,
-                iface.check_interval,
-                events,
-                readiness.clone(),
-                admin_state.clone(),
-            )))
-        }
-    };
-
-    let keepalive = (
-        config.keepalive.downstream.idle,
-        config.keepalive.downstream.interval,
-    );
-    let options = ListenOptions {
-        backlog: socket::LISTEN_BACKLOG,
-        reuse_port: false,
-        // The advertise address may appear on its link only after the bind.
-        freebind: true,
-        // Inherited by every accepted socket.
-        keepalive: Some(keepalive),
-    };
-    let mut listeners = Vec::new();
-    for &addr in &config.listen {
-        let l = socket::bind_listener(addr, &options)
-            .and_then(TcpListener::from_std)
-            .map_err(|source| NodeError::bind("listener", addr, source))?;
-        listeners.push(l);
-    }
-    readiness.bound.store(true, Ordering::SeqCst);
-    readiness.publish(&admin_state);
-
-    // The process's one resolver: the gateway's name, cached for its TTL.
-    let resolver = Resolver::start(
-        &crate::net::resolve::ResolverSettings::default(),
-        fds::lookup_budget(),
-    )
-    .map_err(|e| NodeError::Resolver(e.to_string()))?;
-    let node = Arc::new(Node::new(config.clone(), Arc::new(resolver)));
-    let memory_task = tokio::spawn(crate::serve::memory::return_after_floods(
-        node.drain.tracker.clone(),
-    ));
-    let listener_metrics = Arc::new(metrics.listener(LISTENER));
-    let mut accept_tasks = Vec::new();
-    for l in listeners {
-        let address = l
-            .local_addr()
-            .map_or_else(|e| e.to_string(), |a| a.to_string());
-        tracing::info!(address, "listening");
-        let admission = Admission {
-            metrics: metrics.clone(),
-            listener: listener_metrics.clone(),
-            tracker: node.drain.tracker.clone(),
-            max_connections: config.limits.max_connections,
-        };
-        let stop = node.drain.listeners_stop();
-        let node = node.clone();
-        let handle = move |accepted| node.clone().handle(accepted);
-        accept_tasks.push(tokio::spawn(accept_loop(l, admission, stop, handle)));
-    }
-    tracing::info!(upstream = %format!("{}:{}", config.upstream.address.host, config.upstream.address.port), "node serving");
-
-    tokio::select! {
-        _ = sigterm.recv() => tracing::info!("SIGTERM: draining"),
-        _ = sigint.recv() => tracing::info!("SIGINT: draining"),
-    }
-    readiness.draining.store(true, Ordering::SeqCst);
-    readiness.publish(&admin_state);
     // No drain delay: the node's clients are local and its address is not behind a load
     // balancer that needs time to notice.
-    let times = DrainTimes {
+    let drain = DrainTimes {
         delay: Duration::ZERO,
         timeout: config.timeouts.drain,
     };
-    node.drain.run(times).await;
-    for t in accept_tasks {
-        let _ = t.await;
+    let spec = Spec::new(metrics.clone(), config.admin.address.0, drain);
+    process::run(spec, move || Ok(Starting { config, metrics })).await
+}
+
+/// The node before it serves: it binds its listeners once the admin endpoint is up.
+struct Starting {
+    config: Arc<NodeConfig>,
+    metrics: Arc<Metrics>,
+}
+
+impl Role for Starting {
+    type Error = NodeError;
+    type Serving = Serving;
+
+    async fn serve(self, cx: &Context) -> Result<Serving, NodeError> {
+        let Starting { config, metrics } = self;
+        let readiness = Arc::new(Readiness::default());
+        let admin_state = cx.admin.clone();
+        // Link management first: the address should be in place before we report ready.
+        let link_task = match &config.interface {
+            None => {
+                readiness.address.store(true, Ordering::SeqCst);
+                None
+            }
+            Some(iface) => {
+                let handle = link::connect().map_err(|e| NodeError::Link(e.to_string()))?;
+                let events = link::subscribe().map_err(|e| NodeError::Link(e.to_string()))?;
+                let manager = link::LinkManager::new(handle, &iface.name, iface.address);
+                Some(tokio::spawn(manage_link(
+                    manager,
+                    iface.check_interval,
+                    events,
+                    readiness.clone(),
+                    admin_state.clone(),
+                )))
+            }
+        };
+
+        let keepalive = (
+            config.keepalive.downstream.idle,
+            config.keepalive.downstream.interval,
+        );
+        let options = ListenOptions {
+            backlog: socket::LISTEN_BACKLOG,
+            reuse_port: false,
+            // The advertise address may appear on its link only after the bind.
+            freebind: true,
+            // Inherited by every accepted socket.
+            keepalive: Some(keepalive),
+        };
+        let mut listeners = Vec::new();
+        for &addr in &config.listen {
+            let l = socket::bind_listener(addr, &options)
+                .and_then(TcpListener::from_std)
+                .map_err(|source| StartError::bind("listener", addr, source))?;
+            listeners.push(l);
+        }
+        readiness.bound.store(true, Ordering::SeqCst);
+        readiness.publish(&admin_state);
+
+        // The process's one resolver: the gateway's name, cached for its TTL.
+        let resolver = Resolver::start(
+            &crate::net::resolve::ResolverSettings::default(),
+            fds::lookup_budget(),
+        )
+        .map_err(|e| NodeError::Resolver(e.to_string()))?;
+        let node = Arc::new(Node::new(
+            config.clone(),
+            Arc::new(resolver),
+            cx.drain.clone(),
+        ));
+        let memory_task = tokio::spawn(crate::serve::memory::return_after_floods(
+            node.drain.tracker.clone(),
+        ));
+        let listener_metrics = Arc::new(metrics.listener(LISTENER));
+        let mut accept_tasks = Vec::new();
+        for l in listeners {
+            let address = l
+                .local_addr()
+                .map_or_else(|e| e.to_string(), |a| a.to_string());
+            tracing::info!(address, "listening");
+            let admission = Admission {
+                metrics: metrics.clone(),
+                listener: listener_metrics.clone(),
+                tracker: node.drain.tracker.clone(),
+                max_connections: config.limits.max_connections,
+            };
+            let stop = node.drain.listeners_stop();
+            let node = node.clone();
+            let handle = move |accepted| node.clone().handle(accepted);
+            accept_tasks.push(tokio::spawn(accept_loop(l, admission, stop, handle)));
+        }
+        tracing::info!(upstream = %format!("{}:{}", config.upstream.address.host, config.upstream.address.port), "node serving");
+        Ok(Serving {
+            readiness,
+            admin: admin_state,
+            accept_tasks,
+            link_task,
+            memory_task,
+        })
     }
-    if let Some(t) = link_task {
-        t.abort();
+}
+
+/// The serving node: its accept loops and the tasks beside them.
+struct Serving {
+    readiness: Arc<Readiness>,
+    admin: Arc<AdminState>,
+    accept_tasks: Vec<tokio::task::JoinHandle<()>>,
+    link_task: Option<tokio::task::JoinHandle<()>>,
+    memory_task: tokio::task::JoinHandle<()>,
+}
+
+impl process::Serving for Serving {
+    fn draining(&mut self) {
+        // The link task publishes readiness too: it must not turn it on again.
+        self.readiness.draining.store(true, Ordering::SeqCst);
+        self.readiness.publish(&self.admin);
     }
-    memory_task.abort();
-    drop(admin_server);
-    tracing::info!("node stopped; the address stays in place (use --cleanup to remove it)");
-    Ok(())
+
+    async fn stop(self) {
+        for t in self.accept_tasks {
+            let _ = t.await;
+        }
+        if let Some(t) = self.link_task {
+            t.abort();
+        }
+        self.memory_task.abort();
+        tracing::info!("node stopped; the address stays in place (use --cleanup to remove it)");
+    }
 }
 
 async fn manage_link(
@@ -322,11 +307,12 @@ struct Node {
     upstream: BackendAddress,
     /// Reaches the gateway and opens the tunnel.
     dialer: Tunneled<Direct>,
-    drain: Drain,
+    /// The process's drain.
+    drain: Arc<Drain>,
 }
 
 impl Node {
-    fn new(config: Arc<NodeConfig>, resolver: Arc<Resolver>) -> Self {
+    fn new(config: Arc<NodeConfig>, resolver: Arc<Resolver>, drain: Arc<Drain>) -> Self {
         let upstream = match config.upstream.address.host.parse::<std::net::IpAddr>() {
             Ok(ip) => BackendAddress::Ip(SocketAddr::new(ip, config.upstream.address.port)),
             Err(_) => BackendAddress::Dns {
@@ -366,7 +352,7 @@ impl Node {
             route,
             upstream,
             dialer,
-            drain: Drain::default(),
+            drain,
         }
     }
 

@@ -219,6 +219,31 @@ pub(crate) async fn link<C: Leg, D: Dialer>(
 }
 
 impl<C: Leg, S: Leg> Linked<C, S> {
+    /// A connection whose backend stream the role had before its client stream (the agent
+    /// dials a target before it answers the tunneled SYN), routed on `route` (`record`
+    /// counted it there), with nothing to replay either way.
+    pub(crate) fn new(
+        client: C,
+        backend: S,
+        record: ConnRecord,
+        route: Arc<RouteMetrics>,
+        limits: relay::Limits,
+        guard: ConnGuard,
+    ) -> Self {
+        Linked {
+            client,
+            backend,
+            to_backend: Vec::new(),
+            to_client: Vec::new(),
+            sent: 0,
+            record,
+            route,
+            limits,
+            _backend: None,
+            _guard: guard,
+        }
+    }
+
     /// Relays until the end (or `stop`, the end of a drain), closes the backend, and
     /// finishes the record; the client closes last.
     ///

@@ -18,7 +18,10 @@ const TRIM_AFTER_DROP: usize = 256;
 /// Keeps large allocations (a table's route list and indexes, a file's bytes) out of the
 /// heap: glibc otherwise raises its mmap threshold after the first such block is freed, and
 /// from then on every reload's large blocks fragment the heap so it never shrinks back.
-#[expect(unsafe_code, reason = "glibc's allocator settings have no safe wrapper")]
+#[expect(
+    unsafe_code,
+    reason = "glibc's allocator settings have no safe wrapper"
+)]
 pub(crate) fn fix_mmap_threshold() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets a glibc allocator parameter; it has no preconditions.

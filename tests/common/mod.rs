@@ -1,6 +1,9 @@
 //! Shared harness for integration tests: runs the real `trellis` binary on loopback with
 //! real peers (rustls clients and servers, plain TCP backends, openssl, curl).
-#![expect(dead_code, reason = "each test crate uses a part of the shared helpers")]
+#![expect(
+    dead_code,
+    reason = "each test crate uses a part of the shared helpers"
+)]
 
 pub(crate) mod dns;
 pub(crate) mod egress;

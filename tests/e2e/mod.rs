@@ -2,7 +2,10 @@
 //! `benches/controller_e2e.rs`: the fake API server, the real `trellis controller` writing
 //! its table into a directory, a real `trellis gateway` whose `routes.file` is that table,
 //! and shoots whose EndpointSlices point at backends on 127.0.0.x.
-#![expect(dead_code, reason = "each test crate uses a part of the shared helpers")]
+#![expect(
+    dead_code,
+    reason = "each test crate uses a part of the shared helpers"
+)]
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -5,7 +5,10 @@
 //! Tests change objects directly through [`FakeKube`] and break things on demand: compaction,
 //! expired watches, 429/500 answers, dropped connections, a restart that keeps the objects.
 //! It keeps every object in memory, serves no TLS and checks no credentials.
-#![expect(dead_code, reason = "each test crate uses a part of the shared helpers")]
+#![expect(
+    dead_code,
+    reason = "each test crate uses a part of the shared helpers"
+)]
 
 mod store;
 
