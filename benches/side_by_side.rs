@@ -5,7 +5,9 @@
 //! pip when missing; see `envoy.rs`). Environment: `BENCH_SECONDS` (per figure and round,
 //! default 2), `BENCH_PEERS` (default `haproxy,nginx,envoy,floor,trellis-log`; `floor` is a
 //! reference, not a peer: see `floor.rs`; `haproxy-b` adds a second HAProxy, the A/A row;
-//! `trellis-log` is trellis writing its access log to a file, with the cost printed), `BENCH_ENVOY` (the
+//! `trellis-log` is trellis writing its access log to a file, with the cost printed;
+//! `trellis-base` is the binary `BENCH_TRELLIS_BASE` names, e.g. the previous commit's build,
+//! on ports of its own, with the ratio to this build printed), `BENCH_ENVOY` (the
 //! Envoy binary to run), `BENCH_IDLE` (idle connections for the memory figure, default
 //! 5000), `BENCH_JOBS` (default
 //! `sni,proxy-destination,http-connect,egress,egress-1000,tunnel,ha`; `ha` runs two gateway and
@@ -95,6 +97,7 @@ const CONNECT_DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.c
 const TRELLIS_ADMIN: &str = "127.0.0.1:8449";
 /// The admin address of the `trellis-log` row's gateway.
 const TRELLIS_LOG_ADMIN: &str = "127.0.0.1:8649";
+const TRELLIS_BASE_ADMIN: &str = "127.0.0.1:8749";
 const FLOOR_SNI: &str = "127.0.0.1:8448";
 const FLOOR_PP: &str = "127.0.0.1:8458";
 const FLOOR_CONNECT: &str = "127.0.0.1:8468";
@@ -961,14 +964,27 @@ fn idle_connections() -> usize {
         .unwrap_or(5000)
 }
 
-/// trellis for the plain jobs. With `logging`, the `trellis-log` row: the same gateway on
+/// Which trellis row a gateway is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TrellisRow {
+    /// This build, at level `warn` (no access log).
+    Plain,
+    /// This build writing its access log.
+    Log,
+    /// `BENCH_TRELLIS_BASE`, at level `warn`.
+    Base,
+}
+
+/// trellis for the plain jobs. `TrellisRow::Log` is the `trellis-log` row: the same gateway on
 /// ports of its own, writing its access log (`--log-format json`, level info) to a file, as
-/// a gateway in production does; otherwise at level `warn`, which writes no access log.
-fn start_trellis(dir: &Path, logging: bool) -> (Proxy, Vec<Target>) {
-    let (name, shift, admin) = if logging {
-        ("trellis-log", 200, TRELLIS_LOG_ADMIN)
-    } else {
-        ("trellis", 0, TRELLIS_ADMIN)
+/// a gateway in production does; `TrellisRow::Base` the `trellis-base` row, another build on ports
+/// of its own; otherwise at level `warn`, which writes no access log.
+fn start_trellis(dir: &Path, row: TrellisRow) -> (Proxy, Vec<Target>) {
+    let logging = row == TrellisRow::Log;
+    let (name, shift, admin) = match row {
+        TrellisRow::Log => ("trellis-log", 200, TRELLIS_LOG_ADMIN),
+        TrellisRow::Base => ("trellis-base", 300, TRELLIS_BASE_ADMIN),
+        TrellisRow::Plain => ("trellis", 0, TRELLIS_ADMIN),
     };
     let dir = dir.join(name);
     std::fs::create_dir_all(&dir).unwrap();
@@ -995,7 +1011,12 @@ fn start_trellis(dir: &Path, logging: bool) -> (Proxy, Vec<Target>) {
     )
     .unwrap();
     let log = logging.then(|| dir.join("access.log"));
-    let child = spawn_trellis(&dir.join("gateway.yaml"), log.as_deref());
+    let bin = match row {
+        TrellisRow::Base => std::env::var("BENCH_TRELLIS_BASE")
+            .expect("the trellis-base row runs the binary BENCH_TRELLIS_BASE names"),
+        TrellisRow::Plain | TrellisRow::Log => trellis_bin(),
+    };
+    let child = spawn_trellis(&bin, &dir.join("gateway.yaml"), log.as_deref());
     let target = |job, base, preamble| Target {
         proxy: name,
         job,
@@ -1027,8 +1048,8 @@ fn trellis_bin() -> String {
 
 /// `trellis gateway --config config`, in a session of its own: at level `warn`, or with
 /// its log (access lines included, in JSON) going to `log`.
-fn spawn_trellis(config: &Path, log: Option<&Path>) -> Child {
-    let mut cmd = proxy_command(trellis_bin());
+fn spawn_trellis(bin: &str, config: &Path, log: Option<&Path>) -> Child {
+    let mut cmd = proxy_command(bin);
     own_session(&mut cmd)
         .args(["gateway", "--config"])
         .arg(config);
@@ -1292,7 +1313,7 @@ fn start_trellis_egress(dir: &Path, pki: &EgressPki, job: &str) -> Option<(Proxy
     if routes > 1 && !trellis_accepts(&config, job) {
         return None;
     }
-    let child = spawn_trellis(&config, None);
+    let child = spawn_trellis(&trellis_bin(), &config, None);
     Some((
         Proxy {
             name: "trellis",
@@ -1440,7 +1461,10 @@ const FIGURES: [(&str, bool, bool); NFIG] = [
 
 /// Rows that are not peers: left out of "best".
 fn reference(proxy: &str) -> bool {
-    matches!(proxy, "trellis" | "trellis-log" | "floor" | "haproxy-b")
+    matches!(
+        proxy,
+        "trellis" | "trellis-log" | "trellis-base" | "floor" | "haproxy-b"
+    )
 }
 
 fn main() {
@@ -1517,13 +1541,19 @@ fn main() {
         let pki = &pki;
         let mut starters: Vec<Starter> = vec![Box::new(|job| match job {
             "egress" | "egress-1000" => start_trellis_egress(&work, pki, job),
-            _ => Some(start_trellis(&work, false)),
+            _ => Some(start_trellis(&work, TrellisRow::Plain)),
         })];
         let peer_list: Vec<&str> = peers_wanted.split(',').collect();
         if peer_list.contains(&"trellis-log") {
             starters.push(Box::new(|job| match job {
                 "egress" | "egress-1000" => None,
-                _ => Some(start_trellis(&work, true)),
+                _ => Some(start_trellis(&work, TrellisRow::Log)),
+            }));
+        }
+        if peer_list.contains(&"trellis-base") {
+            starters.push(Box::new(|job| match job {
+                "egress" | "egress-1000" => None,
+                _ => Some(start_trellis(&work, TrellisRow::Base)),
             }));
         }
         if peers_dir.exists() {
@@ -1843,6 +1873,18 @@ fn print_table(rows: &[Row], secs: f64, rounds: usize, idle: usize, storm: usize
         println!(
             "A/A: a second HAProxy with the same config (haproxy-b / haproxy): the runner's own spread"
         );
+    }
+    for b in rows.iter().filter(|r| r.proxy == "trellis-base") {
+        if let Some(t) = rows.iter().find(|r| r.proxy == "trellis" && r.job == b.job) {
+            println!(
+                "this build / trellis-base ({}), {}: CPU per new connection {:.2} / {:.2} µs = {:.3}",
+                std::env::var("BENCH_TRELLIS_BASE").unwrap_or_default(),
+                b.job,
+                t.figures[CPU_CONN],
+                b.figures[CPU_CONN],
+                t.figures[CPU_CONN] / b.figures[CPU_CONN]
+            );
+        }
     }
     let logged: Vec<_> = rows.iter().filter(|r| r.proxy == "trellis-log").collect();
     if !logged.is_empty() {
