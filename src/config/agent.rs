@@ -338,9 +338,16 @@ fn addresses(errors: &mut Errors, addresses: &mut [IpAddr]) {
             ),
         );
     }
+    // Refused addresses (decoded as stand-ins) take part in no rule.
+    let refused: Vec<bool> = (0..addresses.len())
+        .map(|i| errors.refused(&format!("{path}[{i}]")))
+        .collect();
     for i in 0..addresses.len() {
         let ip = addresses[i].to_canonical();
         addresses[i] = ip;
+        if refused[i] {
+            continue;
+        }
         let at_i = format!("{path}[{i}]");
         if ip.is_unspecified()
             || ip.is_multicast()
@@ -348,9 +355,7 @@ fn addresses(errors: &mut Errors, addresses: &mut [IpAddr]) {
         {
             errors.push(&at_i, format!("{ip} is not a unicast address"));
         }
-        if let Some(other) = addresses[..i]
-            .iter()
-            .position(|o| o.is_ipv4() == ip.is_ipv4())
+        if let Some(other) = (0..i).find(|&o| !refused[o] && addresses[o].is_ipv4() == ip.is_ipv4())
         {
             let family = if ip.is_ipv4() { "IPv4" } else { "IPv6" };
             errors.push(

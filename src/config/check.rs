@@ -117,10 +117,12 @@ fn validate(decoded: Decoded, source: &Source<'_>, errors: &mut Errors) -> AnyFi
         Decoded::Gateway(file) => {
             let config = GatewayConfig::validate(file, source, (), errors);
             for (i, l) in config.listeners.iter().enumerate() {
+                let path = format!("listeners[{i}].tls");
                 if let ListenerKind::EgressConnect { tls } = l.kind()
                     && l.tls.is_some()
+                    && !errors.refused(&path)
                 {
-                    super::tls::check_material(errors, &format!("listeners[{i}].tls"), tls);
+                    super::tls::check_material(errors, &path, tls);
                 }
             }
             AnyFile::Gateway(config)
@@ -651,5 +653,119 @@ mod tests {
             body(v, 0, &mut out);
             out
         }
+    }
+
+    /// A value refused inside a YAML alias or merge key is reported at the value, with its
+    /// message (the parser wraps such errors), and decoding goes on past it.
+    #[test]
+    fn a_value_refused_through_an_alias_is_reported_and_decoding_goes_on() {
+        use crate::config::gateway::GatewayConfig;
+        let head = format!("apiVersion: {API_VERSION}\nkind: GatewayConfiguration\n");
+        let text = format!(
+            "{head}routes: {{file: r.yaml}}
+listeners:
+- &l {{name: a, address: \"0.0.0.0:1\", protocol: snii}}
+- <<: *l
+  name: b
+admin: {{address: \"127.0.0.1:2\"}}
+timeouts: {{connect: &d 5x, idle: *d, halfClose: 5x}}
+limits: {{maxConnections: 0, maxHeaderBytes: 1}}
+workers: 300
+"
+        );
+        let err = crate::config::parse::<GatewayConfig>(Path::new("g.yaml"), text.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains('\u{1}'), "{err:?}");
+        for needle in [
+            "g.yaml:5:48: listeners[0].protocol: unknown protocol \"snii\"",
+            "listeners[1].protocol: unknown protocol \"snii\"",
+            "g.yaml:9:24: timeouts.connect: invalid duration \"5x\"",
+            "timeouts.idle: invalid duration \"5x\"",
+            "timeouts.halfClose: invalid duration \"5x\"",
+            "limits.maxConnections: 0 is out of range",
+            "limits.maxHeaderBytes: 1 is out of range",
+            "workers: 300 is out of range",
+        ] {
+            assert!(err.contains(needle), "{needle} not in\n{err}");
+        }
+    }
+
+    /// A role given its own kind's file whose `kind` has the wrong type is told that, where
+    /// it is, not that the kind is another one.
+    #[test]
+    fn a_kind_of_the_wrong_type_is_a_type_error_for_a_role_too() {
+        use crate::config::gateway::GatewayConfig;
+        let text = format!("apiVersion: {API_VERSION}\nkind: [GatewayConfiguration]\n");
+        let err = crate::config::parse::<GatewayConfig>(Path::new("k.yaml"), text.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "k.yaml:2:7: kind: expected a string");
+    }
+
+    /// A rule across fields never reads a refused value's stand-in: each file below has one
+    /// problem, the refused value, and nothing is reported about the stand-in.
+    #[test]
+    fn rules_across_fields_skip_refused_values() {
+        use crate::config::agent::AgentConfig;
+        use crate::config::gateway::GatewayConfig;
+        use crate::config::node::NodeConfig;
+        let v = API_VERSION;
+        let gateway = |body: &str| {
+            let text = format!(
+                "apiVersion: {v}\nkind: GatewayConfiguration\nroutes: {{file: r.yaml}}\n{body}"
+            );
+            crate::config::parse::<GatewayConfig>(Path::new("g.yaml"), text.as_bytes())
+                .unwrap_err()
+                .to_string()
+        };
+        // The connect budget's stand-in is not what the resolver's timeout is compared with.
+        let err = gateway(
+            "listeners: [{name: a, address: \"0.0.0.0:1\", protocol: sni}]\nadmin: {address: \"127.0.0.1:2\"}\ntimeouts: {connect: 5x}\nresolver: {timeout: 2s}\n",
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains("timeouts.connect: invalid duration"), "{err}");
+        // Nor is an address's stand-in another listener's, or the admin endpoint's.
+        let err = gateway(
+            "listeners: [{name: a, address: bogus, protocol: sni}, {name: b, address: \"0.0.0.0:0\", protocol: sni}]\nadmin: {address: \"0.0.0.0:0\", debugAddress: nope}\n",
+        );
+        assert!(
+            err.contains("listeners[0].address: expected IP:port"),
+            "{err}"
+        );
+        assert!(
+            err.contains("admin.debugAddress: expected IP:port"),
+            "{err}"
+        );
+        assert!(
+            err.contains("admin.address: address 0.0.0.0:0 is used by a listener"),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 3, "{err}");
+        // A node's mistyped protocol says nothing of which settings belong.
+        let text = format!(
+            "apiVersion: {v}\nkind: NodeConfiguration\nlisten: [\"127.0.0.1:1\"]\nupstream: {{address: \"gw:8132\", protocol: http-conect, destination: \"outbound|443||x\"}}\nadmin: {{address: \"127.0.0.1:2\"}}\n"
+        );
+        let err = crate::config::parse::<NodeConfig>(Path::new("n.yaml"), text.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains("upstream.protocol: expected http-connect or proxy-v2"),
+            "{err}"
+        );
+        // A refused address is no address of its family.
+        let key = crate::route::WgKey([9; 32]).to_base64();
+        let text = format!(
+            "apiVersion: {v}\nkind: AgentConfiguration\nwireguard: {{privateKeyFile: k, addresses: [bogus, 10.0.0.1], gateway: {{publicKey: \"{key}\", endpoints: [{{udp: \"gw:1\"}}]}}}}\nnetworks: [10.0.0.0/8]\nadmin: {{address: \"127.0.0.1:2\"}}\n"
+        );
+        let err = crate::config::parse::<AgentConfig>(Path::new("a.yaml"), text.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains("wireguard.addresses[0]: expected an IP address"),
+            "{err}"
+        );
     }
 }

@@ -53,8 +53,8 @@ pub struct ControllerFile {
     pub kind: String,
     /// Kubeconfig file of the seed (relative to this file); in-cluster configuration (or
     /// `KUBECONFIG`) when absent.
-    #[serde(default, deserialize_with = "plain_option::<FilePath, _>")]
-    pub kubeconfig: Option<PathBuf>,
+    #[serde(default)]
+    pub kubeconfig: Option<String>,
     /// The gateway the table is rendered for (default: the seed's default ingress gateway).
     #[serde(default)]
     pub gateway: Option<Target>,
@@ -402,22 +402,28 @@ fn local_addresses(errors: &mut Errors, list: &[Ip]) -> Vec<IpAddr> {
         );
     }
     let mut out: Vec<IpAddr> = Vec::with_capacity(list.len());
+    // Refused addresses (decoded as stand-ins) take part in no rule.
+    let mut valid: Vec<IpAddr> = Vec::with_capacity(list.len());
     for (i, ip) in list.iter().enumerate() {
         let at = format!("{path}[{i}]");
         let ip = ip.0.to_canonical();
+        out.push(ip);
+        if errors.refused(&at) {
+            continue;
+        }
         if ip.is_unspecified()
             || ip.is_multicast()
             || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast())
         {
             errors.push(&at, format!("{ip} is not a unicast address"));
         }
-        if out.iter().any(|o| o.is_ipv4() == ip.is_ipv4()) {
+        if valid.iter().any(|o| o.is_ipv4() == ip.is_ipv4()) {
             errors.push(
                 &at,
                 "a second address of its family: at most one per family",
             );
         }
-        out.push(ip);
+        valid.push(ip);
     }
     out
 }

@@ -145,7 +145,10 @@ pub(crate) fn decode<S: Kinds>(
         // Only the second pass knew what to do with the fields before `kind`.
         Outcome::KindLate(kind) => run(file, text, json, Late::<S>(&kind, PhantomData), recovery)?,
         Outcome::Other(kind) => {
-            if let Some(e) = S::other(file, &kind) {
+            // A `kind` of the wrong type was decoded as a stand-in: that is the problem.
+            if !found.plan.shadows("kind")
+                && let Some(e) = S::other(file, &kind)
+            {
                 return Err(e);
             }
             let message = format!("unknown kind {kind:?}, expected one of {:?}", S::names());
@@ -370,7 +373,7 @@ fn fix(failure: &Failure) -> Fix {
             }
             _ => Fix::Stop,
         },
-        ParseError::Yaml(e) => match e.without_snippet() {
+        ParseError::Yaml(e) => match original(e) {
             Y::SerdeMissingField { field, .. } => Fix::Add((*field).to_owned()),
             Y::SerdeInvalidType { .. }
             | Y::SerdeInvalidValue { .. }
@@ -531,7 +534,7 @@ fn yaml_error(path: String, text: &str, e: &serde_saphyr::Error) -> FieldError {
         .location()
         .filter(|l| l.line() > 0)
         .map(|l| (l.line(), l.column()));
-    let message = match e.without_snippet() {
+    let message = match original(e) {
         serde_saphyr::Error::MultipleDocuments { .. } => {
             let documents =
                 serde_saphyr::from_multiple_with_options::<IgnoredAny>(text, yaml_options())
@@ -550,10 +553,20 @@ fn yaml_error(path: String, text: &str, e: &serde_saphyr::Error) -> FieldError {
             other => format!("expected {other}"),
         },
         e => serde_saphyr::UserMessageFormatter
-            .format_message(e)
+            .format_message(original(e))
             .into_owned(),
     };
     field_error(path, position, message)
+}
+
+/// The error itself, inside the wrappers that say where an alias was used or add a snippet.
+fn original(mut e: &serde_saphyr::Error) -> &serde_saphyr::Error {
+    while let serde_saphyr::Error::AliasError { error, .. }
+    | serde_saphyr::Error::WithSnippet { error, .. } = e
+    {
+        e = error;
+    }
+    e
 }
 
 /// Line breaks and runs of blanks in a parser's message become one space.

@@ -111,6 +111,15 @@ impl Errors {
         self.found.is_empty()
     }
 
+    /// Whether the value at `path`, or one inside it, was refused when the file was decoded
+    /// (or `path` is inside one): a rule across fields that reads it reads a stand-in, and
+    /// would report a problem the file does not have.
+    pub(crate) fn refused(&self, path: &str) -> bool {
+        self.shadowed
+            .iter()
+            .any(|s| recover::within(path, s) || recover::within(s, path))
+    }
+
     /// Records a problem at `path`, unless the value there (or around it) was refused when
     /// the file was decoded: that was reported then.
     pub fn push(&mut self, path: impl fmt::Display, message: impl fmt::Display) {

@@ -507,20 +507,24 @@ impl ConfigKind for GatewayConfig {
             c.workers = std::thread::available_parallelism().map_or(1, |n| n.get());
         }
         let addresses = listeners(errors, dir, &mut c.listeners);
-        let admin = c.admin.address.0;
-        if addresses.contains(&admin) {
+        // What a rule reads must be what the file says, not a refused value's stand-in.
+        let admin = (!errors.refused("admin.address")).then_some(c.admin.address.0);
+        if let Some(admin) = admin
+            && addresses.contains(&admin)
+        {
             errors.push(
                 "admin.address",
                 format!("address {admin} is used by a listener"),
             );
         }
-        if let Some(debug) = c.admin.debug_address.map(|a| a.0) {
+        let debug = c.admin.debug_address.map(|a| a.0);
+        if let Some(debug) = debug.filter(|_| !errors.refused("admin.debugAddress")) {
             if addresses.contains(&debug) {
                 errors.push(
                     "admin.debugAddress",
                     format!("address {debug} is used by a listener"),
                 );
-            } else if debug == admin && debug.port() != 0 {
+            } else if Some(debug) == admin && debug.port() != 0 {
                 errors.push(
                     "admin.debugAddress",
                     format!("address {debug} is admin.address; the debug endpoint needs its own"),
@@ -540,6 +544,7 @@ impl ConfigKind for GatewayConfig {
         let connect = c.timeouts.connect;
         if let Some(timeout) = resolver.timeout
             && timeout >= connect
+            && !errors.refused("timeouts.connect")
         {
             errors.push(
                 "resolver.timeout",
@@ -574,14 +579,17 @@ fn listeners(errors: &mut Errors, dir: &Path, listeners: &mut [Listener]) -> Has
         .any(|l| l.protocol == Protocol::HttpConnect);
     for (i, l) in listeners.iter_mut().enumerate() {
         let path = format!("listeners[{i}]");
-        if !names.insert(l.name.0.clone()) {
+        if !errors.refused(&at(&path, "name")) && !names.insert(l.name.0.clone()) {
             errors.push(
                 at(&path, "name"),
                 format!("duplicate listener name {:?}", l.name.0),
             );
         }
         // A wireguard listener's address is UDP: a TCP listener may have the same.
-        if l.protocol != Protocol::WireGuard && !addresses.insert(l.address) {
+        if l.protocol != Protocol::WireGuard
+            && !errors.refused(&at(&path, "address"))
+            && !addresses.insert(l.address)
+        {
             errors.push(
                 at(&path, "address"),
                 format!("address {} is used by another listener", l.address),

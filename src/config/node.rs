@@ -249,8 +249,11 @@ impl ConfigKind for NodeConfig {
             errors.push("listen", "at least one address is required");
         }
         let u = &c.upstream;
-        match u.protocol {
-            ProtocolName::HttpConnect => {
+        // A refused protocol's stand-in says nothing of which settings belong.
+        let protocol = (!errors.refused("upstream.protocol")).then_some(u.protocol);
+        match protocol {
+            None => {}
+            Some(ProtocolName::HttpConnect) => {
                 if let Some(h) = &u.destination_header
                     && !h
                         .bytes()
@@ -266,14 +269,15 @@ impl ConfigKind for NodeConfig {
                     errors.push("upstream.destination", "required for http-connect (e.g. outbound|443||kube-apiserver.<ns>.svc.cluster.local)");
                 }
             }
-            ProtocolName::ProxyV2 => {
-                if u.destination.is_some() || u.destination_header.is_some() {
-                    errors.push(
-                        "upstream.destination",
-                        "only valid with protocol http-connect",
-                    );
-                }
+            Some(ProtocolName::ProxyV2)
+                if u.destination.is_some() || u.destination_header.is_some() =>
+            {
+                errors.push(
+                    "upstream.destination",
+                    "only valid with protocol http-connect",
+                );
             }
+            Some(ProtocolName::ProxyV2) => {}
         }
         c.admin.no_debug_address(
             errors,
