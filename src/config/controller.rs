@@ -267,8 +267,8 @@ impl ConfigKind for ControllerConfig {
     type Context<'a> = ();
 
     fn validate(file: ControllerFile, source: &Source<'_>, (): (), errors: &mut Errors) -> Self {
-        // Relative paths are relative to the configuration file, like a gateway's `routes.file`.
         file.api_version.check(errors);
+        // Relative paths are relative to the configuration file, like a gateway's `routes.file`.
         let dir = source.dir();
         let mut config = ControllerConfig {
             kubeconfig: file.kubeconfig.map(|k| dir.join(k)),
