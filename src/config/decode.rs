@@ -169,6 +169,48 @@ pub(crate) fn decode<S: Kinds>(
     Ok((decoded, errors))
 }
 
+/// The `kind` a document names at its top (`None`: none, or not text), read without decoding
+/// the rest: the read stops there. `trellis check` decodes a file as the kind it names with
+/// that kind's own decoder, the one its process uses (one decoder per kind in the binary,
+/// not a second one that knows every kind).
+pub(crate) fn kind_of(bytes: &[u8]) -> Option<String> {
+    struct Seek<'a>(&'a RefCell<Option<String>>);
+    impl<'de> DeserializeSeed<'de> for Seek<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Seek<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a mapping")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(key) = map.next_key::<String>()? {
+                if key == "kind" {
+                    *self.0.borrow_mut() = map.next_value::<String>().ok();
+                    // What follows is not needed: stop the parser here.
+                    return Err(serde::de::Error::custom("kind read"));
+                }
+                map.next_value::<IgnoredAny>()?;
+            }
+            Ok(())
+        }
+    }
+    let text = std::str::from_utf8(bytes).ok()?;
+    let found = RefCell::new(None);
+    if text.trim_start().starts_with('{') {
+        let mut de = serde_json::Deserializer::from_str(text);
+        let _ = Seek(&found).deserialize(&mut de);
+    } else {
+        let _ = serde_saphyr::with_deserializer_from_str_with_options(text, yaml_options(), |de| {
+            Seek(&found).deserialize(de)
+        });
+    }
+    found.into_inner()
+}
+
 /// The error for a file whose kind is not known: the type errors found on the way, and
 /// `message` about `kind` unless its value was one of them.
 fn kindless(file: &Path, found: Found, message: impl fmt::Display) -> ConfigError {

@@ -5,7 +5,6 @@
 //! fields. This module reads no files and knows no kind.
 
 use std::fmt;
-use std::marker::PhantomData;
 use std::net::{IpAddr, SocketAddr};
 use std::ops::Deref;
 use std::path::PathBuf;
@@ -55,23 +54,43 @@ macro_rules! text_values {
 /// name the stand-in deserializer knows ([`recover::SCALAR`]), which hands a stand-in the
 /// type makes itself instead of an empty string it would refuse.
 pub(crate) fn text<'de, T: Text, D: Deserializer<'de>>(d: D) -> Result<T, D::Error> {
-    struct Scalar<T>(PhantomData<T>);
-    impl<'de, T: Text> Visitor<'de> for Scalar<T> {
-        type Value = T;
+    let mut value: Option<T> = None;
+    scalar(d, &mut |text| {
+        value = Some(match text {
+            Some(text) => T::from_text(text)?,
+            None => T::stand_in(),
+        });
+        Ok(())
+    })?;
+    // A scalar that decoded handed its text (or the stand-in's absence) to the closure.
+    Ok(value.unwrap_or_else(T::stand_in))
+}
+
+/// Hands a scalar's text to `parse` (`None` where a stand-in is decoded), inside the
+/// value's decode so that its refusal has the value's path. One visitor for every [`Text`]
+/// type: a visitor of each type's own would be built for every deserializer the decoder
+/// stacks, megabytes of the binary.
+fn scalar<'de, D: Deserializer<'de>>(
+    d: D,
+    parse: &mut dyn FnMut(Option<&str>) -> Result<(), String>,
+) -> Result<(), D::Error> {
+    struct Scalar<'p>(&'p mut dyn FnMut(Option<&str>) -> Result<(), String>);
+    impl<'de> Visitor<'de> for Scalar<'_> {
+        type Value = ();
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             f.write_str("a string")
         }
-        fn visit_unit<E: de::Error>(self) -> Result<T, E> {
-            Ok(T::stand_in())
+        fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+            (self.0)(None).map_err(refuse)
         }
-        fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<T, D::Error> {
+        fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
             d.deserialize_str(self)
         }
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<T, E> {
-            T::from_text(v).map_err(refuse)
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+            (self.0)(Some(v)).map_err(refuse)
         }
     }
-    d.deserialize_newtype_struct(recover::SCALAR, Scalar(PhantomData))
+    d.deserialize_newtype_struct(recover::SCALAR, Scalar(parse))
 }
 
 /// A newtype whose value a field may hold plainly (`Duration`, `SocketAddr`), decoded
