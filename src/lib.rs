@@ -11,6 +11,8 @@ pub(crate) mod admin;
 pub mod agent;
 pub mod config;
 pub mod controller;
+#[cfg(feature = "extension")]
+pub mod extension;
 pub mod gateway;
 pub mod net;
 pub mod node;

@@ -57,6 +57,13 @@ enum Command {
         #[command(subcommand)]
         command: Option<ControllerCommand>,
     },
+    /// Run the Gardener extension: the controller of trellis' Extension types and the HTTPS
+    /// server of their mutating webhooks.
+    Extension {
+        /// ExtensionConfiguration file.
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Validate trellis config and routing table files; exit 1 if any is invalid.
     Check {
         /// Files to check.
@@ -249,6 +256,33 @@ fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
+#[cfg(feature = "extension")]
+fn extension(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
+    use trellis::config::extension::ExtensionConfig;
+    let config = match trellis::config::load::<ExtensionConfig>(config_file) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(2)
+        .thread_name("trellis-extension")
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(trellis::extension::run(config));
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    result?;
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "extension"))]
+fn extension(_config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
+    anyhow::bail!("this trellis was built without the `extension` feature")
+}
+
 fn agent(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
     let config = match trellis::config::load::<trellis::config::agent::AgentConfig>(config_file) {
         Ok(c) => c,
@@ -318,6 +352,7 @@ fn main() -> ExitCode {
             trellis::access_log::init(access_format(cli.log_format));
             agent(config)
         }
+        Command::Extension { config } => extension(config),
     };
     // Access-log lines still waiting for their writer thread.
     trellis::access_log::flush();

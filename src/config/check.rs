@@ -10,6 +10,7 @@ use serde::Deserializer;
 use super::agent::AgentConfig;
 use super::controller::ControllerConfig;
 use super::decode::{self, Kinds, Recovery};
+use super::extension::ExtensionConfig;
 use super::error::{ConfigError, Errors};
 use super::gateway::{GatewayConfig, ListenerKind};
 use super::load::{ConfigKind, One, Source, read_file};
@@ -30,6 +31,8 @@ pub enum AnyFile {
     Controller(ControllerConfig),
     /// `kind: AgentConfiguration`.
     Agent(AgentConfig),
+    /// `kind: ExtensionConfiguration`.
+    Extension(ExtensionConfig),
 }
 
 impl AnyFile {
@@ -41,6 +44,7 @@ impl AnyFile {
             AnyFile::Node(_) => NodeConfig::KIND,
             AnyFile::Controller(_) => ControllerConfig::KIND,
             AnyFile::Agent(_) => AgentConfig::KIND,
+            AnyFile::Extension(_) => ExtensionConfig::KIND,
         }
     }
 }
@@ -52,6 +56,7 @@ enum Decoded {
     Node(<NodeConfig as ConfigKind>::File),
     Controller(<ControllerConfig as ConfigKind>::File),
     Agent(<AgentConfig as ConfigKind>::File),
+    Extension(<ExtensionConfig as ConfigKind>::File),
 }
 
 /// A file whose kind is none of them: decoding it says so (unknown, missing, or not text),
@@ -66,6 +71,7 @@ impl Kinds for Unknown {
             NodeConfig::KIND,
             ControllerConfig::KIND,
             AgentConfig::KIND,
+            ExtensionConfig::KIND,
         ]
     }
 
@@ -87,6 +93,7 @@ impl Decoded {
             Decoded::Node(_) => NodeConfig::KIND,
             Decoded::Controller(_) => ControllerConfig::KIND,
             Decoded::Agent(_) => AgentConfig::KIND,
+            Decoded::Extension(_) => ExtensionConfig::KIND,
         }
     }
 }
@@ -106,6 +113,7 @@ fn decode_any(file: &Path, bytes: &[u8]) -> Result<(Decoded, Errors), ConfigErro
         Some(NodeConfig::KIND) => one::<NodeConfig>(file, bytes, Decoded::Node),
         Some(ControllerConfig::KIND) => one::<ControllerConfig>(file, bytes, Decoded::Controller),
         Some(AgentConfig::KIND) => one::<AgentConfig>(file, bytes, Decoded::Agent),
+        Some(ExtensionConfig::KIND) => one::<ExtensionConfig>(file, bytes, Decoded::Extension),
         _ => decode::decode::<Unknown>(file, bytes, Recovery::All).map(|(u, _)| match u {}),
     }
 }
@@ -167,6 +175,9 @@ fn validate(decoded: Decoded, source: &Source<'_>, errors: &mut Errors) -> AnyFi
             AnyFile::Controller(ControllerConfig::validate(file, source, (), errors))
         }
         Decoded::Agent(file) => AnyFile::Agent(AgentConfig::validate(file, source, (), errors)),
+        Decoded::Extension(file) => {
+            AnyFile::Extension(ExtensionConfig::validate(file, source, (), errors))
+        }
     }
 }
 

@@ -13,8 +13,8 @@
 //! Layers, each importing only those below it (`scripts/test` keeps it so): `error`,
 //! `recover`, `locate`, `value` at the bottom; `decode` (kind-agnostic); `load` (the
 //! [`ConfigKind`] trait and the one loader); the shared sections `common`, `tls` and `table`
-//! (the routing table's schema); the kinds `gateway`, `node`, `agent`, `controller` and
-//! `routes`, none importing another; `check`, the one place that names every kind.
+//! (the routing table's schema); the kinds `gateway`, `node`, `agent`, `controller`,
+//! `extension` and `routes`, none importing another; `check`, the one place that names every kind.
 
 #[macro_use]
 mod decode;
@@ -30,6 +30,7 @@ pub mod table;
 
 pub mod agent;
 pub mod controller;
+pub mod extension;
 pub mod gateway;
 pub mod node;
 pub mod routes;

@@ -1,0 +1,23 @@
+//! The Gardener extension (`trellis extension`, cargo feature `extension`): one process with
+//! a controller for `extensions.gardener.cloud/v1alpha1 Extension`s of trellis' types and
+//! the HTTPS server of their mutating webhooks.
+//!
+//! - [`role`]: the types (`trellis-node`) and their webhook targets, generic over the role.
+//! - [`state`]: what the controller established, read by the webhooks.
+//! - [`mutate`]: the pure mutations of admitted objects (raw JSON in, raw JSON out).
+//! - [`render`]: the pure rendering of what a shoot's ManagedResource delivers.
+//! - [`admission`]: one AdmissionReview in, its response out (checks, counting, warnings).
+//! - [`server`]: the HTTPS server (limits, deadlines, callers), [`certs`]: its CA and
+//!   server certificate, rotated without a restart.
+//! - [`reconcile`]: the Extension controller (Gardener's contract), [`heartbeat`]: its Lease.
+
+pub mod role;
+pub mod state;
+
+use crate::config::extension::ExtensionConfig;
+
+/// Runs the extension until SIGTERM/SIGINT.
+pub async fn run(config: ExtensionConfig) -> anyhow::Result<()> {
+    let _ = config;
+    anyhow::bail!("trellis extension: not wired yet")
+}
