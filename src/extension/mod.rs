@@ -11,6 +11,8 @@
 //!   server certificate, rotated without a restart.
 //! - [`reconcile`]: the Extension controller (Gardener's contract), [`heartbeat`]: its Lease.
 
+pub mod mutate;
+pub mod render;
 pub mod role;
 pub mod state;
 
