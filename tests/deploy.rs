@@ -3129,3 +3129,213 @@ fn readme_seed_export_renders_what_the_api_server_holds() {
     assert!(names.contains(&"shoot--dev--alpha"), "{names:?}");
     drop(kube);
 }
+
+// The Gardener extension: the Helm chart gardenlet installs in a seed
+// (charts/trellis-extension) and the garden's objects that register it (deploy/extension).
+
+const EXTENSION_NAMESPACE: &str = "extension-trellis-x7k2p";
+
+/// The chart's templates rendered as gardenlet's Helm would, by substitution: they use only
+/// `.Release.Namespace` and `.Values.image` (any other template text fails the test).
+fn render_chart(image: &str) -> Vec<Value> {
+    let dir = repo().join("charts/trellis-extension/templates");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let mut objects = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let text = text
+            .replace("{{ .Release.Namespace }}", EXTENSION_NAMESPACE)
+            .replace("{{ .Values.image }}", image);
+        assert!(
+            !text.contains("{{"),
+            "{}: template text other than .Release.Namespace and .Values.image",
+            file.display()
+        );
+        objects.extend(
+            serde_saphyr::from_multiple::<Value>(&text)
+                .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+                .into_iter()
+                .filter(|v| !v.is_null()),
+        );
+    }
+    objects
+}
+
+#[test]
+fn extension_chart_renders_validates_and_its_config_passes_check() {
+    let image = "registry.example.com/trellis:v9.9.9";
+    let objects = render_chart(image);
+    for o in &objects {
+        if o["metadata"]["namespace"].is_string() {
+            assert_eq!(o["metadata"]["namespace"], EXTENSION_NAMESPACE, "{o}");
+        }
+    }
+    if let Some(v) = validator() {
+        validate(&v, &objects).unwrap();
+    } else {
+        common::skip(
+            "extension_chart_renders_validates_and_its_config_passes_check (schemas)",
+            "kubernetes-validate is not installed",
+        );
+    }
+    let deployment = find(&objects, "Deployment", "gardener-extension-trellis");
+    let pod = &deployment["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(c["image"], image);
+    // Its config, laid out as the pod mounts it, passes `trellis check` and is the one the
+    // container runs with.
+    let root = TestDir::new("extension-chart");
+    let file = lay_out(&objects, deployment, "extension", &root.0);
+    let (ok, out) = check(&file);
+    assert!(ok, "{out}");
+    assert!(out.contains("valid ExtensionConfiguration"), "{out}");
+    let config: Value = serde_saphyr::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(config["namespace"], EXTENSION_NAMESPACE);
+    assert_eq!(
+        config["image"], image,
+        "the shoots' nodes run the chart's image"
+    );
+    // The Service leads to the webhook server; probes go to the admin port.
+    let service = find(&objects, "Service", "gardener-extension-trellis");
+    assert_eq!(
+        config["webhook"]["service"], service["metadata"]["name"],
+        "the server certificate names the Service the API servers call"
+    );
+    let webhook = service["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["port"] == 443)
+        .expect("the webhooks' URL is https://<service>.<namespace>:443");
+    let webhook_port = port_of(config["webhook"]["address"].as_str().unwrap());
+    assert_eq!(webhook["targetPort"], webhook_port);
+    assert_eq!(
+        port_of(config["admin"]["address"].as_str().unwrap()),
+        c["readinessProbe"]["httpGet"]["port"].as_u64().unwrap()
+    );
+    // gardener-resource-manager admits the shoots' kube-apiservers to the webhook port.
+    let annotations = &service["metadata"]["annotations"];
+    let allowed: Value = serde_json::from_str(
+        annotations["networking.resources.gardener.cloud/from-all-webhook-targets-allowed-ports"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(allowed, json!([{"protocol": "TCP", "port": webhook_port}]));
+    let selectors: Value = serde_json::from_str(
+        annotations["networking.resources.gardener.cloud/namespace-selectors"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(
+        selectors
+            .as_array()
+            .unwrap()
+            .contains(&json!({"matchLabels": {"gardener.cloud/role": "shoot"}})),
+        "{selectors}"
+    );
+    // Unprivileged, and under its own account.
+    assert_eq!(c["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
+    assert_eq!(pod["serviceAccountName"], "gardener-extension-trellis");
+}
+
+#[test]
+fn extension_registration_and_deployment_carry_the_chart() {
+    let objects: Vec<Value> = ["controllerregistration.yaml", "controllerdeployment.yaml"]
+        .iter()
+        .flat_map(|f| {
+            let text = std::fs::read_to_string(repo().join("deploy/extension").join(f)).unwrap();
+            serde_saphyr::from_multiple::<Value>(&text).unwrap()
+        })
+        .filter(|v| !v.is_null())
+        .collect();
+    let registration = find(&objects, "ControllerRegistration", "extension-trellis");
+    assert_eq!(registration["apiVersion"], "core.gardener.cloud/v1beta1");
+    let resources = registration["spec"]["resources"].as_array().unwrap();
+    assert_eq!(resources.len(), 1);
+    let r = &resources[0];
+    assert_eq!(r["kind"], "Extension");
+    assert_eq!(r["type"], "trellis-node");
+    assert_eq!(r["workerlessSupported"], false);
+    assert!(
+        r.get("globallyEnabled").is_none() && r.get("autoEnable").is_none(),
+        "a shoot opts in itself: {r}"
+    );
+    assert_eq!(
+        registration["spec"]["deployment"]["deploymentRefs"],
+        json!([{"name": "extension-trellis"}])
+    );
+    let deployment = find(&objects, "ControllerDeployment", "extension-trellis");
+    assert_eq!(deployment["apiVersion"], "core.gardener.cloud/v1");
+    // rawChart is the chart in the repository, file by file (scripts/extension-chart).
+    let raw = deployment["helm"]["rawChart"].as_str().unwrap();
+    let dir = TestDir::new("extension-raw-chart");
+    let tgz = dir.path("chart.tgz");
+    let decoded = Command::new("base64")
+        .arg("-d")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(raw.as_bytes())?;
+            child.wait_with_output()
+        })
+        .unwrap();
+    assert!(decoded.status.success(), "rawChart is not base64");
+    std::fs::write(&tgz, &decoded.stdout).unwrap();
+    let out = Command::new("tar")
+        .arg("-xzf")
+        .arg(&tgz)
+        .arg("-C")
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "rawChart is not a .tgz: {out:?}");
+    let chart = repo().join("charts/trellis-extension");
+    let unpacked = dir.path("trellis-extension");
+    let list = |root: &Path| -> Vec<PathBuf> {
+        let mut files = Vec::new();
+        let mut dirs = vec![root.to_owned()];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    dirs.push(p);
+                } else {
+                    files.push(p.strip_prefix(root).unwrap().to_owned());
+                }
+            }
+        }
+        files.sort();
+        files
+    };
+    assert_eq!(
+        list(&unpacked),
+        list(&chart),
+        "rawChart is stale: run scripts/extension-chart"
+    );
+    for f in list(&chart) {
+        assert_eq!(
+            std::fs::read(unpacked.join(&f)).unwrap(),
+            std::fs::read(chart.join(&f)).unwrap(),
+            "rawChart's {} is stale: run scripts/extension-chart",
+            f.display()
+        );
+    }
+    assert!(unpacked.join("Chart.yaml").exists());
+    assert_eq!(
+        deployment["helm"]["values"]["image"]
+            .as_str()
+            .unwrap()
+            .split(':')
+            .next(),
+        Some("ghcr.io/gardener/trellis")
+    );
+}
