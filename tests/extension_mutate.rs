@@ -424,6 +424,37 @@ fn foreign_containers_keep_their_places() {
     );
 }
 
+/// The `metrics` port's `hostPort` is kept as admitted: another value, or none.
+#[test]
+fn host_port_is_kept_as_it_was() {
+    let shoot = enabled_shoot(&rendered());
+    let base = object("apiserver-proxy-ipv4");
+    let proxy_port = "/spec/template/spec/containers/1/ports/0";
+    assert_eq!(base.pointer(proxy_port).expect("port")["name"], "metrics");
+    for host_port in [Some(json!(26910)), None] {
+        let mut input = base.clone();
+        let port = input
+            .pointer_mut(proxy_port)
+            .and_then(Value::as_object_mut)
+            .expect("port");
+        match &host_port {
+            Some(p) => port.insert("hostPort".into(), p.clone()),
+            None => port.remove("hostPort"),
+        };
+        let d = review(Some(&shoot), &input);
+        assert_eq!(d.result, "mutated");
+        let out = apply(&input, &d);
+        check_mutated("hostPort", &input, &out, shoot.node.as_ref().expect("node"));
+        let ours = named(
+            &out["spec"]["template"]["spec"]["containers"],
+            ap::CONTAINER,
+        )
+        .expect("ours");
+        assert_eq!(ours["ports"][0].get("hostPort"), host_port.as_ref());
+        assert_eq!(review(Some(&shoot), &out).result, "unchanged");
+    }
+}
+
 // --- the rendered config and the binary ---
 
 fn temp(name: &str, text: &str) -> std::path::PathBuf {
@@ -449,9 +480,9 @@ fn rendered_node_yaml_passes_trellis_check() {
         (
             "default",
             &cluster,
-            "\"shoot--dev--alpha--kube-apiserver-socket\"",
+            "destination: \"shoot--dev--alpha--kube-apiserver-socket\"\n  ipFamily: v4\nadmin:\n  address: \"0.0.0.0:16910\"",
         ),
-        ("v6", &v6, "ipFamily: v6"),
+        ("v6", &v6, "ipFamily: v6\nadmin:\n  address: \"[::]:16910\""),
         (
             "no-tls-termination",
             &disabled,

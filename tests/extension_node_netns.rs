@@ -17,6 +17,7 @@
 mod common;
 mod extension_common;
 
+use std::net::IpAddr;
 use std::path::Path;
 use std::time::Duration;
 
@@ -51,23 +52,39 @@ fn command_line(container: &Value, config: &Path) -> Vec<String> {
 }
 
 #[test]
-fn mutated_daemonset_serves_kubernetes_default_needs_root_netns() {
-    let test = "mutated_daemonset_serves_kubernetes_default_needs_root_netns";
+fn mutated_daemonset_ipv4_serves_kubernetes_default_needs_root_netns() {
+    run_as_written(
+        "mutated_daemonset_ipv4_serves_kubernetes_default_needs_root_netns",
+        "apiserver-proxy-ipv4",
+    );
+}
+
+/// The IPv6 advertise address Gardener writes (`64:ff9b:1::` + the seed's IPv4 ClusterIP),
+/// with the gateway still reached over IPv4 (the shoot's `ipFamilies` is `[IPv4]` here).
+#[test]
+fn mutated_daemonset_ipv6_serves_kubernetes_default_needs_root_netns() {
+    run_as_written(
+        "mutated_daemonset_ipv6_serves_kubernetes_default_needs_root_netns",
+        "apiserver-proxy-ipv6",
+    );
+}
+
+fn run_as_written(test: &str, golden: &str) {
     if let Some(reason) = netns::skip_reason(&["openssl", "curl"]) {
         common::skip(test, &reason);
         return;
     }
-    // The webhook's answer for Gardener's IPv4 DaemonSet (and the golden file agrees).
+    // The webhook's answer for Gardener's DaemonSet (and the golden file agrees).
     let r = extension_common::rendered();
     let shoot = extension_common::enabled_shoot(&r);
     let input =
-        extension_common::json("apiserver-proxy-ipv4.review.json")["request"]["object"].clone();
+        extension_common::json(&format!("{golden}.review.json"))["request"]["object"].clone();
     let d = mutate::review(Target::ApiserverProxy, Some(&shoot), &input);
     let mut pod = input.clone();
     json_patch::patch(&mut pod, d.patch.as_ref().expect("a patch")).expect("applies");
     assert_eq!(
         pod,
-        extension_common::json("expected/apiserver-proxy-ipv4.json")
+        extension_common::json(&format!("expected/{golden}.json"))
     );
     let spec = &pod["spec"]["template"]["spec"];
     assert_eq!(spec["hostNetwork"], true, "runs in the node's network");
@@ -82,8 +99,12 @@ fn mutated_daemonset_serves_kubernetes_default_needs_root_netns() {
         .iter()
         .position(|a| a == "--advertise-address")
         .and_then(|i| command[i + 1].as_str())
-        .expect("the advertise address")
-        .to_owned();
+        .and_then(|a| a.parse::<IpAddr>().ok())
+        .expect("the advertise address");
+    let (prefix, dial) = match vip {
+        IpAddr::V4(_) => (32, vip.to_string()),
+        IpAddr::V6(_) => (128, format!("[{vip}]")),
+    };
     let yaml = extension_common::node_yaml(&r);
     let destination = yaml
         .lines()
@@ -184,7 +205,7 @@ admin: {address: \"127.0.0.1:15021\"}
     assert!(
         addrs
             .lines()
-            .any(|l| l.contains(link) && l.contains(&format!("{vip}/32"))),
+            .any(|l| l.contains(link) && l.contains(&format!(" {vip}/{prefix} "))),
         "the advertise address on the dummy link:\n{addrs}\nnode:\n{}",
         node_log()
     );
@@ -197,7 +218,7 @@ admin: {address: \"127.0.0.1:15021\"}
                 "sh",
                 "-c",
                 &format!(
-                    "printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 20 openssl s_client -ign_eof -connect {vip}:443 -servername {SNI} -CAfile {}",
+                    "printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 20 openssl s_client -ign_eof -connect {dial}:443 -servername {SNI} -CAfile {}",
                     pem.display()
                 ),
             ],
