@@ -39,6 +39,11 @@ enum Command {
         /// Remove the managed address and exit.
         #[arg(long)]
         cleanup: bool,
+        /// The kube-apiserver advertise address: listen on `IP:443` and manage `IP` on the
+        /// file's `interface` (the file may then leave `listen` and `interface.address` out;
+        /// if it has them, they must agree).
+        #[arg(long, value_name = "IP")]
+        advertise_address: Option<std::net::IpAddr>,
     },
     /// Run the shoot side of a WireGuard tunnel: a user-space peer of the gateway that dials
     /// targets in the shoot, without privileges.
@@ -226,11 +231,22 @@ fn gateway(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn node(config_file: &std::path::Path, cleanup: bool) -> anyhow::Result<ExitCode> {
-    let mut config = match trellis::config::load::<trellis::config::node::NodeConfig>(config_file) {
+fn node(
+    config_file: &std::path::Path,
+    cleanup: bool,
+    advertise_address: Option<std::net::IpAddr>,
+) -> anyhow::Result<ExitCode> {
+    let config = match trellis::config::load::<trellis::config::node::NodeConfig>(config_file) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    let mut config = match config.with_advertise_address(advertise_address) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{}: {e}", config_file.display());
             return Ok(ExitCode::FAILURE);
         }
     };
@@ -344,9 +360,13 @@ fn main() -> ExitCode {
             trellis::access_log::init(access_format(cli.log_format));
             gateway(config)
         }
-        Command::Node { config, cleanup } => {
+        Command::Node {
+            config,
+            cleanup,
+            advertise_address,
+        } => {
             trellis::access_log::init(access_format(cli.log_format));
-            node(config, *cleanup)
+            node(config, *cleanup, *advertise_address)
         }
         Command::Agent { config } => {
             trellis::access_log::init(access_format(cli.log_format));

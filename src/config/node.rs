@@ -12,7 +12,7 @@ use super::error::Errors;
 use super::load::{ConfigKind, Source};
 use super::value::{
     Address, ApiVersion, Count, DEFAULT_DESTINATION_HEADER, HeaderName, Ip, Positive, Text, plain,
-    plain_list, secs,
+    plain_list, plain_option, secs,
 };
 use crate::net::IpFamily;
 
@@ -27,8 +27,10 @@ pub struct NodeConfig {
     pub api_version: ApiVersion,
     /// Always `NodeConfiguration`.
     pub kind: String,
-    /// Addresses to listen on (the kube-apiserver advertise address, port 443).
-    #[serde(deserialize_with = "plain_list::<Address, _>")]
+    /// Addresses to listen on (the kube-apiserver advertise address, port 443). May be left
+    /// out of the file when `trellis node --advertise-address IP` supplies it (`IP:443`); see
+    /// [`NodeConfig::with_advertise_address`].
+    #[serde(default, deserialize_with = "plain_list::<Address, _>")]
     pub listen: Vec<SocketAddr>,
     /// The link and address to manage (needs CAP_NET_ADMIN); optional.
     #[serde(default)]
@@ -58,9 +60,10 @@ pub struct Interface {
         deserialize_with = "plain::<LinkName, _>"
     )]
     pub name: String,
-    /// The address, added as /32 (/128) with global scope.
-    #[serde(deserialize_with = "plain::<Ip, _>")]
-    pub address: IpAddr,
+    /// The address, added as /32 (/128) with global scope. May be left out of the file when
+    /// `trellis node --advertise-address IP` supplies it.
+    #[serde(default, deserialize_with = "plain_option::<Ip, _>")]
+    pub address: Option<IpAddr>,
     /// How often the address is re-checked besides netlink events (default `10s`).
     #[serde(default = "secs::<10>", deserialize_with = "plain::<Positive, _>")]
     pub check_interval: Duration,
@@ -206,6 +209,81 @@ impl Default for NodeLimits {
     }
 }
 
+/// Why `--advertise-address` and the file cannot be combined into listen addresses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdvertiseError {
+    /// The file has no `listen` and no `--advertise-address` was given.
+    #[error("listen: no address to listen on: give --advertise-address IP or `listen` in the file")]
+    NoListen,
+    /// The file has an `interface` without `address` and no `--advertise-address` was given.
+    #[error(
+        "interface.address: no address to manage: give --advertise-address IP or `interface.address` in the file"
+    )]
+    NoInterfaceAddress,
+    /// The file's `listen` is not exactly the flag's `IP:443`.
+    #[error("listen: {file:?} disagrees with --advertise-address {flag} (expected [{expected}])")]
+    ListenDisagrees {
+        /// The file's addresses.
+        file: Vec<SocketAddr>,
+        /// The flag.
+        flag: IpAddr,
+        /// What the flag means.
+        expected: SocketAddr,
+    },
+    /// The file's `interface.address` is not the flag's address.
+    #[error("interface.address: {file} disagrees with --advertise-address {flag}")]
+    InterfaceDisagrees {
+        /// The file's address.
+        file: IpAddr,
+        /// The flag.
+        flag: IpAddr,
+    },
+}
+
+/// The port the advertise address is served on (the `kubernetes` Service's endpoint).
+pub const ADVERTISE_PORT: u16 = 443;
+
+impl NodeConfig {
+    /// Completes the file with the advertise address (`trellis node --advertise-address`):
+    /// `listen` becomes `[IP:443]` and `interface.address` `IP` (when the file has an
+    /// `interface`; without one no link is managed, as before). A file that already has
+    /// them must agree with the flag; without the flag the file must have them.
+    pub fn with_advertise_address(mut self, flag: Option<IpAddr>) -> Result<Self, AdvertiseError> {
+        match flag {
+            None => {
+                if self.listen.is_empty() {
+                    return Err(AdvertiseError::NoListen);
+                }
+                if self.interface.as_ref().is_some_and(|i| i.address.is_none()) {
+                    return Err(AdvertiseError::NoInterfaceAddress);
+                }
+            }
+            Some(ip) => {
+                let expected = SocketAddr::new(ip, ADVERTISE_PORT);
+                if self.listen.is_empty() {
+                    self.listen = vec![expected];
+                } else if self.listen != [expected] {
+                    return Err(AdvertiseError::ListenDisagrees {
+                        file: self.listen,
+                        flag: ip,
+                        expected,
+                    });
+                }
+                if let Some(iface) = &mut self.interface {
+                    match iface.address {
+                        None => iface.address = Some(ip),
+                        Some(file) if file != ip => {
+                            return Err(AdvertiseError::InterfaceDisagrees { file, flag: ip });
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+        }
+        Ok(self)
+    }
+}
+
 /// How the node reaches the gateway.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamProtocol {
@@ -245,9 +323,8 @@ impl ConfigKind for NodeConfig {
 
     fn validate(c: NodeConfig, _: &Source<'_>, (): (), errors: &mut Errors) -> Self {
         c.api_version.check(errors);
-        if c.listen.is_empty() {
-            errors.push("listen", "at least one address is required");
-        }
+        // `listen` and `interface.address` may come from `--advertise-address` instead
+        // (`NodeConfig::with_advertise_address`, checked at start).
         let u = &c.upstream;
         // A refused protocol's stand-in says nothing of which settings belong.
         let protocol = (!errors.refused("upstream.protocol")).then_some(u.protocol);
@@ -347,5 +424,56 @@ admin: {{address: \"0.0.0.0:16910\"}}
         let err = check(&format!("{HEAD}listen: [\"1.2.3.4:443\"]\nupstream: {{address: \"h:8443\"}}\nadmin: {{address: \"0.0.0.0:16910\"}}\n"))
             .unwrap_err();
         assert!(err.contains("upstream.destination: required"), "{err}");
+    }
+
+    #[test]
+    fn advertise_address_completes_the_file_or_must_agree() {
+        let base = format!(
+            "{HEAD}interface: {{name: apiserver-proxy}}\nupstream: {{address: \"h:8443\", destination: d}}\nadmin: {{address: \"0.0.0.0:16910\"}}\n"
+        );
+        let c = check(&base).expect("listen and interface.address may be left out");
+        assert!(c.listen.is_empty());
+        let ip: IpAddr = "240.0.0.1".parse().expect("ip");
+        let done = c
+            .clone()
+            .with_advertise_address(Some(ip))
+            .expect("completed");
+        assert_eq!(done.listen, vec![SocketAddr::new(ip, 443)]);
+        assert_eq!(done.interface.as_ref().and_then(|i| i.address), Some(ip));
+        assert_eq!(
+            c.clone().with_advertise_address(None).unwrap_err(),
+            AdvertiseError::NoListen
+        );
+        let v6: IpAddr = "64:ff9b:1::10.0.0.1".parse().expect("ip");
+        let done = c.with_advertise_address(Some(v6)).expect("completed");
+        assert_eq!(done.listen[0].to_string(), "[64:ff9b:1::a00:1]:443");
+
+        let full = check(&format!(
+            "{HEAD}listen: [\"240.0.0.1:443\"]\ninterface: {{address: 240.0.0.1}}\nupstream: {{address: \"h:8443\", destination: d}}\nadmin: {{address: \"0.0.0.0:16910\"}}\n"
+        ))
+        .expect("full");
+        assert!(full.clone().with_advertise_address(None).is_ok());
+        assert!(full.clone().with_advertise_address(Some(ip)).is_ok());
+        let other: IpAddr = "240.0.0.2".parse().expect("ip");
+        assert!(matches!(
+            full.with_advertise_address(Some(other)),
+            Err(AdvertiseError::ListenDisagrees { .. })
+        ));
+        let listen_only = check(&format!(
+            "{HEAD}listen: [\"240.0.0.2:443\"]\ninterface: {{address: 240.0.0.1}}\nupstream: {{address: \"h:8443\", destination: d}}\nadmin: {{address: \"0.0.0.0:16910\"}}\n"
+        ))
+        .expect("file");
+        assert!(matches!(
+            listen_only.with_advertise_address(Some(other)),
+            Err(AdvertiseError::InterfaceDisagrees { .. })
+        ));
+        let no_addr = check(&format!(
+            "{HEAD}listen: [\"240.0.0.1:443\"]\ninterface: {{name: x}}\nupstream: {{address: \"h:8443\", destination: d}}\nadmin: {{address: \"0.0.0.0:16910\"}}\n"
+        ))
+        .expect("file");
+        assert_eq!(
+            no_addr.with_advertise_address(None).unwrap_err(),
+            AdvertiseError::NoInterfaceAddress
+        );
     }
 }

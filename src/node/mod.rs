@@ -91,14 +91,22 @@ pub async fn cleanup(config: &NodeConfig) -> Result<(), NodeError> {
         tracing::info!("no interface configured; nothing to clean up");
         return Ok(());
     };
+    let address = iface_address(iface)?;
     let handle = link::connect().map_err(|e| NodeError::Link(e.to_string()))?;
-    let manager = link::LinkManager::new(handle, &iface.name, iface.address);
+    let manager = link::LinkManager::new(handle, &iface.name, address);
     let n = manager
         .remove()
         .await
         .map_err(|e| NodeError::Link(e.to_string()))?;
-    tracing::info!(address = %iface.address, removed = n, "address removed");
+    tracing::info!(%address, removed = n, "address removed");
     Ok(())
+}
+
+/// The managed address: the file's or `--advertise-address`'s (`NodeConfig::with_advertise_address`).
+fn iface_address(iface: &crate::config::node::Interface) -> Result<std::net::IpAddr, NodeError> {
+    iface
+        .address
+        .ok_or_else(|| NodeError::Link("interface.address: none (give --advertise-address)".into()))
 }
 
 /// Runs the node daemon until SIGTERM/SIGINT and a completed drain.
@@ -136,9 +144,10 @@ impl Role for Starting {
                 None
             }
             Some(iface) => {
+                let address = iface_address(iface)?;
                 let handle = link::connect().map_err(|e| NodeError::Link(e.to_string()))?;
                 let events = link::subscribe().map_err(|e| NodeError::Link(e.to_string()))?;
-                let manager = link::LinkManager::new(handle, &iface.name, iface.address);
+                let manager = link::LinkManager::new(handle, &iface.name, address);
                 Some(tokio::spawn(manage_link(
                     manager,
                     iface.check_interval,
