@@ -102,20 +102,12 @@ impl Default for Certificates {
 }
 
 /// The Lease `gardener-extension-heartbeat` in the extension's namespace.
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
 #[serde(remote = "Self", rename_all = "camelCase", default)]
 pub struct Heartbeat {
     /// How often it is renewed (default 30s).
     #[serde(deserialize_with = "plain_option::<Positive, _>")]
     pub renew_interval: Option<Duration>,
-}
-
-impl Default for Heartbeat {
-    fn default() -> Self {
-        Heartbeat {
-            renew_interval: None,
-        }
-    }
 }
 
 impl Heartbeat {
