@@ -356,9 +356,6 @@ impl Reconciler {
             return Ok(Outcome::Done);
         }
         let op = operation(&ext);
-        if skip(op, &ext) {
-            return Ok(Outcome::Done);
-        }
         let mut job = Job {
             r: self,
             exts,
@@ -368,6 +365,12 @@ impl Reconciler {
             op,
             ext,
         };
+        if skip(op, &job.ext) {
+            // Migrated away: only the `reconcile` annotation goes (Gardener's wrapper removes
+            // it before the reconciler skips).
+            job.start(false).await?;
+            return Ok(Outcome::Done);
+        }
         let result = match op {
             Operation::Migrate => job.migrate().await,
             Operation::Delete => job.delete().await,
