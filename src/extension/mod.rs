@@ -11,10 +11,13 @@
 //!   server certificate, rotated without a restart.
 //! - [`reconcile`]: the Extension controller (Gardener's contract), [`heartbeat`]: its Lease.
 
+pub mod heartbeat;
 pub mod mutate;
+pub mod reconcile;
 pub mod render;
 pub mod role;
 pub mod state;
+pub mod watch;
 
 use crate::config::extension::ExtensionConfig;
 

@@ -30,7 +30,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
 pub(crate) use store::{ApiError, RESOURCES};
-use store::{Rid, Selector, Store, find, find_kind, group_version};
+use store::{Part, Rid, Selector, Store, find, find_kind, group_version};
 
 type Body = BoxBody<Bytes, io::Error>;
 
@@ -72,6 +72,9 @@ struct Shared {
     /// Groups served at other versions than [`RESOURCES`] says (none: not served at all).
     served: Mutex<HashMap<&'static str, Vec<&'static str>>>,
     requests: Mutex<Vec<String>>,
+    /// Every write (not GET) so far: `METHOD /path?query` and its body (JSON or YAML decoded;
+    /// null if neither).
+    writes: Mutex<Vec<(String, Value)>>,
     bookmark_every: Mutex<Duration>,
     gone_as_status: Mutex<bool>,
 }
@@ -101,6 +104,7 @@ impl FakeKube {
             faults: Mutex::new(VecDeque::new()),
             served: Mutex::new(HashMap::new()),
             requests: Mutex::new(Vec::new()),
+            writes: Mutex::new(Vec::new()),
             bookmark_every: Mutex::new(Duration::from_secs(1)),
             gone_as_status: Mutex::new(false),
         });
@@ -249,6 +253,11 @@ impl FakeKube {
                 self.requests()
             );
         }
+    }
+
+    /// Every write request (not GET) so far, as `METHOD /path?query` and its decoded body.
+    pub(crate) fn writes(&self) -> Vec<(String, Value)> {
+        lock(&self.shared.writes).clone()
     }
 
     /// Every request so far, as `METHOD /path?query`.
@@ -529,14 +538,17 @@ async fn resource(
             "the server could not find the requested resource",
         ));
     }
-    // namespaces/<ns>/<plural>[/<name>] or <plural>[/<name>] (cluster-wide, or a namespace).
-    let (ns, plural, name) = match rest {
+    // namespaces/<ns>/<plural>[/<name>[/status]] or <plural>[/<name>[/status]] (cluster-wide,
+    // or a namespace).
+    let (ns, plural, name, status) = match rest {
+        ["namespaces", ns, plural, name, "status"] => (*ns, *plural, Some(*name), true),
         ["namespaces", ns, plural, tail @ ..] if tail.len() <= 1 => {
-            (*ns, *plural, tail.first().copied())
+            (*ns, *plural, tail.first().copied(), false)
         }
-        [plural] => ("", *plural, None),
-        [plural, name] => ("", *plural, Some(*name)),
-        _ => ("", "", None),
+        [plural] => ("", *plural, None, false),
+        [plural, name] => ("", *plural, Some(*name), false),
+        [plural, name, "status"] => ("", *plural, Some(*name), true),
+        _ => ("", "", None, false),
     };
     let not_found = || {
         error(&ApiError::new(
@@ -551,15 +563,17 @@ async fn resource(
     if !served(shared, &RESOURCES[rid]).contains(&version) {
         return not_found();
     }
-    if !ns.is_empty() && !RESOURCES[rid].namespaced {
+    if (!ns.is_empty() && !RESOURCES[rid].namespaced) || (status && !RESOURCES[rid].status) {
         return not_found();
     }
+    let part = if status { Part::Status } else { Part::Main };
     let field = |k: &str| q.get(k).map(String::as_str).unwrap_or("");
     let selector = match Selector::parse(field("labelSelector"), field("fieldSelector")) {
         Ok(s) => s,
         Err(e) => return error(&e),
     };
     let method = req.method().clone();
+    let uri = req.uri().clone();
     let content_type = req
         .headers()
         .get(CONTENT_TYPE)
@@ -570,6 +584,16 @@ async fn resource(
         Ok(b) => b.to_bytes(),
         Err(e) => return error(&ApiError::new(400, "BadRequest", e.to_string())),
     };
+    if method != Method::GET {
+        let line = format!(
+            "{method} {}",
+            uri.path_and_query().map(|p| p.as_str()).unwrap_or("/")
+        );
+        let doc = serde_json::from_slice(&body)
+            .or_else(|_| serde_saphyr::from_slice(&body))
+            .unwrap_or(Value::Null);
+        lock(&shared.writes).push((line, doc));
+    }
     let parse = |yaml: bool| -> Result<Value, ApiError> {
         let bad = |e: String| ApiError::new(400, "BadRequest", format!("cannot decode body: {e}"));
         match serde_json::from_slice(&body) {
@@ -600,17 +624,17 @@ async fn resource(
             .cloned()
             .map(|o| (StatusCode::OK, o))
             .ok_or_else(|| ApiError::not_found(rid, name)),
-        (&Method::POST, None) => parse(false)
-            .and_then(|obj| write(shared, |s| s.create(rid, ns, obj)))
+        (&Method::POST, None) if !status => parse(false)
+            .and_then(|obj| write(shared, |s| s.create(rid, ns, obj, part)))
             .map(|o| (StatusCode::CREATED, o)),
         (&Method::PUT, Some(name)) => parse(false)
-            .and_then(|obj| write(shared, |s| s.update(rid, ns, name, obj)))
+            .and_then(|obj| write(shared, |s| s.update(rid, ns, name, obj, part)))
             .map(|o| (StatusCode::OK, o)),
-        (&Method::DELETE, Some(name)) => {
+        (&Method::DELETE, Some(name)) if !status => {
             write(shared, |s| s.delete(rid, ns, name)).map(|o| (StatusCode::OK, o))
         }
         (&Method::PATCH, Some(name))
-            if content_type.starts_with("application/apply-patch+yaml") =>
+            if content_type.starts_with("application/apply-patch+yaml") && !status =>
         {
             match q.get("fieldManager").filter(|m| !m.is_empty()) {
                 None => Err(ApiError::new(
@@ -632,7 +656,7 @@ async fn resource(
                 || content_type.starts_with("application/strategic-merge-patch+json") =>
         {
             parse(false)
-                .and_then(|p| write(shared, |s| s.merge_patch(rid, ns, name, &p)))
+                .and_then(|p| write(shared, |s| s.merge_patch(rid, ns, name, &p, part)))
                 .map(|o| (StatusCode::OK, o))
         }
         (&Method::PATCH, _) => Err(ApiError::new(

@@ -18,6 +18,30 @@ pub(crate) struct Resource {
     pub(crate) kind: &'static str,
     pub(crate) namespaced: bool,
     pub(crate) short: &'static [&'static str],
+    /// Whether it has a `status` subresource: writes to the object keep its status, writes to
+    /// `/status` change only the status, and `metadata.generation` counts spec changes.
+    pub(crate) status: bool,
+}
+
+impl Resource {
+    const fn with_status(self) -> Resource {
+        Resource {
+            status: true,
+            ..self
+        }
+    }
+}
+
+/// Which part of an object a write may change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Part {
+    /// The object through its main resource: its `status` is kept where there is a status
+    /// subresource.
+    Main,
+    /// The `/status` subresource: only `status` changes.
+    Status,
+    /// Everything (the test's own writes).
+    All,
 }
 
 const fn r(
@@ -35,6 +59,7 @@ const fn r(
         kind,
         namespaced,
         short,
+        status: false,
     }
 }
 
@@ -54,6 +79,14 @@ pub(crate) const RESOURCES: &[Resource] = &[
     r("gateway.networking.k8s.io", &["v1", "v1alpha2"], "tlsroutes", "TLSRoute", true, &[]),
     r("coordination.k8s.io", &["v1"], "leases", "Lease", true, &[]),
     r("extensions.gardener.cloud", &["v1alpha1"], "clusters", "Cluster", false, &[]),
+    // What the Gardener extension reads and writes.
+    r("extensions.gardener.cloud", &["v1alpha1"], "extensions", "Extension", true, &[]).with_status(),
+    r("resources.gardener.cloud", &["v1alpha1"], "managedresources", "ManagedResource", true, &["mr"]),
+    r("admissionregistration.k8s.io", &["v1"], "mutatingwebhookconfigurations", "MutatingWebhookConfiguration", false, &[]),
+    r("apps", &["v1"], "daemonsets", "DaemonSet", true, &["ds"]),
+    r("apps", &["v1"], "deployments", "Deployment", true, &["deploy"]),
+    r("apps", &["v1"], "statefulsets", "StatefulSet", true, &["sts"]),
+    r("", &["v1"], "pods", "Pod", true, &["po"]),
 ];
 
 /// Index into [`RESOURCES`].
@@ -264,12 +297,22 @@ impl Store {
         Ok((ns, name))
     }
 
-    /// POST: a new object; 409 AlreadyExists if the name is taken.
-    pub(crate) fn create(&mut self, rid: Rid, ns: &str, mut obj: Value) -> Result<Value, ApiError> {
+    /// POST: a new object; 409 AlreadyExists if the name is taken. Through the main resource
+    /// (`part` [`Part::Main`]) of a resource with a status subresource, the status is dropped.
+    pub(crate) fn create(
+        &mut self,
+        rid: Rid,
+        ns: &str,
+        mut obj: Value,
+        part: Part,
+    ) -> Result<Value, ApiError> {
         let key = self.admit(rid, ns, &mut obj)?;
         if self.get(rid, &key.0, &key.1).is_some() {
             let msg = format!("{} \"{}\" already exists", RESOURCES[rid].plural, key.1);
             return Err(ApiError::new(409, "AlreadyExists", msg));
+        }
+        if part == Part::Status {
+            return Err(ApiError::not_found(rid, &key.1));
         }
         self.uids += 1;
         set_meta(
@@ -278,17 +321,32 @@ impl Store {
             Value::String(format!("00000000-0000-4000-8000-{:012x}", self.uids)),
         );
         set_meta(&mut obj, "creationTimestamp", Value::String(now_rfc3339()));
+        if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
+            m.remove("deletionTimestamp");
+        }
+        if RESOURCES[rid].status {
+            if part == Part::Main
+                && let Some(o) = obj.as_object_mut()
+            {
+                o.remove("status");
+            }
+            set_meta(&mut obj, "generation", json!(1));
+        }
         Ok(self.commit(rid, key, Some(obj)))
     }
 
     /// PUT: replaces an object; 409 Conflict if the body names a resourceVersion that is not
-    /// the current one (optimistic concurrency, what leader election relies on).
+    /// the current one (optimistic concurrency, what leader election relies on). With a status
+    /// subresource, [`Part::Main`] keeps the stored status and counts a changed spec in
+    /// `metadata.generation`, [`Part::Status`] changes the status only. `deletionTimestamp` is
+    /// the server's; an object being deleted whose last finalizer this removes is deleted.
     pub(crate) fn update(
         &mut self,
         rid: Rid,
         ns: &str,
         name: &str,
         mut obj: Value,
+        part: Part,
     ) -> Result<Value, ApiError> {
         let key = self.admit(rid, ns, &mut obj)?;
         if key.1 != name {
@@ -310,12 +368,53 @@ impl Store {
             );
             return Err(ApiError::new(409, "Conflict", msg));
         }
-        for field in ["uid", "creationTimestamp"] {
-            if let Some(v) = old.pointer(&format!("/metadata/{field}")).cloned() {
-                set_meta(&mut obj, field, v);
+        let old = old.clone();
+        if RESOURCES[rid].status {
+            match part {
+                Part::Status => {
+                    let status = obj.get("status").cloned();
+                    obj = old.clone();
+                    if let Some(o) = obj.as_object_mut() {
+                        match status {
+                            Some(s) => o.insert("status".into(), s),
+                            None => o.remove("status"),
+                        };
+                    }
+                }
+                Part::Main | Part::All => {
+                    if part == Part::Main
+                        && let Some(o) = obj.as_object_mut()
+                    {
+                        match old.get("status") {
+                            Some(s) => o.insert("status".into(), s.clone()),
+                            None => o.remove("status"),
+                        };
+                    }
+                    let generation = old
+                        .pointer("/metadata/generation")
+                        .and_then(Value::as_i64)
+                        .unwrap_or(1);
+                    let bump = i64::from(spec(&obj) != spec(&old));
+                    set_meta(&mut obj, "generation", json!(generation + bump));
+                }
             }
         }
-        Ok(self.commit(rid, key, Some(obj)))
+        for field in ["uid", "creationTimestamp", "deletionTimestamp"] {
+            match old.pointer(&format!("/metadata/{field}")).cloned() {
+                Some(v) => set_meta(&mut obj, field, v),
+                None => {
+                    if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
+                        m.remove(field);
+                    }
+                }
+            }
+        }
+        let done = obj.pointer("/metadata/deletionTimestamp").is_some() && finalizers(&obj) == 0;
+        let stored = self.commit(rid, key.clone(), Some(obj));
+        if done {
+            self.commit(rid, key, None);
+        }
+        Ok(stored)
     }
 
     /// Create or replace, whatever the version: the handle's write.
@@ -330,18 +429,35 @@ impl Store {
                 if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
                     m.remove("resourceVersion");
                 }
-                self.update(rid, &ns, &name, obj)
+                self.update(rid, &ns, &name, obj, Part::All)
             }
-            None => self.create(rid, &ns, obj),
+            None => self.create(rid, &ns, obj, Part::All),
         }
     }
 
+    /// DELETE: an object with finalizers gets a `deletionTimestamp` (once) and stays until an
+    /// update removes the last of them; any other goes at once.
     pub(crate) fn delete(&mut self, rid: Rid, ns: &str, name: &str) -> Result<Value, ApiError> {
         let key = (ns.to_string(), name.to_string());
-        if self.get(rid, ns, name).is_none() {
+        let Some(obj) = self.get(rid, ns, name).cloned() else {
             return Err(ApiError::not_found(rid, name));
+        };
+        if finalizers(&obj) == 0 {
+            return Ok(self.commit(rid, key, None));
         }
-        Ok(self.commit(rid, key, None))
+        if obj.pointer("/metadata/deletionTimestamp").is_some() {
+            return Ok(obj);
+        }
+        let mut obj = obj;
+        set_meta(&mut obj, "deletionTimestamp", Value::String(now_rfc3339()));
+        if RESOURCES[rid].status {
+            let generation = obj
+                .pointer("/metadata/generation")
+                .and_then(Value::as_i64)
+                .unwrap_or(1);
+            set_meta(&mut obj, "generation", json!(generation + 1));
+        }
+        Ok(self.commit(rid, key, Some(obj)))
     }
 
     /// `application/merge-patch+json` (RFC 7386).
@@ -351,6 +467,7 @@ impl Store {
         ns: &str,
         name: &str,
         patch: &Value,
+        part: Part,
     ) -> Result<Value, ApiError> {
         let mut obj = self
             .get(rid, ns, name)
@@ -363,7 +480,7 @@ impl Store {
                 m.remove("resourceVersion");
             }
         }
-        self.update(rid, ns, name, obj)
+        self.update(rid, ns, name, obj, part)
     }
 
     /// Server-side apply: creates the object or merges the applied fields into it. A field
@@ -480,12 +597,12 @@ impl Store {
             .collect();
         set_meta(&mut obj, "managedFields", Value::Array(fields));
         let result = if created {
-            self.create(rid, &key.0, obj)?
+            self.create(rid, &key.0, obj, Part::Main)?
         } else {
             if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
                 m.remove("resourceVersion");
             }
-            self.update(rid, &key.0, name, obj)?
+            self.update(rid, &key.0, name, obj, Part::Main)?
         };
         self.applied.insert((rid, key), managers_after);
         Ok((result, created))
@@ -509,6 +626,24 @@ impl Store {
         self.log.clear();
         self.compacted = self.rv;
     }
+}
+
+/// How many finalizers an object has.
+fn finalizers(obj: &Value) -> usize {
+    obj.pointer("/metadata/finalizers")
+        .and_then(Value::as_array)
+        .map_or(0, Vec::len)
+}
+
+/// What `metadata.generation` counts: everything but metadata and status.
+fn spec(obj: &Value) -> Value {
+    let mut obj = obj.clone();
+    if let Some(o) = obj.as_object_mut() {
+        for k in ["metadata", "status", "apiVersion", "kind"] {
+            o.remove(k);
+        }
+    }
+    obj
 }
 
 /// Merges `patch` into `obj`: objects recursively, everything else replaced; with `nulls`

@@ -1,0 +1,586 @@
+//! The extension controller's live path: kube-rs watchers of Extensions (all namespaces),
+//! Namespaces (their `extensions.gardener.cloud/<type>` labels) and kube-apiserver Pods
+//! (`app=kubernetes,role=apiserver`, their addresses the webhooks' allowed callers), a work
+//! queue of Extension keys with per-key exponential backoff, and a few workers running
+//! [`Reconciler::reconcile`]. A key is never reconciled by two workers at once. A new CA
+//! bundle reconciles every Extension served again (the webhook configurations carry it).
+//! Watchers retry with kube's default backoff; a relist replaces what it lists.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use kube::api::{Api, DynamicObject};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use serde_json::Value;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::reconcile::{self, Outcome, ReconcileError, Reconciler, Renderer};
+use super::role::ExtensionType;
+use super::state::State;
+use crate::config::extension::ExtensionConfig;
+use crate::controller::watch::WatchError;
+
+/// The label selector of the kube-apiserver pods of shoot namespaces.
+pub const APISERVER_PODS: &str = "app=kubernetes,role=apiserver";
+
+/// The queue's timing.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// The first retry after a failure; doubled per failure in a row.
+    pub retry_base: Duration,
+    /// The longest wait between retries.
+    pub retry_max: Duration,
+    /// How often a ManagedResource being deleted is looked at again (Gardener: 2 s).
+    pub wait: Duration,
+    /// Reconciliations at once.
+    pub workers: usize,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            retry_base: Duration::from_secs(1),
+            retry_max: Duration::from_secs(300),
+            wait: Duration::from_secs(2),
+            workers: 4,
+        }
+    }
+}
+
+impl Timing {
+    /// The wait before retry number `failures` (1 for the first).
+    pub fn backoff(&self, failures: u32) -> Duration {
+        let factor = 1u32 << failures.saturating_sub(1).min(20);
+        self.retry_base.saturating_mul(factor).min(self.retry_max)
+    }
+}
+
+/// A kube client from a kubeconfig file, or in-cluster configuration (or `KUBECONFIG`)
+/// without one.
+pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, WatchError> {
+    // kube's TLS uses the process' provider; a build linking more than one has no default.
+    // An error means one is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let config = match kubeconfig {
+        Some(path) => {
+            let wrap = |source| WatchError::Kubeconfig {
+                path: path.to_owned(),
+                source,
+            };
+            let file = kube::config::Kubeconfig::read_from(path).map_err(wrap)?;
+            kube::Config::from_custom_kubeconfig(file, &Default::default())
+                .await
+                .map_err(wrap)?
+        }
+        None => kube::Config::infer().await?,
+    };
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// The Extension controller, ready to run.
+pub struct Controller {
+    client: kube::Client,
+    config: Arc<ExtensionConfig>,
+    state: Arc<State>,
+    renderer: Arc<dyn Renderer>,
+    timing: Timing,
+}
+
+impl Controller {
+    /// A controller rendering with [`super::render::node`] and the default [`Timing`].
+    pub fn new(client: kube::Client, config: Arc<ExtensionConfig>, state: Arc<State>) -> Self {
+        Controller {
+            client,
+            config,
+            state,
+            renderer: reconcile::production_renderer(),
+            timing: Timing::default(),
+        }
+    }
+
+    /// Renders with `renderer` instead.
+    pub fn with_renderer(mut self, renderer: Arc<dyn Renderer>) -> Self {
+        self.renderer = renderer;
+        self
+    }
+
+    /// Uses `timing` instead.
+    pub fn with_timing(mut self, timing: Timing) -> Self {
+        self.timing = timing;
+        self
+    }
+
+    /// Watches and reconciles until `stop` completes.
+    pub async fn run(self, mut ca_bundle: watch::Receiver<String>, stop: impl Future<Output = ()>) {
+        let Controller {
+            client,
+            config,
+            state,
+            renderer,
+            timing,
+        } = self;
+        let reconciler = Arc::new(Reconciler::new(
+            client.clone(),
+            config.clone(),
+            state.clone(),
+            renderer,
+            ca_bundle.clone(),
+            timing.wait,
+        ));
+        let all = |ar: &kube::api::ApiResource| Api::<DynamicObject>::all_with(client.clone(), ar);
+        let mut extensions = watcher::watcher(
+            all(&reconcile::extension_resource()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .boxed();
+        let mut namespaces = watcher::watcher(
+            all(&reconcile::resource("", "v1", "Namespace", "namespaces")),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .boxed();
+        let mut pods = watcher::watcher(
+            all(&reconcile::resource("", "v1", "Pod", "pods")),
+            watcher::Config::default().labels(APISERVER_PODS),
+        )
+        .default_backoff()
+        .boxed();
+        let types: Vec<ExtensionType> = config
+            .types
+            .iter()
+            .filter_map(|t| ExtensionType::from_name(t))
+            .collect();
+        let mut seen = Seen::default();
+        let mut labels = Labels::default();
+        let mut callers = Callers::default();
+        let mut queue = Queue::new(timing);
+        let mut running: JoinSet<(Key, Result<Outcome, ReconcileError>)> = JoinSet::new();
+        let mut ca_open = true;
+        let mut stop = std::pin::pin!(stop);
+        loop {
+            while running.len() < timing.workers.max(1) {
+                let Some(key) = queue.next() else { break };
+                let r = reconciler.clone();
+                running.spawn(async move {
+                    let result = r.reconcile(&key.0, &key.1).await;
+                    (key, result)
+                });
+            }
+            let timer = queue.next_timer();
+            tokio::select! {
+                () = &mut stop => break,
+                Some(e) = extensions.next() => match e {
+                    Ok(e) => {
+                        for key in seen.apply(e, &config.types) {
+                            queue.push(key);
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "watching Extensions"),
+                },
+                Some(e) = namespaces.next() => match e {
+                    Ok(e) => labels.apply(e, &types, &state),
+                    Err(e) => tracing::warn!(error = %e, "watching Namespaces"),
+                },
+                Some(e) = pods.next() => match e {
+                    Ok(e) => callers.apply(e, &state),
+                    Err(e) => tracing::warn!(error = %e, "watching kube-apiserver Pods"),
+                },
+                changed = ca_bundle.changed(), if ca_open => match changed {
+                    Ok(()) => {
+                        for key in seen.keys() {
+                            queue.push(key);
+                        }
+                    }
+                    Err(_) => ca_open = false,
+                },
+                Some(done) = running.join_next() => match done {
+                    Ok((key, result)) => queue.done(key, result),
+                    Err(e) => tracing::error!(error = %e, "a reconciliation panicked"),
+                },
+                () = sleep_until(timer) => queue.fire(Instant::now()),
+            }
+        }
+        running.abort_all();
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs the controller with production rendering and timing until `stop` completes.
+pub async fn run(
+    client: kube::Client,
+    config: Arc<ExtensionConfig>,
+    state: Arc<State>,
+    ca_bundle: watch::Receiver<String>,
+    stop: impl Future<Output = ()>,
+) {
+    Controller::new(client, config, state)
+        .run(ca_bundle, stop)
+        .await;
+}
+
+/// Namespace and name of an Extension.
+type Key = (String, String);
+
+fn key_of(o: &Value) -> Key {
+    let s = |p: &str| {
+        o.pointer(p)
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
+    (s("/metadata/namespace"), s("/metadata/name"))
+}
+
+/// The Extensions served, as last seen: only their status (what the update predicate
+/// compares).
+#[derive(Debug, Default)]
+struct Seen {
+    status: HashMap<Key, Value>,
+    relist: Option<HashMap<Key, Value>>,
+}
+
+impl Seen {
+    /// Applies one watch event; the keys to reconcile.
+    fn apply(&mut self, e: Event<DynamicObject>, types: &[String]) -> Vec<Key> {
+        let mut out = Vec::new();
+        let mut saw = |o: DynamicObject, into_relist: bool, this: &mut Seen| {
+            let Ok(v) = serde_json::to_value(&o) else {
+                return;
+            };
+            if reconcile::served_type(&v, types).is_none() {
+                return;
+            }
+            let key = key_of(&v);
+            let old = this
+                .status
+                .get(&key)
+                .map(|s| serde_json::json!({ "status": s }));
+            if reconcile::admit(old.as_ref(), &v) {
+                out.push(key.clone());
+            }
+            let status = v.get("status").cloned().unwrap_or(Value::Null);
+            if into_relist {
+                this.relist
+                    .get_or_insert_with(HashMap::new)
+                    .insert(key.clone(), status.clone());
+            }
+            this.status.insert(key, status);
+        };
+        match e {
+            Event::Init => self.relist = Some(HashMap::new()),
+            Event::InitApply(o) => saw(o, true, self),
+            Event::InitDone => {
+                if let Some(listed) = self.relist.take() {
+                    self.status = listed;
+                }
+            }
+            Event::Apply(o) => saw(o, false, self),
+            Event::Delete(o) => {
+                if let Ok(v) = serde_json::to_value(&o) {
+                    self.status.remove(&key_of(&v));
+                }
+            }
+        }
+        out
+    }
+
+    fn keys(&self) -> Vec<Key> {
+        self.status.keys().cloned().collect()
+    }
+}
+
+/// The types whose label each namespace carries.
+#[derive(Debug, Default)]
+struct Labels {
+    labelled: BTreeMap<String, BTreeSet<ExtensionType>>,
+    relist: Option<BTreeMap<String, BTreeSet<ExtensionType>>>,
+}
+
+impl Labels {
+    fn apply(&mut self, e: Event<DynamicObject>, types: &[ExtensionType], state: &State) {
+        let of = |o: &DynamicObject| -> (String, BTreeSet<ExtensionType>) {
+            let labels = o.metadata.labels.as_ref();
+            let set = types
+                .iter()
+                .copied()
+                .filter(|t| {
+                    labels
+                        .and_then(|l| l.get(&t.namespace_label()))
+                        .is_some_and(|v| v == "true")
+                })
+                .collect();
+            (o.metadata.name.clone().unwrap_or_default(), set)
+        };
+        match e {
+            Event::Init => self.relist = Some(BTreeMap::new()),
+            Event::InitApply(o) => {
+                let (ns, set) = of(&o);
+                if !set.is_empty() {
+                    self.relist
+                        .get_or_insert_with(BTreeMap::new)
+                        .insert(ns, set);
+                }
+            }
+            Event::InitDone => {
+                let listed = self.relist.take().unwrap_or_default();
+                let gone: Vec<String> = self
+                    .labelled
+                    .keys()
+                    .filter(|ns| !listed.contains_key(*ns))
+                    .cloned()
+                    .collect();
+                for ns in gone {
+                    self.set(&ns, BTreeSet::new(), state);
+                }
+                for (ns, set) in listed {
+                    self.set(&ns, set, state);
+                }
+            }
+            Event::Apply(o) => {
+                let (ns, set) = of(&o);
+                self.set(&ns, set, state);
+            }
+            Event::Delete(o) => {
+                let (ns, _) = of(&o);
+                self.set(&ns, BTreeSet::new(), state);
+            }
+        }
+    }
+
+    fn set(&mut self, ns: &str, set: BTreeSet<ExtensionType>, state: &State) {
+        let now = state
+            .shoot(ns)
+            .map(|s| s.labelled.clone())
+            .unwrap_or_default();
+        if now != set {
+            let new = set.clone();
+            state.update_shoot(ns, |s| s.labelled = new.clone());
+        }
+        if set.is_empty() {
+            self.labelled.remove(ns);
+        } else {
+            self.labelled.insert(ns.to_owned(), set);
+        }
+    }
+}
+
+/// The addresses of each namespace's kube-apiserver pods.
+#[derive(Debug, Default)]
+struct Callers {
+    pods: BTreeMap<String, BTreeMap<String, BTreeSet<IpAddr>>>,
+    relist: Option<BTreeMap<String, BTreeMap<String, BTreeSet<IpAddr>>>>,
+}
+
+fn pod_ips(o: &DynamicObject) -> BTreeSet<IpAddr> {
+    let status = o.data.get("status");
+    let mut ips: BTreeSet<IpAddr> = status
+        .and_then(|s| s.get("podIPs"))
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.get("ip").and_then(Value::as_str)?.parse().ok())
+        .collect();
+    if let Some(ip) = status
+        .and_then(|s| s.get("podIP"))
+        .and_then(Value::as_str)
+        .and_then(|s| s.parse().ok())
+    {
+        ips.insert(ip);
+    }
+    ips
+}
+
+impl Callers {
+    fn apply(&mut self, e: Event<DynamicObject>, state: &State) {
+        let id = |o: &DynamicObject| {
+            (
+                o.metadata.namespace.clone().unwrap_or_default(),
+                o.metadata.name.clone().unwrap_or_default(),
+            )
+        };
+        match e {
+            Event::Init => self.relist = Some(BTreeMap::new()),
+            Event::InitApply(o) => {
+                let (ns, name) = id(&o);
+                self.relist
+                    .get_or_insert_with(BTreeMap::new)
+                    .entry(ns)
+                    .or_default()
+                    .insert(name, pod_ips(&o));
+            }
+            Event::InitDone => {
+                let listed = self.relist.take().unwrap_or_default();
+                let namespaces: BTreeSet<String> =
+                    self.pods.keys().chain(listed.keys()).cloned().collect();
+                self.pods = listed;
+                for ns in namespaces {
+                    self.publish(&ns, state);
+                }
+            }
+            Event::Apply(o) => {
+                let (ns, name) = id(&o);
+                self.pods
+                    .entry(ns.clone())
+                    .or_default()
+                    .insert(name, pod_ips(&o));
+                self.publish(&ns, state);
+            }
+            Event::Delete(o) => {
+                let (ns, name) = id(&o);
+                if let Some(pods) = self.pods.get_mut(&ns) {
+                    pods.remove(&name);
+                    if pods.is_empty() {
+                        self.pods.remove(&ns);
+                    }
+                }
+                self.publish(&ns, state);
+            }
+        }
+    }
+
+    fn publish(&self, ns: &str, state: &State) {
+        let ips = self
+            .pods
+            .get(ns)
+            .map(|pods| pods.values().flatten().copied().collect())
+            .unwrap_or_default();
+        state.set_callers(ns, ips);
+    }
+}
+
+/// Keys to reconcile: ready ones in order, delayed ones by time, none twice at once.
+#[derive(Debug)]
+struct Queue {
+    timing: Timing,
+    ready: VecDeque<Key>,
+    queued: HashSet<Key>,
+    running: HashSet<Key>,
+    /// Keys that came again while running: queued when they finish.
+    again: HashSet<Key>,
+    delayed: BTreeMap<(Instant, u64), Key>,
+    seq: u64,
+    failures: HashMap<Key, u32>,
+}
+
+impl Queue {
+    fn new(timing: Timing) -> Queue {
+        Queue {
+            timing,
+            ready: VecDeque::new(),
+            queued: HashSet::new(),
+            running: HashSet::new(),
+            again: HashSet::new(),
+            delayed: BTreeMap::new(),
+            seq: 0,
+            failures: HashMap::new(),
+        }
+    }
+
+    fn push(&mut self, key: Key) {
+        if self.running.contains(&key) {
+            self.again.insert(key);
+        } else if self.queued.insert(key.clone()) {
+            self.ready.push_back(key);
+        }
+    }
+
+    fn next(&mut self) -> Option<Key> {
+        let key = self.ready.pop_front()?;
+        self.queued.remove(&key);
+        self.running.insert(key.clone());
+        Some(key)
+    }
+
+    fn later(&mut self, key: Key, after: Duration) {
+        self.seq += 1;
+        self.delayed.insert((Instant::now() + after, self.seq), key);
+    }
+
+    fn done(&mut self, key: Key, result: Result<Outcome, ReconcileError>) {
+        self.running.remove(&key);
+        match result {
+            Ok(Outcome::Done) => {
+                self.failures.remove(&key);
+            }
+            Ok(Outcome::Requeue(after)) => {
+                self.failures.remove(&key);
+                self.later(key.clone(), after);
+            }
+            Err(e) => {
+                let n = self.failures.entry(key.clone()).or_insert(0);
+                *n += 1;
+                let after = self.timing.backoff(*n);
+                tracing::warn!(namespace = key.0, name = key.1, error = %e, retry_in = ?after, "reconciling the Extension");
+                self.later(key.clone(), after);
+            }
+        }
+        if self.again.remove(&key) {
+            self.push(key);
+        }
+    }
+
+    fn next_timer(&self) -> Option<Instant> {
+        self.delayed.keys().next().map(|(at, _)| *at)
+    }
+
+    fn fire(&mut self, now: Instant) {
+        while let Some(entry) = self.delayed.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let key = entry.remove();
+            self.push(key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: &str) -> Key {
+        ("ns".into(), n.into())
+    }
+
+    #[test]
+    fn a_running_key_is_not_handed_out_twice_and_runs_again_after() {
+        let mut q = Queue::new(Timing::default());
+        q.push(key("a"));
+        q.push(key("a"));
+        assert_eq!(q.next(), Some(key("a")));
+        assert_eq!(q.next(), None);
+        q.push(key("a"));
+        assert_eq!(q.next(), None, "running");
+        q.done(key("a"), Ok(Outcome::Done));
+        assert_eq!(q.next(), Some(key("a")));
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_maximum() {
+        let t = Timing {
+            retry_base: Duration::from_millis(100),
+            retry_max: Duration::from_secs(1),
+            ..Timing::default()
+        };
+        assert_eq!(t.backoff(1), Duration::from_millis(100));
+        assert_eq!(t.backoff(2), Duration::from_millis(200));
+        assert_eq!(t.backoff(4), Duration::from_millis(800));
+        assert_eq!(t.backoff(5), Duration::from_secs(1));
+        assert_eq!(t.backoff(100), Duration::from_secs(1));
+    }
+}
