@@ -11,9 +11,13 @@
 //!   server certificate, rotated without a restart.
 //! - [`reconcile`]: the Extension controller (Gardener's contract), [`heartbeat`]: its Lease.
 
+pub mod admission;
+pub mod certs;
+pub mod metrics;
 pub mod mutate;
 pub mod render;
 pub mod role;
+pub mod server;
 pub mod state;
 
 use crate::config::extension::ExtensionConfig;

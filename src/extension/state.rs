@@ -65,7 +65,10 @@ impl State {
     pub fn update_shoot(&self, namespace: &str, f: impl Fn(&mut Shoot)) {
         self.shoots.rcu(|all| {
             let mut all = BTreeMap::clone(all);
-            let mut shoot = all.get(namespace).map(|s| Shoot::clone(s)).unwrap_or_default();
+            let mut shoot = all
+                .get(namespace)
+                .map(|s| Shoot::clone(s))
+                .unwrap_or_default();
             f(&mut shoot);
             if shoot.configured.is_empty() && shoot.labelled.is_empty() {
                 all.remove(namespace);
@@ -118,11 +121,19 @@ mod tests {
         state.update_shoot("ns", |s| {
             s.configured.insert(ExtensionType::Node);
         });
-        assert!(!state.shoot("ns").is_some_and(|s| s.enabled(ExtensionType::Node)));
+        assert!(
+            !state
+                .shoot("ns")
+                .is_some_and(|s| s.enabled(ExtensionType::Node))
+        );
         state.update_shoot("ns", |s| {
             s.labelled.insert(ExtensionType::Node);
         });
-        assert!(state.shoot("ns").is_some_and(|s| s.enabled(ExtensionType::Node)));
+        assert!(
+            state
+                .shoot("ns")
+                .is_some_and(|s| s.enabled(ExtensionType::Node))
+        );
         state.update_shoot("ns", |s| {
             s.configured.clear();
             s.labelled.clear();
