@@ -141,7 +141,10 @@ impl ConfigKind for ExtensionConfig {
         if !dns_label(&c.namespace) {
             errors.push(
                 "namespace",
-                format!("expected a namespace name (a DNS label), got {:?}", c.namespace),
+                format!(
+                    "expected a namespace name (a DNS label), got {:?}",
+                    c.namespace
+                ),
             );
         }
         if !dns_label(&c.webhook.service) {
