@@ -259,8 +259,6 @@ fn review_answer(response: Response<'_>) -> Answer {
 
 #[cfg(test)]
 mod tests {
-    #![expect(clippy::unwrap_used, reason = "tests fail loudly")]
-
     use std::collections::BTreeSet;
 
     use prometheus_client::encoding::text::encode;
