@@ -11,11 +11,15 @@
 //!   server certificate, rotated without a restart.
 //! - [`reconcile`]: the Extension controller (Gardener's contract), [`heartbeat`]: its Lease.
 
+pub mod admission;
+pub mod certs;
 pub mod heartbeat;
+pub mod metrics;
 pub mod mutate;
 pub mod reconcile;
 pub mod render;
 pub mod role;
+pub mod server;
 pub mod state;
 pub mod watch;
 
