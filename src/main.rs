@@ -289,6 +289,8 @@ fn extension(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
         .build()
         .context("starting the async runtime")?;
     let result = runtime.block_on(trellis::extension::run(config));
+    // The certificate loop or a watch may be waiting on the API server: it must not hold
+    // the exit.
     runtime.shutdown_timeout(std::time::Duration::from_millis(500));
     result?;
     Ok(ExitCode::SUCCESS)

@@ -159,6 +159,9 @@ pub(crate) enum Role {
     Controller,
     /// The agent: the shared connection families and the tunnel's ([`TunnelMetrics`]).
     Agent,
+    /// The extension: no shared family; its own are registered by [`Metrics::extension`].
+    #[cfg(feature = "extension")]
+    Extension,
 }
 
 /// `route`, `peer` labels.
@@ -416,6 +419,15 @@ impl Metrics {
         Self::new(Role::Controller)
     }
 
+    /// The extension's metrics: `register` adds its families to the root registry (beside
+    /// `trellis_ready`, `trellis_build_info` and `process_*`).
+    #[cfg(feature = "extension")]
+    pub(crate) fn extension(register: impl FnOnce(&mut Registry)) -> Self {
+        let mut m = Self::new(Role::Extension);
+        register(&mut m.registry);
+        m
+    }
+
     /// Creates every handle and registers, under the `trellis_` prefix, the families `role`
     /// records (the others are never encoded), then `trellis_build_info` and, unprefixed, the
     /// `process_*` metrics.
@@ -449,10 +461,11 @@ impl Metrics {
             tunnel: Default::default(),
         };
         let r = registry.sub_registry_with_prefix("trellis");
-        if role == Role::Controller {
-            m.register_controller(r);
-        } else {
-            m.register_connections(r);
+        match role {
+            Role::Controller => m.register_controller(r),
+            #[cfg(feature = "extension")]
+            Role::Extension => {}
+            Role::Gateway | Role::Node | Role::Agent => m.register_connections(r),
         }
         if matches!(role, Role::Gateway | Role::Agent) {
             m.tunnel.register(r);

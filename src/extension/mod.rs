@@ -8,8 +8,10 @@
 //! - [`render`]: the pure rendering of what a shoot's ManagedResource delivers.
 //! - [`admission`]: one AdmissionReview in, its response out (checks, counting, warnings).
 //! - [`server`]: the HTTPS server (limits, deadlines, callers), [`certs`]: its CA and
-//!   server certificate, rotated without a restart.
-//! - [`reconcile`]: the Extension controller (Gardener's contract), [`heartbeat`]: its Lease.
+//!   server certificate, rotated without a restart; [`metrics`]: the extension's families.
+//! - [`reconcile`]: the Extension controller (Gardener's contract), [`watch`]: its watches
+//!   and work queue, [`heartbeat`]: its Lease.
+//! - `run`: all of them in one process on the role skeleton.
 
 pub mod admission;
 pub mod certs;
@@ -19,14 +21,9 @@ pub mod mutate;
 pub mod reconcile;
 pub mod render;
 pub mod role;
+mod run;
 pub mod server;
 pub mod state;
 pub mod watch;
 
-use crate::config::extension::ExtensionConfig;
-
-/// Runs the extension until SIGTERM/SIGINT.
-pub async fn run(config: ExtensionConfig) -> anyhow::Result<()> {
-    let _ = config;
-    anyhow::bail!("trellis extension: not wired yet")
-}
+pub use run::{ExtensionError, run};
