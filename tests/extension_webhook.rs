@@ -510,13 +510,15 @@ async fn two_replicas_converge_on_one_ca_in_the_secrets_and_publish_it() {
     // The loop publishes the key pair and the bundle.
     let published = Published::new();
     let mut bundle = published.bundle();
-    let (stop, stopped) = watch::channel(false);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(certs::run(
         api,
         settings(),
         published.clone(),
         Arc::new(ExtensionMetrics::new()),
-        stopped,
+        async {
+            let _ = stopped.await;
+        },
     ));
     tokio::time::timeout(Duration::from_secs(10), bundle.changed())
         .await
@@ -524,7 +526,7 @@ async fn two_replicas_converge_on_one_ca_in_the_secrets_and_publish_it() {
         .unwrap();
     assert_eq!(*bundle.borrow(), a.ca.bundle);
     assert!(published.key().is_some());
-    stop.send_replace(true);
+    stop.send(()).unwrap();
     tokio::time::timeout(Duration::from_secs(10), task)
         .await
         .unwrap()

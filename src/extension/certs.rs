@@ -649,14 +649,15 @@ pub async fn check_and_publish(
 }
 
 /// Checks every `check_interval` (failures counted, logged and retried at the next check)
-/// until `stop` turns true.
+/// until `stop` completes.
 pub async fn run(
     api: Api<Secret>,
     settings: Settings,
     published: Arc<Published>,
     metrics: Arc<ExtensionMetrics>,
-    mut stop: watch::Receiver<bool>,
+    stop: impl std::future::Future<Output = ()>,
 ) {
+    let mut stop = std::pin::pin!(stop);
     loop {
         if let Err(e) = check_and_publish(&api, &settings, &published, &metrics).await {
             metrics.certificate_errors.inc();
@@ -664,7 +665,7 @@ pub async fn run(
         }
         tokio::select! {
             () = tokio::time::sleep(settings.check_interval) => {}
-            () = super::server::stopped(&mut stop) => return,
+            () = &mut stop => return,
         }
     }
 }

@@ -149,7 +149,7 @@ async fn run_all(
         settings,
         published.clone(),
         metrics.clone(),
-        stop.clone(),
+        stopping(stop.clone()),
     ));
     tasks.spawn(controller::run(
         client,
