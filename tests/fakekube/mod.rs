@@ -260,6 +260,19 @@ impl FakeKube {
         lock(&self.shared.writes).clone()
     }
 
+    /// The writes after the first `from` (see [`FakeKube::writes`]).
+    pub(crate) fn writes_from(&self, from: usize) -> Vec<(String, Value)> {
+        lock(&self.shared.writes)
+            .get(from..)
+            .map(<[_]>::to_vec)
+            .unwrap_or_default()
+    }
+
+    /// How many writes there were.
+    pub(crate) fn write_count(&self) -> usize {
+        lock(&self.shared.writes).len()
+    }
+
     /// Every request so far, as `METHOD /path?query`.
     pub(crate) fn requests(&self) -> Vec<String> {
         lock(&self.shared.requests).clone()
