@@ -124,6 +124,11 @@ fn check(files: &[PathBuf]) -> ExitCode {
     let mut ok = true;
     for file in files {
         match trellis::config::check_file(file) {
+            Ok(trellis::config::AnyFile::Node(n)) if n.listen.is_empty() => println!(
+                "{}: valid NodeConfiguration (without listen: `trellis node` needs \
+                 --advertise-address IP to start with it)",
+                file.display()
+            ),
             Ok(f) => println!("{}: valid {}", file.display(), f.kind()),
             Err(e) => {
                 ok = false;
@@ -243,7 +248,14 @@ fn node(
             return Ok(ExitCode::FAILURE);
         }
     };
-    let mut config = match config.with_advertise_address(advertise_address) {
+    // `--cleanup` never listens: without the flag it needs only the file's
+    // `interface.address` (and says so when that is missing too).
+    let completed = if cleanup && advertise_address.is_none() {
+        Ok(config)
+    } else {
+        config.with_advertise_address(advertise_address)
+    };
+    let mut config = match completed {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{}: {e}", config_file.display());

@@ -3239,6 +3239,22 @@ fn extension_chart_renders_validates_and_its_config_passes_check() {
             .contains(&json!({"matchLabels": {"gardener.cloud/role": "shoot"}})),
         "{selectors}"
     );
+    // Every shoot namespace's Secrets hold keys: the extension reads and writes its own by
+    // name, never lists or watches them.
+    let role = find(&objects, "ClusterRole", "gardener-extension-trellis");
+    for rule in role["rules"].as_array().unwrap() {
+        if rule["resources"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("secrets"))
+        {
+            let verbs = rule["verbs"].as_array().unwrap();
+            assert!(
+                !verbs.contains(&json!("list")) && !verbs.contains(&json!("watch")),
+                "{rule}"
+            );
+        }
+    }
     // Unprivileged, and under its own account.
     assert_eq!(c["securityContext"]["runAsNonRoot"], true);
     assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
