@@ -454,6 +454,7 @@ mod tests {
             include_str!("../../config/controller.yaml"),
             include_str!("../../config/routes.yaml"),
             include_str!("../../config/agent.yaml"),
+            include_str!("../../config/extension.yaml"),
             include_str!("../../config/tunnel-routes.yaml"),
         ];
         let mut tried = 0;
@@ -564,6 +565,7 @@ mod tests {
             ("controller", include_str!("../../config/controller.yaml")),
             ("routes", routes),
             ("agent", include_str!("../../config/agent.yaml")),
+            ("extension", include_str!("../../config/extension.yaml")),
             (
                 "tunnel-routes",
                 include_str!("../../config/tunnel-routes.yaml"),
