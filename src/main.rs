@@ -284,10 +284,19 @@ fn node(
     Ok(ExitCode::SUCCESS)
 }
 
-#[cfg(feature = "extension")]
-fn extension(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
-    use trellis::config::extension::ExtensionConfig;
-    let config = match trellis::config::load::<ExtensionConfig>(config_file) {
+/// Loads `config_file` as a `K` and runs `role` on it on two worker threads named
+/// `threads`, until it returns (SIGTERM/SIGINT, or a failure).
+fn run_loaded<K, F, E>(
+    config_file: &std::path::Path,
+    threads: &str,
+    role: impl FnOnce(K) -> F,
+) -> anyhow::Result<ExitCode>
+where
+    K: for<'a> trellis::config::ConfigKind<Context<'a> = ()>,
+    F: std::future::Future<Output = Result<(), E>>,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let config = match trellis::config::load::<K>(config_file) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
@@ -297,15 +306,20 @@ fn extension(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .worker_threads(2)
-        .thread_name("trellis-extension")
+        .thread_name(threads)
         .build()
         .context("starting the async runtime")?;
-    let result = runtime.block_on(trellis::extension::run(config));
-    // The certificate loop or a watch may be waiting on the API server: it must not hold
-    // the exit.
+    let result = runtime.block_on(role(config));
+    // Blocking tasks still running (a name lookup, a request to the API server) must not
+    // hold the exit.
     runtime.shutdown_timeout(std::time::Duration::from_millis(500));
     result?;
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(feature = "extension")]
+fn extension(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
+    run_loaded(config_file, "trellis-extension", trellis::extension::run)
 }
 
 #[cfg(not(feature = "extension"))]
@@ -314,24 +328,7 @@ fn extension(_config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
 }
 
 fn agent(config_file: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let config = match trellis::config::load::<trellis::config::agent::AgentConfig>(config_file) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return Ok(ExitCode::FAILURE);
-        }
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .worker_threads(2)
-        .thread_name("trellis-agent")
-        .build()
-        .context("starting the async runtime")?;
-    let result = runtime.block_on(trellis::agent::run(config));
-    // Blocking tasks still running (a name lookup of the gateway) must not hold the exit.
-    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
-    result?;
-    Ok(ExitCode::SUCCESS)
+    run_loaded(config_file, "trellis-agent", trellis::agent::run)
 }
 
 /// Divides the open-files limit and returns the connections the process can admit:
