@@ -430,7 +430,11 @@ async fn a_stalled_handshake_is_closed_after_about_5_s() {
     let since = Instant::now();
     let mut tcp = TcpStream::connect(srv.addr).await.unwrap();
     let took = closed_after(&mut tcp, since).await;
-    assert!(took >= Duration::from_secs(4), "closed after {took:?}");
+    // 5 s; a 15 s deadline would fail.
+    assert!(
+        took >= Duration::from_secs(4) && took < Duration::from_secs(8),
+        "closed after {took:?}"
+    );
 }
 
 #[tokio::test]
@@ -464,9 +468,53 @@ async fn half_a_request_is_closed_after_about_10_s() {
         assert_eq!(r.status, 408);
         closed_after(&mut body, since).await
     });
+    // 10 s; a 20 s deadline would fail.
     for took in [a, b] {
-        assert!(took >= Duration::from_secs(4), "closed after {took:?}");
+        assert!(
+            took >= Duration::from_secs(9) && took < Duration::from_secs(14),
+            "closed after {took:?}"
+        );
     }
+}
+
+#[tokio::test]
+async fn a_request_trickled_in_is_cut_10_s_after_its_first_byte_not_per_phase() {
+    let plan = fresh();
+    let srv = start(&plan).await;
+    let s = connect(srv.addr, &plan.ca.bundle, SERVICE).await.unwrap();
+    let (mut rd, mut wr) = tokio::io::split(s);
+    let full = config_map("t");
+    let head = format!(
+        "POST {} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        path(),
+        full.len()
+    );
+    let since = Instant::now();
+    // The head over ~6 s (within the head's deadline), then the body a byte every 500 ms
+    // (never all of it): per phase, the body would get 10 s more and be cut at ~16 s.
+    let writer = tokio::spawn(async move {
+        let head = head.into_bytes();
+        for chunk in head.chunks(head.len().div_ceil(12)) {
+            if wr.write_all(chunk).await.is_err() || wr.flush().await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        for b in &full[..full.len() - 1] {
+            if wr.write_all(&[*b]).await.is_err() || wr.flush().await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
+    let r = read_reply(&mut rd).await;
+    assert_eq!(r.status, 408, "{r:?}");
+    let took = closed_after(&mut rd, since).await;
+    assert!(
+        took >= Duration::from_secs(9) && took < Duration::from_secs(13),
+        "closed after {took:?}"
+    );
+    writer.abort();
 }
 
 fn kube_client(kube: &FakeKube) -> kube::Client {

@@ -1,6 +1,7 @@
 //! One webhook request in, its answer out: the path picks the shoot namespace and target,
 //! the body must be an `admission.k8s.io/v1` AdmissionReview with a request, the caller must
-//! be a kube-apiserver pod of that namespace, and [`mutate::review`] decides; the answer is
+//! be a kube-apiserver pod of that namespace (while none is known, the review is admitted
+//! unchanged), and [`mutate::review`] decides; the answer is
 //! counted (`trellis_extension_admissions_total{target,result}`). No I/O: the server hands
 //! in the path, the peer's address and the body it read.
 //!
@@ -20,7 +21,14 @@ use serde_json::Value;
 use super::metrics::{ExtensionMetrics, Rejection};
 use super::mutate::{self, Decision};
 use super::role::{self, FailurePolicy, Target};
-use super::state::{Shoot, State};
+use super::state::{Caller, Shoot, State};
+
+/// `result`: the namespace's kube-apiserver pods are known and the caller is none of them
+/// (denied).
+pub const DENIED_CALLER: &str = "denied_caller";
+/// `result`: no kube-apiserver pod of the namespace is known yet, so the caller cannot be
+/// verified: admitted unchanged, never patched, with a warning.
+pub const CALLERS_UNKNOWN: &str = "callers_unknown";
 
 /// The API version of the reviews answered.
 pub const API_VERSION: &str = "admission.k8s.io/v1";
@@ -159,17 +167,39 @@ fn answer_with(
     };
     let uid = request.uid.as_str();
     let label = target.name();
-    if !state.caller_allowed(namespace, peer) {
-        metrics.admission(label, "denied_caller");
-        return review_answer(Response {
-            status: Some(Status {
-                code: 403,
-                message: format!(
-                    "trellis: the caller is not a kube-apiserver of namespace {namespace}"
-                ),
-            }),
-            ..verdict(uid, false)
-        });
+    match state.caller(namespace, peer) {
+        Caller::Allowed => {}
+        Caller::Denied => {
+            metrics.admission(label, DENIED_CALLER);
+            return review_answer(Response {
+                status: Some(Status {
+                    code: 403,
+                    message: format!(
+                        "trellis: the caller is not a kube-apiserver of namespace {namespace}"
+                    ),
+                }),
+                ..verdict(uid, false)
+            });
+        }
+        // Before the Pod watch has listed, or before a new kube-apiserver pod's address has
+        // arrived, a denial would refuse Gardener's own writes (a denial is no webhook
+        // failure, so `failurePolicy: Ignore` would not apply): admit unchanged instead,
+        // and never patch for a caller not verified.
+        Caller::Unknown => {
+            metrics.admission(label, CALLERS_UNKNOWN);
+            tracing::warn!(
+                target = label,
+                namespace,
+                %peer,
+                "webhook caller not verified (no kube-apiserver pod of the namespace known yet): admitted unchanged"
+            );
+            return review_answer(Response {
+                warnings: vec![format!(
+                    "trellis {label}: no kube-apiserver of namespace {namespace} known yet: admitted unchanged"
+                )],
+                ..verdict(uid, true)
+            });
+        }
     }
     let Some(object) = request.object.as_ref() else {
         metrics.admission(label, "no_object");
@@ -265,6 +295,8 @@ mod tests {
     use prometheus_client::registry::Registry;
     use serde_json::json;
 
+    use super::super::role::ExtensionType;
+    use super::super::state::NodeShoot;
     use super::*;
 
     const NS: &str = "shoot--dev--alpha";
@@ -390,21 +422,132 @@ mod tests {
         assert!(counted(&m).contains("result=\"mutated\"} 1"));
     }
 
+    const GOLDEN: &str =
+        include_str!("../../tests/data/extension/apiserver-proxy-ipv4.review.json");
+
+    /// `state()` with the node type configured for `NS`, labelled when `labelled`.
+    fn enabled_state(labelled: bool) -> std::sync::Arc<State> {
+        let s = state();
+        s.update_shoot(NS, |shoot| {
+            shoot.configured.insert(ExtensionType::Node);
+            if labelled {
+                shoot.labelled.insert(ExtensionType::Node);
+            }
+            shoot.node = Some(NodeShoot {
+                image: "ghcr.io/gardener/trellis:v0.9.0".into(),
+                config_map: "trellis-node".into(),
+                config_digest: "0123abcd".into(),
+            });
+        });
+        s
+    }
+
+    fn decoded_patch(r: &Value) -> json_patch::Patch {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(r["patch"].as_str().unwrap())
+            .unwrap();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
     #[test]
-    fn the_stub_or_any_unchanged_decision_admits_without_patch() {
-        let (s, m) = (state(), ExtensionMetrics::new());
+    fn an_enabled_shoot_gets_the_golden_daemonset_mutated_with_a_patch_that_applies() {
+        let (s, m) = (enabled_state(true), ExtensionMetrics::new());
+        let a = answer(&path(), IpAddr::from(API), GOLDEN.as_bytes(), &s, &m);
+        let r = response(&a);
+        assert_eq!(r["uid"], "00000000-0000-4000-8000-000000000000");
+        assert_eq!(r["allowed"], true);
+        assert_eq!(r["patchType"], "JSONPatch");
+        let review: Value = serde_json::from_str(GOLDEN).unwrap();
+        let before = review["request"]["object"].clone();
+        let mut after = before.clone();
+        json_patch::patch(&mut after, &decoded_patch(&r)).unwrap();
+        assert_ne!(after, before);
+        assert!(
+            after
+                .to_string()
+                .contains("ghcr.io/gardener/trellis:v0.9.0")
+        );
+        assert!(counted(&m).contains("result=\"mutated\"} 1"));
+    }
+
+    #[test]
+    fn the_same_namespace_without_the_label_is_not_enabled_and_gets_no_patch() {
+        let (s, m) = (enabled_state(false), ExtensionMetrics::new());
         let r = response(&answer(
             &path(),
             IpAddr::from(API),
-            &review_body("u-3"),
+            GOLDEN.as_bytes(),
             &s,
             &m,
         ));
-        assert_eq!(
-            (r["uid"].as_str(), r["allowed"].as_bool()),
-            (Some("u-3"), Some(true))
+        assert_eq!(r["allowed"], true);
+        assert!(r.get("patch").is_none() && r.get("patchType").is_none());
+        assert!(counted(&m).contains("result=\"not_enabled\"} 1"));
+    }
+
+    #[test]
+    fn with_no_known_kube_apiserver_a_caller_is_admitted_unchanged_never_patched() {
+        let m = ExtensionMetrics::new();
+        // An enabled shoot whose kube-apiserver pods are not known (yet): the golden
+        // DaemonSet that would be mutated, from an address the namespace once had, and from
+        // any other.
+        let s = enabled_state(true);
+        s.set_callers(NS, BTreeSet::new());
+        for peer in [IpAddr::from(API), IpAddr::from([192, 168, 9, 9])] {
+            let a = answer(&path(), peer, GOLDEN.as_bytes(), &s, &m);
+            let r = response(&a);
+            assert_eq!(r["uid"], "00000000-0000-4000-8000-000000000000");
+            assert_eq!(r["allowed"], true);
+            assert!(r.get("patch").is_none() && r.get("patchType").is_none());
+            assert!(r.get("status").is_none());
+            assert!(
+                r["warnings"][0]
+                    .as_str()
+                    .unwrap()
+                    .contains("no kube-apiserver of namespace shoot--dev--alpha known yet")
+            );
+        }
+        // Another namespace's callers being known changes nothing for this one; the mutation
+        // is never reached.
+        s.set_callers(
+            "shoot--dev--beta",
+            BTreeSet::from([IpAddr::from([10, 0, 0, 8])]),
         );
-        assert!(r.get("patch").is_none() || r["patch"].is_null());
+        let a = answer_with(
+            &path(),
+            IpAddr::from([10, 0, 0, 8]),
+            &review_body("u-5"),
+            &s,
+            &m,
+            &Target::failure_policy,
+            &|_, _, _| panic!("reviewed for an unverified caller"),
+        );
+        let r = response(&a);
+        assert_eq!((r["allowed"].as_bool(), r.get("patch")), (Some(true), None));
+        let text = counted(&m);
+        assert!(text.contains("result=\"callers_unknown\"} 3"), "{text}");
+        assert!(
+            !text.contains("result=\"mutated\"") && !text.contains("result=\"failed\""),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn with_known_kube_apiservers_another_caller_is_denied_without_patch() {
+        let (s, m) = (enabled_state(true), ExtensionMetrics::new());
+        let r = response(&answer(
+            &path(),
+            IpAddr::from([10, 0, 0, 99]),
+            GOLDEN.as_bytes(),
+            &s,
+            &m,
+        ));
+        assert_eq!(r["allowed"], false);
+        assert_eq!(r["status"]["code"], 403);
+        assert!(r.get("patch").is_none());
+        let text = counted(&m);
+        assert!(text.contains("result=\"denied_caller\"} 1"), "{text}");
+        assert!(!text.contains("callers_unknown"), "{text}");
     }
 
     #[test]

@@ -10,7 +10,10 @@
 //!
 //! The rules, every time taken from the certificates themselves (a CA's *creation* is its
 //! `notBefore` plus [`BACKDATE`]):
-//! - a signing CA that is missing, unreadable or expired is replaced at once;
+//! - a signing CA that is missing, unreadable or expired is replaced: while the served
+//!   server certificate is still valid and its CA still in the bundle, the new CA is only
+//!   announced as *next* (the server certificate kept) and promoted as in a rotation; only
+//!   when nothing valid can be served are both replaced at once (logged as a warning);
 //! - at [`RENEW_PERCENT`] of the signing CA's life a *next* CA is generated and put into the
 //!   bundle, but nothing is signed with it yet, so API servers learn it before they meet it;
 //! - [`PROMOTE_AFTER`] after its creation the next CA becomes the signing CA (the
@@ -251,15 +254,57 @@ pub fn plan(
         .filter(|(p, _)| p.not_after > t);
     let mut rotated = false;
     if signing.is_none() {
-        let (cert, key) = new_ca(settings, now)?;
-        out = CaPems {
-            bundle: String::new(),
-            cert,
-            key,
-            next: None,
-        };
-        ca_changed = true;
-        rotated = true;
+        // No usable signing CA. If the served certificate is still good and its CA is still
+        // trusted, keep serving it and only announce a new CA (as `next`, promoted after
+        // PROMOTE_AFTER like any rotation): replacing both at once would break TLS for every
+        // API server until the new bundle reaches it.
+        let next = out
+            .next
+            .as_ref()
+            .and_then(|(c, k)| ca_pair(c, k))
+            .filter(|(p, _)| p.not_after > t)
+            .map(|(p, _)| p);
+        let servable = server.is_some_and(|s| still_servable(settings, t, s, ca));
+        match next {
+            Some(next) if servable && t < next.created().saturating_add(secs(PROMOTE_AFTER)) => {
+                return Ok(announcing(t, out, ca, server, ca_changed));
+            }
+            Some(_) => {
+                // Announced long enough (or nothing valid is served): it signs now.
+                if !servable {
+                    tracing::warn!(
+                        "webhook certificates: the signing CA is unusable and no valid server certificate can be served: the announced next CA signs at once"
+                    );
+                }
+                if let Some((next_cert, next_key)) = out.next.take() {
+                    out.cert = next_cert;
+                    out.key = next_key;
+                }
+                ca_changed = true;
+                rotated = true;
+            }
+            None if servable => {
+                tracing::warn!(
+                    "webhook certificates: the signing CA is unusable: a new CA is announced; the current server certificate is served until it signs"
+                );
+                out.next = Some(new_ca(settings, now)?);
+                return Ok(announcing(t, out, ca, server, true));
+            }
+            None => {
+                tracing::warn!(
+                    "webhook certificates: the signing CA is unusable and no valid server certificate can be served: replacing the CA and the server certificate at once (TLS fails until the new bundle reaches the API servers)"
+                );
+                let (cert, key) = new_ca(settings, now)?;
+                out = CaPems {
+                    bundle: String::new(),
+                    cert,
+                    key,
+                    next: None,
+                };
+                ca_changed = true;
+                rotated = true;
+            }
+        }
     } else if let Some((next_cert, next_key)) = out.next.clone() {
         match ca_pair(&next_cert, &next_key) {
             Some((next, _)) if t >= next.created().saturating_add(secs(PROMOTE_AFTER)) => {
@@ -296,16 +341,7 @@ pub fn plan(
         .map(|p| p.subject)
         .collect();
     if t < keep_until {
-        let old = ca.map(|c| c.bundle.as_str()).unwrap_or("");
-        for der in CertificateDer::pem_slice_iter(old.as_bytes()).filter_map(Result::ok) {
-            if let Some(p) = parse_der(&der)
-                && p.not_after > t
-                && !seen.contains(&p.subject)
-            {
-                seen.push(p.subject);
-                bundle.push(pem_of(&der).trim_end().to_owned());
-            }
-        }
+        keep_old(&mut bundle, &mut seen, ca, t);
     }
     let bundle = bundle.join("\n") + "\n";
     if bundle != out.bundle {
@@ -334,6 +370,78 @@ pub fn plan(
         ca: out,
         server,
     })
+}
+
+/// Appends to `bundle` the CAs of `ca`'s bundle that are unexpired at `t` and not `seen`.
+fn keep_old(bundle: &mut Vec<String>, seen: &mut Vec<Vec<u8>>, ca: Option<&CaPems>, t: i64) {
+    let old = ca.map(|c| c.bundle.as_str()).unwrap_or("");
+    for der in CertificateDer::pem_slice_iter(old.as_bytes()).filter_map(Result::ok) {
+        if let Some(p) = parse_der(&der)
+            && p.not_after > t
+            && !seen.contains(&p.subject)
+        {
+            seen.push(p.subject);
+            bundle.push(pem_of(&der).trim_end().to_owned());
+        }
+    }
+}
+
+/// Whether `server` can still be served at `t` although no CA can sign: its key is its
+/// own, its names are the service's, it has not expired, and its issuer is an unexpired CA
+/// of the stored bundle (so API servers still trust it).
+fn still_servable(settings: &Settings, t: i64, server: &ServerPems, ca: Option<&CaPems>) -> bool {
+    let Some(p) = parse_pem(&server.cert).into_iter().next() else {
+        return false;
+    };
+    let Ok(key) = KeyPair::from_pem(&server.key) else {
+        return false;
+    };
+    key.public_key_raw() == p.public_key.as_slice()
+        && p.dns_names == settings.dns_names()
+        && p.not_before <= t
+        && p.not_after > t
+        && ca.is_some_and(|c| {
+            parse_pem(&c.bundle)
+                .iter()
+                .any(|b| b.subject == p.issuer && b.not_after > t)
+        })
+}
+
+/// The plan while a new CA is announced in place of an unusable signing one: the CA Secret
+/// keeps what it holds but for `next` and a bundle of the next CA and the still valid CAs
+/// trusted now; the server certificate is kept.
+fn announcing(
+    t: i64,
+    mut out: CaPems,
+    ca: Option<&CaPems>,
+    server: Option<&ServerPems>,
+    mut ca_changed: bool,
+) -> Plan {
+    let mut bundle: Vec<String> = out
+        .next
+        .iter()
+        .map(|(c, _)| c.trim_end().to_owned())
+        .collect();
+    let mut seen: Vec<Vec<u8>> = parse_pem(&bundle.join("\n"))
+        .into_iter()
+        .map(|p| p.subject)
+        .collect();
+    keep_old(&mut bundle, &mut seen, ca, t);
+    let bundle = bundle.join("\n") + "\n";
+    if bundle != out.bundle {
+        out.bundle = bundle;
+        ca_changed = true;
+    }
+    Plan {
+        ca_changed,
+        server_changed: false,
+        ca: out,
+        // Only called when `server` is servable.
+        server: server.cloned().unwrap_or(ServerPems {
+            cert: String::new(),
+            key: String::new(),
+        }),
+    }
 }
 
 fn pem_of(der: &[u8]) -> String {
@@ -481,8 +589,9 @@ fn text(s: &Secret, key: &str) -> Option<String> {
 
 fn ca_of(s: &Secret) -> Option<CaPems> {
     Some(CaPems {
-        cert: text(s, "ca.crt")?,
-        key: text(s, "ca.key")?,
+        // A missing signing CA is replaced, but the bundle API servers trust is still read.
+        cert: text(s, "ca.crt").unwrap_or_default(),
+        key: text(s, "ca.key").unwrap_or_default(),
         next: text(s, "next.crt").zip(text(s, "next.key")),
         bundle: text(s, "bundle.crt").unwrap_or_default(),
     })
@@ -822,14 +931,103 @@ mod tests {
                 .unwrap()
                 .server_changed
         );
-        // A CA whose key is not its own: a new CA.
+        // A CA whose key is not its own and no server certificate it trusts: a new CA
+        // signing at once.
         let bad = CaPems {
             key: other.ca.key.clone(),
             ..first.ca.clone()
         };
-        let p = plan(&settings(), t0(), Some(&bad), Some(&first.server)).unwrap();
-        assert!(p.ca_changed && p.server_changed);
+        for server in [None, Some(&other.server)] {
+            let p = plan(&settings(), t0(), Some(&bad), server).unwrap();
+            assert!(p.ca_changed && p.server_changed);
+            assert_ne!(subject(&p.ca.cert), subject(&first.ca.cert));
+            assert_eq!(issuer(&p.server.cert), subject(&p.ca.cert));
+            assert!(certified_key(&p.server).is_ok());
+        }
+    }
+
+    #[test]
+    fn an_unusable_ca_with_a_valid_server_certificate_is_replaced_by_announcing_first() {
+        let first = plan(&settings(), t0(), None, None).unwrap();
+        let other = plan(&settings(), t0(), None, None).unwrap();
+        let old = subject(&first.ca.cert);
+        let t1 = t0() + DAY;
+        for broken in [
+            // A key that is not the CA's.
+            CaPems {
+                key: other.ca.key.clone(),
+                ..first.ca.clone()
+            },
+            // Garbage in both.
+            CaPems {
+                cert: "garbage".into(),
+                key: "garbage".into(),
+                ..first.ca.clone()
+            },
+        ] {
+            // The served certificate is kept; a new CA is only announced, next to the one
+            // that issued it.
+            let p = plan(&settings(), t1, Some(&broken), Some(&first.server)).unwrap();
+            assert!(p.ca_changed && !p.server_changed);
+            assert_eq!(p.server, first.server);
+            let (next_cert, _) = p.ca.next.clone().unwrap();
+            let next = subject(&next_cert);
+            assert_ne!(next, old);
+            assert_eq!(subjects(&p.ca.bundle), [next.clone(), old.clone()]);
+            // Just before PROMOTE_AFTER: still announced, nothing re-signed, nothing changed.
+            let t_wait = t1 + PROMOTE_AFTER - Duration::from_secs(60);
+            let waiting = step(p, t1, t_wait, Duration::from_secs(60));
+            assert_eq!(waiting.server, first.server);
+            assert_eq!(subjects(&waiting.ca.bundle), [next.clone(), old.clone()]);
+            let again = plan(
+                &settings(),
+                t_wait,
+                Some(&waiting.ca),
+                Some(&waiting.server),
+            )
+            .unwrap();
+            assert!(!again.ca_changed && !again.server_changed);
+            // PROMOTE_AFTER after the announcement: it signs, the server certificate is
+            // re-signed, and the old CA stays in the bundle for the overlap.
+            let promoted = step(waiting, t_wait, t1 + PROMOTE_AFTER, Duration::from_secs(60));
+            assert_eq!(subject(&promoted.ca.cert), next);
+            assert!(promoted.ca.next.is_none());
+            assert_eq!(issuer(&promoted.server.cert), next);
+            assert_eq!(subjects(&promoted.ca.bundle), [next.clone(), old.clone()]);
+            assert!(certified_key(&promoted.server).is_ok());
+        }
+    }
+
+    #[test]
+    fn an_unusable_ca_with_nothing_valid_to_serve_is_replaced_at_once() {
+        let first = plan(&settings(), t0(), None, None).unwrap();
+        let other = plan(&settings(), t0(), None, None).unwrap();
+        // Expired: the CA (30 d) and with it the server certificate (7 d).
+        let t = t0() + 31 * DAY;
+        let p = plan(&settings(), t, Some(&first.ca), Some(&first.server)).unwrap();
+        assert!(p.ca_changed && p.server_changed && p.ca.next.is_none());
+        assert_eq!(issuer(&p.server.cert), subject(&p.ca.cert));
+        assert_eq!(subjects(&p.ca.bundle), [subject(&p.ca.cert)]);
+        let broken = CaPems {
+            key: other.ca.key.clone(),
+            ..first.ca.clone()
+        };
+        // A broken CA key and an expired server certificate (7 d).
+        let t = t0() + 8 * DAY;
+        let p = plan(&settings(), t, Some(&broken), Some(&first.server)).unwrap();
+        assert!(p.ca_changed && p.server_changed && p.ca.next.is_none());
+        assert_eq!(issuer(&p.server.cert), subject(&p.ca.cert));
+        // A valid server certificate whose CA is not in the bundle.
+        let unknown = CaPems {
+            bundle: other.ca.bundle.clone(),
+            ..broken.clone()
+        };
+        let p = plan(&settings(), t0() + DAY, Some(&unknown), Some(&first.server)).unwrap();
+        assert!(p.ca_changed && p.server_changed && p.ca.next.is_none());
         assert_ne!(subject(&p.ca.cert), subject(&first.ca.cert));
-        assert!(certified_key(&p.server).is_ok());
+        assert_eq!(issuer(&p.server.cert), subject(&p.ca.cert));
+        // A missing server certificate.
+        let p = plan(&settings(), t0() + DAY, Some(&broken), None).unwrap();
+        assert!(p.server_changed && p.ca.next.is_none());
     }
 }

@@ -19,6 +19,7 @@ pub struct AdmissionLabels {
     /// The webhook target (`apiserver-proxy`).
     pub target: &'static str,
     /// What the review decided: a [`super::mutate::Decision::result`], `denied_caller`,
+    /// `callers_unknown` (no kube-apiserver pod of the namespace known: admitted unchanged),
     /// `failed` (a handler failure) or `no_object`.
     pub result: &'static str,
 }

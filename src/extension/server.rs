@@ -2,7 +2,8 @@
 //! (a renewed pair is served to new handshakes, open connections keep theirs), HTTP/1.1 with
 //! keep-alive (hyper), and the bounds that keep bad input from holding it: the TLS handshake
 //! within [`HANDSHAKE_TIMEOUT`], a request head within [`REQUEST_TIMEOUT`] (an idle
-//! keep-alive connection is closed after it too) and its body and answer within another,
+//! keep-alive connection is closed after it too) and the whole request, head, body and
+//! review, within one [`REQUEST_TIMEOUT`] from its first byte,
 //! bodies up to [`MAX_BODY`] (413 beyond, from `Content-Length` at once or while streaming),
 //! `POST` only (405), webhook paths only (404), at most [`MAX_CONNECTIONS`] connections
 //! (more are closed at once). Every refusal is counted
@@ -14,7 +15,9 @@
 
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
@@ -25,6 +28,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use rustls::ServerConfig;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
@@ -40,7 +44,7 @@ use crate::StartError;
 /// Deadline of a TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Deadline of a request head (from the connection's previous answer, or its handshake),
-/// and separately of its body read and answer.
+/// and of the whole request (head, body read and review) from its first byte.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest request body (the API server sends whole objects; 4 MiB is far above any
 /// DaemonSet).
@@ -189,8 +193,13 @@ impl Connection {
             }
         };
         let (state, metrics) = (self.state.clone(), self.metrics.clone());
+        let clock = Arc::new(RequestClock::default());
+        let io = Clocked {
+            io: tls,
+            clock: clock.clone(),
+        };
         let service = hyper::service::service_fn(move |req| {
-            handle(req, peer, state.clone(), metrics.clone())
+            handle(req, peer, state.clone(), metrics.clone(), clock.clone())
         });
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
@@ -198,7 +207,7 @@ impl Connection {
             .header_read_timeout(REQUEST_TIMEOUT)
             .max_buf_size(MAX_HEAD.max(8192))
             .keep_alive(true);
-        let conn = builder.serve_connection(TokioIo::new(tls), service);
+        let conn = builder.serve_connection(TokioIo::new(io), service);
         tokio::pin!(conn);
         let result = tokio::select! {
             r = conn.as_mut() => r,
@@ -214,6 +223,94 @@ impl Connection {
                 tracing::debug!(%peer, error = %e, "webhook connection ended with an error");
             }
         }
+    }
+}
+
+/// When the current request's first byte arrived (`None`: none has since the previous
+/// request was answered).
+#[derive(Debug, Default)]
+struct RequestClock(Mutex<Option<Instant>>);
+
+impl RequestClock {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Bytes arrived: the first since the last answer starts the request.
+    fn mark(&self) {
+        self.slot().get_or_insert_with(Instant::now);
+    }
+
+    /// When the current request began, if its first byte was seen.
+    fn began(&self) -> Option<Instant> {
+        *self.slot()
+    }
+
+    /// The request is answered: the next bytes begin the next one.
+    fn rearm(&self) {
+        *self.slot() = None;
+    }
+}
+
+/// Re-arms the clock when a request's handling ends, however it ends.
+struct Rearm(Arc<RequestClock>);
+
+impl Drop for Rearm {
+    fn drop(&mut self) {
+        self.0.rearm();
+    }
+}
+
+/// The connection's stream, noting in its [`RequestClock`] when a request's first
+/// (decrypted) byte is read.
+struct Clocked<T> {
+    io: T,
+    clock: Arc<RequestClock>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Clocked<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let r = Pin::new(&mut this.io).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            this.clock.mark();
+        }
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Clocked<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
 
@@ -236,15 +333,18 @@ fn reply(answer: Answer, close: bool) -> Reply {
     r
 }
 
-/// Answers one request (the deadline of its head is hyper's; of the body and the answer,
-/// this one's).
+/// Answers one request (the deadline of its head is hyper's; the body must be read within
+/// [`REQUEST_TIMEOUT`] of the head's first byte, as `clock` noted it).
 async fn handle(
     req: Request<Incoming>,
     peer: IpAddr,
     state: Arc<State>,
     metrics: Arc<ExtensionMetrics>,
+    clock: Arc<RequestClock>,
 ) -> Result<Reply, Infallible> {
     let started = Instant::now();
+    let deadline = clock.began().unwrap_or(started) + REQUEST_TIMEOUT;
+    let _rearm = Rearm(clock);
     let refuse = |why: Rejection, status: u16, text: &str, close: bool| {
         metrics.reject(why);
         Ok(reply(Answer::refuse(why, status, text), close))
@@ -268,7 +368,7 @@ async fn handle(
     }
     let path = req.uri().path().to_owned();
     let body = Limited::new(req.into_body(), MAX_BODY);
-    let bytes = match tokio::time::timeout(REQUEST_TIMEOUT, body.collect()).await {
+    let bytes = match tokio::time::timeout_at(deadline.into(), body.collect()).await {
         Ok(Ok(collected)) => collected.to_bytes(),
         Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
             return refuse(Rejection::TooLarge, 413, "body too large", true);

@@ -1,7 +1,7 @@
 //! What the controller has established, read by the webhook server: per shoot namespace, the
 //! types whose configuration exists and what their webhooks need to mutate, and the
-//! addresses of the namespace's kube-apiserver pods (the only callers a path of that
-//! namespace admits). Written by the controller's tasks, read lock-free on every review.
+//! addresses of the namespace's kube-apiserver pods (once known, the only callers a path of
+//! that namespace admits; while none are known, reviews are admitted unchanged). Written by the controller's tasks, read lock-free on every review.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -50,7 +50,7 @@ pub struct State {
 }
 
 impl State {
-    /// An empty state: every webhook admits unchanged, every caller is refused.
+    /// An empty state: every webhook admits unchanged, no caller is known.
     pub fn new() -> Arc<State> {
         Arc::new(State::default())
     }
@@ -88,6 +88,25 @@ impl State {
             .is_some_and(|ips| ips.contains(&ip))
     }
 
+    /// Whether any kube-apiserver pod address of `namespace` is known (`false` before the
+    /// Pod watch has listed, or while the namespace's pods have no address yet).
+    pub fn callers_known(&self, namespace: &str) -> bool {
+        self.callers
+            .load()
+            .get(namespace)
+            .is_some_and(|ips| !ips.is_empty())
+    }
+
+    /// What is known of `ip` as a caller of `namespace`, from one snapshot.
+    pub fn caller(&self, namespace: &str, ip: IpAddr) -> Caller {
+        let ip = canonical(ip);
+        match self.callers.load().get(namespace) {
+            Some(ips) if ips.contains(&ip) => Caller::Allowed,
+            Some(ips) if !ips.is_empty() => Caller::Denied,
+            _ => Caller::Unknown,
+        }
+    }
+
     /// Replaces the kube-apiserver pod addresses of `namespace` (empty: none).
     pub fn set_callers(&self, namespace: &str, ips: BTreeSet<IpAddr>) {
         let ips: BTreeSet<IpAddr> = ips.into_iter().map(canonical).collect();
@@ -101,6 +120,17 @@ impl State {
             all
         });
     }
+}
+
+/// What [`State::caller`] knows of a caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller {
+    /// An address of one of the namespace's kube-apiserver pods.
+    Allowed,
+    /// The namespace's kube-apiserver pods are known and this is none of them.
+    Denied,
+    /// No kube-apiserver pod address of the namespace is known (yet).
+    Unknown,
 }
 
 /// An IPv4 address as itself, also when it arrives as `::ffff:a.b.c.d` on a dual-stack socket.
@@ -150,7 +180,16 @@ mod tests {
         assert!(state.caller_allowed("a", "::ffff:10.1.2.3".parse().unwrap_or(ip)));
         assert!(!state.caller_allowed("b", ip));
         assert!(!state.caller_allowed("a", "10.1.2.4".parse().unwrap_or(ip)));
+        assert_eq!(state.caller("a", ip), Caller::Allowed);
+        assert_eq!(
+            state.caller("a", "10.1.2.4".parse().unwrap_or(ip)),
+            Caller::Denied
+        );
+        assert_eq!(state.caller("b", ip), Caller::Unknown);
+        assert!(state.callers_known("a") && !state.callers_known("b"));
         state.set_callers("a", BTreeSet::new());
         assert!(!state.caller_allowed("a", ip));
+        assert!(!state.callers_known("a"));
+        assert_eq!(state.caller("a", ip), Caller::Unknown);
     }
 }
