@@ -284,7 +284,7 @@ impl<M: EncodeMetric> EncodeMetric for Listed<M> {
 }
 
 /// Registers `metric` under `name` as a [`Listed`] family.
-fn listed(
+pub(crate) fn listed(
     r: &mut Registry,
     name: &str,
     help: &str,

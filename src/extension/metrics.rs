@@ -5,13 +5,14 @@
 
 use std::sync::atomic::AtomicU64;
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
-use prometheus_client::metrics::MetricType;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::admin::metrics::listed;
 
 /// `target`, `result` labels of `trellis_extension_admissions_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -182,30 +183,6 @@ impl ExtensionMetrics {
             })
             .inc();
     }
-}
-
-/// A family whose `# HELP`/`# TYPE` lines are encoded before its first series, as the admin
-/// module's families are (prometheus-client leaves empty families out).
-#[derive(Debug)]
-struct Listed<M>(M);
-
-impl<M: EncodeMetric> EncodeMetric for Listed<M> {
-    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        self.0.encode(encoder)
-    }
-
-    fn metric_type(&self) -> MetricType {
-        self.0.metric_type()
-    }
-}
-
-fn listed(
-    r: &mut Registry,
-    name: &str,
-    help: &str,
-    metric: impl EncodeMetric + Send + Sync + std::fmt::Debug + 'static,
-) {
-    r.register(name, help, Listed(metric));
 }
 
 #[cfg(test)]
