@@ -106,13 +106,21 @@ struct Env {
     render_failures: Arc<AtomicUsize>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
+    synced: Option<oneshot::Receiver<()>>,
 }
 
 impl Env {
     async fn start() -> Env {
+        Env::start_with(|_| {}).await
+    }
+
+    /// The controller started against a fake API server that `before` filled.
+    async fn start_with(before: impl FnOnce(&FakeKube)) -> Env {
         let kube = FakeKube::start().await;
         kube.put(namespace(NS, true));
         kube.put(cluster(NS, "Succeeded"));
+        before(&kube);
+        let (synced_tx, synced) = oneshot::channel();
         let state = State::new();
         let (ca, ca_rx) = watch::channel("CA1".to_owned());
         let render_failures = Arc::new(AtomicUsize::new(0));
@@ -123,7 +131,8 @@ impl Env {
                 retry_max: Duration::from_millis(400),
                 wait: Duration::from_millis(50),
                 workers: 4,
-            });
+            })
+            .on_synced(synced_tx);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(controller.run(ca_rx, async move {
             let _ = stopped.await;
@@ -135,7 +144,17 @@ impl Env {
             render_failures,
             stop: Some(stop),
             task,
+            synced: Some(synced),
         }
+    }
+
+    /// Waits (at most 10 s) for the controller's synced signal.
+    async fn synced(&mut self) {
+        let synced = self.synced.take().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), synced)
+            .await
+            .unwrap()
+            .unwrap();
     }
 
     fn ext(&self, ns: &str, name: &str) -> Option<Value> {
@@ -687,4 +706,154 @@ async fn heartbeat_lease_is_created_and_renewed() {
         .await
         .unwrap()
         .unwrap();
+}
+
+/// An Extension reconciled by an earlier process: Succeeded, our finalizer, its Secret and
+/// ManagedResource.
+fn reconciled_before(kube: &FakeKube) {
+    let mut ext = extension(NS, "trellis-node", "trellis-node", json!({}));
+    ext["metadata"]["finalizers"] = json!([FINALIZER]);
+    ext["status"] = json!({"lastOperation": {"type": "Create", "state": "Succeeded",
+        "progress": 100, "description": "done", "lastUpdateTime": "2025-01-01T00:00:00Z"}});
+    kube.put(ext);
+    kube.put(json!({"apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": NAME, "namespace": NS}, "type": "Opaque", "data": {}}));
+    kube.put(json!({"apiVersion": MR, "kind": "ManagedResource",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {"secretRefs": [{"name": NAME}], "keepObjects": false}}));
+}
+
+#[tokio::test]
+async fn a_restart_rebuilds_the_state_of_succeeded_extensions_without_a_write() {
+    let mut env = Env::start_with(reconciled_before).await;
+    let writes = env.kube.write_count();
+    env.synced().await;
+    let shoot = env.state.shoot(NS).unwrap();
+    assert!(shoot.enabled(ExtensionType::Node), "{shoot:?}");
+    assert_eq!(
+        shoot.node.as_ref().unwrap().image,
+        "example.org/trellis:test"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        env.kube.write_count(),
+        writes,
+        "{:#?}",
+        env.kube.writes_from(writes)
+    );
+    env.stop().await;
+}
+
+#[tokio::test]
+async fn synced_comes_after_the_watches_listed() {
+    let pod = |name: &str, ip: &str, phase: &str| {
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {"app": "kubernetes", "role": "apiserver"}},
+            "status": {"phase": phase, "podIP": ip, "podIPs": [{"ip": ip}]}})
+    };
+    let mut env = Env::start_with(|kube| {
+        reconciled_before(kube);
+        kube.put(pod("kube-apiserver-a", "10.1.0.5", "Running"));
+        kube.put(pod("kube-apiserver-evicted", "10.1.0.9", "Failed"));
+    })
+    .await;
+    env.synced().await;
+    let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+    assert!(env.state.caller_allowed(NS, ip("10.1.0.5")));
+    assert!(
+        !env.state.caller_allowed(NS, ip("10.1.0.9")),
+        "an ended pod's address is no caller"
+    );
+    let shoot = env.state.shoot(NS).unwrap();
+    assert!(shoot.labelled.contains(&ExtensionType::Node));
+    assert!(shoot.enabled(ExtensionType::Node));
+    env.stop().await;
+}
+
+#[tokio::test]
+async fn a_failed_first_patch_writes_no_status_before_the_finalizer() {
+    let env = Env::start().await;
+    env.kube.fail_next_where(1, Fault::Internal, |l| {
+        l.starts_with("PATCH") && l.contains("/extensions/trellis-node?")
+    });
+    env.kube.put(extension(
+        NS,
+        "trellis-node",
+        "trellis-node",
+        json!({OPERATION: "reconcile"}),
+    ));
+    succeeded(&env, "Create").await;
+    let writes = env.writes_to("/extensions/trellis-node");
+    let first_status = writes
+        .iter()
+        .position(|(l, _)| l.contains("/status"))
+        .unwrap();
+    let finalizer = writes
+        .iter()
+        .rposition(|(l, b)| {
+            !l.contains("/status") && b["metadata"]["finalizers"] == json!([FINALIZER])
+        })
+        .unwrap();
+    assert!(finalizer < first_status, "{writes:#?}");
+    assert!(
+        writes
+            .iter()
+            .all(|(_, b)| b["status"]["lastOperation"]["state"] != "Error"),
+        "{writes:#?}"
+    );
+    env.stop().await;
+}
+
+#[tokio::test]
+async fn a_restore_is_not_followed_by_a_reconcile_of_its_own_writes() {
+    let env = Env::start().await;
+    env.kube.put(extension(
+        NS,
+        "trellis-node",
+        "trellis-node",
+        json!({OPERATION: "restore"}),
+    ));
+    succeeded(&env, "Restore").await;
+    until("the restore annotation removed", || {
+        env.ext(NS, "trellis-node").unwrap()["metadata"]["annotations"]
+            .get(OPERATION)
+            .is_none()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let statuses = env.writes_to("/extensions/trellis-node/status");
+    assert!(
+        statuses
+            .iter()
+            .all(|(_, b)| b["status"]["lastOperation"]["type"] == "Restore"),
+        "{statuses:#?}"
+    );
+    assert_eq!(statuses.len(), 2, "Processing, Succeeded: {statuses:#?}");
+    env.stop().await;
+}
+
+#[tokio::test]
+async fn an_extension_gone_without_its_finalizer_clears_the_state() {
+    let env = Env::start().await;
+    env.kube.put(extension(
+        NS,
+        "trellis-node",
+        "trellis-node",
+        json!({OPERATION: "reconcile"}),
+    ));
+    succeeded(&env, "Create").await;
+    assert!(env.state.shoot(NS).unwrap().enabled(ExtensionType::Node));
+    // The finalizer removed by force, then deleted: gone at once, never reconciled.
+    env.edit(EXT, "Extension", NS, "trellis-node", |e| {
+        e["metadata"]["finalizers"] = json!([]);
+    });
+    env.kube.delete(EXT, "Extension", NS, "trellis-node");
+    assert!(env.ext(NS, "trellis-node").is_none());
+    until("the webhooks stop", || {
+        env.state
+            .shoot(NS)
+            .is_some_and(|s| !s.enabled(ExtensionType::Node) && s.node.is_none())
+    })
+    .await;
+    env.stop().await;
 }

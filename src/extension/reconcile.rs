@@ -23,7 +23,7 @@ use tokio::sync::watch;
 
 use super::render::{self, NodeInput, RenderError, Rendered};
 use super::role::ExtensionType;
-use super::state::State;
+use super::state::{NodeShoot, State};
 use crate::config::extension::ExtensionConfig;
 
 /// The finalizer the controller puts on the Extensions it acts on.
@@ -164,17 +164,44 @@ pub fn skip(op: Operation, ext: &Value) -> bool {
 /// or a last operation that did not succeed (or none); an update only with an operation
 /// annotation, or a deletion timestamp and an unchanged status. A newer generation alone
 /// is not acted on: gardenlet annotates what it wants reconciled.
+///
+/// On an update the annotation counts only when it was added or changed (its value, or
+/// `gardener.cloud/timestamp`, gardenlet asking again): `migrate` and `restore` stay on the
+/// object while they run, and the controller's own status writes must not queue the key
+/// again (a full Reconcile would follow every Restore). A missing status and a `null` one
+/// are the same.
 pub fn admit(old: Option<&Value>, new: &Value) -> bool {
-    if matches!(
+    let asked = matches!(
         annotation(new, OPERATION),
         Some("reconcile" | "migrate" | "restore")
-    ) {
-        return true;
-    }
+    );
+    let status = |v: &Value| v.get("status").filter(|s| !s.is_null()).cloned();
     match old {
-        None => deleting(new) || text(new, "/status/lastOperation/state") != Some("Succeeded"),
-        Some(old) => deleting(new) && old.get("status") == new.get("status"),
+        None => {
+            asked || deleting(new) || text(new, "/status/lastOperation/state") != Some("Succeeded")
+        }
+        Some(old) => {
+            let asked_anew = asked
+                && (annotation(old, OPERATION) != annotation(new, OPERATION)
+                    || annotation(old, TIMESTAMP) != annotation(new, TIMESTAMP));
+            asked_anew || (deleting(new) && status(old) == status(new))
+        }
     }
+}
+
+/// Whether the webhooks' state of `ext` is rebuilt from it on a start (without a write):
+/// reconciled by this controller (its finalizer on), its last operation Succeeded, not being
+/// deleted, not migrated away and no migration asked for.
+pub fn restorable(ext: &Value) -> bool {
+    let ours = ext
+        .pointer("/metadata/finalizers")
+        .and_then(Value::as_array)
+        .is_some_and(|f| f.iter().any(|f| f.as_str() == Some(FINALIZER)));
+    let op = operation(ext);
+    ours && text(ext, "/status/lastOperation/state") == Some("Succeeded")
+        && !deleting(ext)
+        && !matches!(op, Operation::Migrate | Operation::Delete)
+        && !skip(op, ext)
 }
 
 /// The type of `ext` if it is one this controller serves (`types`) and of class `shoot`
@@ -324,6 +351,65 @@ impl Reconciler {
         Api::namespaced_with(self.client.clone(), ns, &secret_resource())
     }
 
+    /// Renders the objects of `ext` (of type `t`, in `ns`) with the current CA bundle.
+    fn render(
+        &self,
+        ns: &str,
+        t: ExtensionType,
+        ext: &Value,
+        cluster: &Value,
+    ) -> Result<Rendered, ReconcileError> {
+        let config = &self.config;
+        let ca = self.ca_bundle.borrow().clone();
+        let input = NodeInput {
+            extension_namespace: &config.namespace,
+            service: &config.webhook.service,
+            shoot_namespace: ns,
+            ca_bundle: &ca,
+            image: &config.image,
+            cluster,
+            provider_config: ext.pointer("/spec/providerConfig").filter(|v| !v.is_null()),
+        };
+        Ok(match t {
+            ExtensionType::Node => self.renderer.node(&input)?,
+        })
+    }
+
+    /// The webhooks of `t` mutate the shoot of `ns` with `node`.
+    fn configured(&self, ns: &str, t: ExtensionType, node: NodeShoot) {
+        self.state.update_shoot(ns, |s| {
+            s.configured.insert(t);
+            s.node = Some(node.clone());
+        });
+    }
+
+    /// Rebuilds the webhooks' state of `ext` (as listed on a start) if it is [`restorable`],
+    /// writing nothing to the API server: reads its Cluster, renders with the current CA
+    /// bundle. The Extensions whose last operation succeeded are not reconciled on a start
+    /// (Gardener's predicate), so without this the webhooks would not mutate their shoots
+    /// until gardenlet annotates them again. True if the state was set.
+    pub async fn rebuild(&self, ext: &Value) -> Result<bool, ReconcileError> {
+        let Some(t) = served_type(ext, &self.config.types) else {
+            return Ok(false);
+        };
+        if !restorable(ext) {
+            return Ok(false);
+        }
+        let ns = text(ext, "/metadata/namespace").unwrap_or("");
+        let Some(cluster) =
+            Api::<DynamicObject>::all_with(self.client.clone(), &cluster_resource())
+                .get_opt(ns)
+                .await
+                .map_err(api(format!("get Cluster {ns}")))?
+        else {
+            return Err(ReconcileError::NoCluster(ns.to_owned()));
+        };
+        let cluster = serde_json::to_value(&cluster)?;
+        let rendered = self.render(ns, t, ext, &cluster)?;
+        self.configured(ns, t, rendered.node);
+        Ok(true)
+    }
+
     /// Reconciles the Extension `ns/name` as it is now.
     pub async fn reconcile(&self, ns: &str, name: &str) -> Result<Outcome, ReconcileError> {
         let exts = self.extensions(ns);
@@ -376,7 +462,12 @@ impl Reconciler {
             Operation::Delete => job.delete().await,
             _ => job.reconcile(cluster.as_ref()).await,
         };
-        if let Err(e) = &result {
+        // An Error status only on an Extension carrying the finalizer (or one being deleted
+        // or migrated): a first patch that failed (a conflict) is just retried, the status
+        // of an Extension this controller has not taken yet stays untouched.
+        let taken = job.finalizers().iter().any(|f| f == FINALIZER)
+            || matches!(op, Operation::Delete | Operation::Migrate);
+        if let (Err(e), true) = (&result, taken) {
             let description = format!("Error during {}: {e}", op.as_str().to_lowercase());
             let lost = job.status_error(&description, e.codes()).await;
             if let Err(status) = lost {
@@ -527,29 +618,9 @@ impl Job<'_> {
             self.restore_keys();
         }
         let cluster = cluster.ok_or_else(|| ReconcileError::NoCluster(self.ns.to_owned()))?;
-        let config = &self.r.config;
-        let ca = self.r.ca_bundle.borrow().clone();
-        let input = NodeInput {
-            extension_namespace: &config.namespace,
-            service: &config.webhook.service,
-            shoot_namespace: self.ns,
-            ca_bundle: &ca,
-            image: &config.image,
-            cluster,
-            provider_config: self
-                .ext
-                .pointer("/spec/providerConfig")
-                .filter(|v| !v.is_null()),
-        };
-        let rendered = match self.t {
-            ExtensionType::Node => self.r.renderer.node(&input)?,
-        };
+        let rendered = self.r.render(self.ns, self.t, &self.ext, cluster)?;
         self.write_managed_resource(&rendered.objects).await?;
-        let (t, node) = (self.t, rendered.node);
-        self.r.state.update_shoot(self.ns, |s| {
-            s.configured.insert(t);
-            s.node = Some(node.clone());
-        });
+        self.r.configured(self.ns, self.t, rendered.node);
         let done = match self.op {
             Operation::Restore => "Successfully restored the Extension",
             _ => "Successfully reconciled the Extension",
@@ -782,6 +853,22 @@ mod tests {
             !admit(Some(&failed), &deleting),
             "status changed: our own write"
         );
+        // An annotation that stays (migrate, restore) does not admit our own status writes.
+        let mut restoring = succeeded.clone();
+        restoring["metadata"]["annotations"] = json!({OPERATION: "restore"});
+        let mut written = restoring.clone();
+        written["status"]["lastOperation"]["state"] = json!("Processing");
+        assert!(admit(None, &restoring));
+        assert!(admit(Some(&succeeded), &restoring), "newly added");
+        assert!(!admit(Some(&restoring), &written), "unchanged");
+        let mut again = written.clone();
+        again["metadata"]["annotations"][TIMESTAMP] = json!("2025-01-01T00:00:00Z");
+        assert!(admit(Some(&written), &again), "asked again");
+        // A missing status is a null one.
+        let mut gone = json!({"metadata": {"deletionTimestamp": "x"}});
+        assert!(admit(Some(&json!({"metadata": {}, "status": null})), &gone));
+        gone["status"] = Value::Null;
+        assert!(admit(Some(&json!({"metadata": {}})), &gone));
     }
 
     #[test]

@@ -4,15 +4,16 @@
 //! Start: the admin endpoint comes up (not ready), the Kubernetes client is built and the
 //! webhook address bound (a taken port fails the start); the certificates are read from
 //! (or first written to) their Secrets, retried with a growing pause while the API server
-//! does not answer; once a key pair is served the process is ready and the controller starts
-//! (it renders every webhook configuration with the CA bundle, so it waits for one). Stop
+//! does not answer; once a key pair is served the controller starts (it renders every webhook
+//! configuration with the CA bundle, so it waits for one), and once its watches have listed
+//! and the webhooks' state is rebuilt the process is ready. Stop
 //! (SIGTERM/SIGINT): readiness fails, the server stops accepting and finishes the reviews
 //! in flight, the controller, certificate loop and heartbeat end.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinSet;
 
 use super::certs::{self, Published, Settings};
@@ -138,12 +139,6 @@ async fn run_all(
         }
         pause = (pause * 2).min(FIRST_CHECK_MAX_PAUSE);
     }
-    admin.set_ready(true);
-    tracing::info!(
-        namespace = %config.namespace,
-        types = %config.types.join(","),
-        "extension serving"
-    );
     tasks.spawn(certs::run(
         secrets,
         settings,
@@ -151,13 +146,30 @@ async fn run_all(
         metrics.clone(),
         stopping(stop.clone()),
     ));
+    let (synced, in_sync) = oneshot::channel();
+    let types = config.types.join(",");
+    let namespace = config.namespace.clone();
     tasks.spawn(controller::run(
         client,
         config,
         state,
         published.bundle(),
+        synced,
         stopping(stop.clone()),
     ));
+    // Ready once a key pair is served and the controller is in step with the API server
+    // (its watches listed, the state rebuilt): before, the webhooks would know no callers,
+    // labels or configured shoots and leave every object unchanged.
+    tokio::select! {
+        in_sync = in_sync => match in_sync {
+            Ok(()) => {
+                admin.set_ready(true);
+                tracing::info!(%namespace, %types, "extension serving");
+            }
+            Err(_) => tracing::error!("the controller ended before it was in sync"),
+        },
+        () = server::stopped(&mut stop) => {}
+    }
     // The server ends when stopped, or when it failed: then the process stops.
     while let Some(done) = tasks.join_next_with_id().await {
         if done.as_ref().map_or_else(|e| e.id(), |(id, ())| *id) == server.id() {

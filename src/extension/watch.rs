@@ -18,7 +18,7 @@ use kube::api::{Api, DynamicObject};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use serde_json::Value;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -92,6 +92,7 @@ pub struct Controller {
     state: Arc<State>,
     renderer: Arc<dyn Renderer>,
     timing: Timing,
+    synced: Option<oneshot::Sender<()>>,
 }
 
 impl Controller {
@@ -103,7 +104,18 @@ impl Controller {
             state,
             renderer: reconcile::production_renderer(),
             timing: Timing::default(),
+            synced: None,
         }
+    }
+
+    /// Says on `synced` when the controller is in step with the API server: the Extensions,
+    /// Namespaces and kube-apiserver Pods watches have each listed, their contents are in the
+    /// [`State`], and the state of the Extensions reconciled before (by an earlier process)
+    /// was rebuilt (see [`Reconciler::rebuild`]). Until then the webhooks know no callers, no
+    /// labels and no configured shoots: the process is not ready before.
+    pub fn on_synced(mut self, synced: oneshot::Sender<()>) -> Self {
+        self.synced = Some(synced);
+        self
     }
 
     /// Renders with `renderer` instead.
@@ -126,6 +138,7 @@ impl Controller {
             state,
             renderer,
             timing,
+            mut synced,
         } = self;
         let reconciler = Arc::new(Reconciler::new(
             client.clone(),
@@ -165,9 +178,21 @@ impl Controller {
         let mut queue = Queue::new(timing);
         let mut running: JoinSet<(Key, Result<Outcome, ReconcileError>)> = JoinSet::new();
         let mut ca_open = true;
+        // The first list of Extensions done and the state rebuilt from it; no reconciliation
+        // starts before (none races the rebuild).
+        let mut extensions_synced = false;
+        let mut rebuilding: Option<futures_util::future::BoxFuture<'static, ()>> = None;
+        let (mut namespaces_listed, mut pods_listed) = (false, false);
         let mut stop = std::pin::pin!(stop);
         loop {
-            while running.len() < timing.workers.max(1) {
+            if extensions_synced
+                && namespaces_listed
+                && pods_listed
+                && let Some(synced) = synced.take()
+            {
+                let _ = synced.send(());
+            }
+            while extensions_synced && running.len() < timing.workers.max(1) {
                 let Some(key) = queue.next() else { break };
                 let r = reconciler.clone();
                 running.spawn(async move {
@@ -180,18 +205,39 @@ impl Controller {
                 () = &mut stop => break,
                 Some(e) = extensions.next() => match e {
                     Ok(e) => {
-                        for key in seen.apply(e, &config.types) {
+                        let changes = seen.apply(e, &config.types);
+                        for ((ns, _), t) in changes.gone {
+                            forget(&state, &ns, t);
+                        }
+                        if let Some(listed) = changes.first_list {
+                            rebuilding = Some(Box::pin(rebuild(
+                                reconciler.clone(),
+                                listed,
+                                timing.workers.max(1),
+                            )));
+                        }
+                        for key in changes.queue {
                             queue.push(key);
                         }
                     }
                     Err(e) => tracing::warn!(error = %e, "watching Extensions"),
                 },
+                () = maybe(&mut rebuilding) => {
+                    rebuilding = None;
+                    extensions_synced = true;
+                }
                 Some(e) = namespaces.next() => match e {
-                    Ok(e) => labels.apply(e, &types, &state),
+                    Ok(e) => {
+                        namespaces_listed |= matches!(e, Event::InitDone);
+                        labels.apply(e, &types, &state);
+                    }
                     Err(e) => tracing::warn!(error = %e, "watching Namespaces"),
                 },
                 Some(e) = pods.next() => match e {
-                    Ok(e) => callers.apply(e, &state),
+                    Ok(e) => {
+                        pods_listed |= matches!(e, Event::InitDone);
+                        callers.apply(e, &state);
+                    }
                     Err(e) => tracing::warn!(error = %e, "watching kube-apiserver Pods"),
                 },
                 changed = ca_bundle.changed(), if ca_open => match changed {
@@ -213,6 +259,46 @@ impl Controller {
     }
 }
 
+/// Completes with `f`, never without one.
+async fn maybe(f: &mut Option<futures_util::future::BoxFuture<'static, ()>>) {
+    match f {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Rebuilds the state of each of `listed` (the first list of Extensions), `at_once` at a
+/// time, writing nothing. One that fails is left to its next reconciliation.
+async fn rebuild(reconciler: Arc<Reconciler>, listed: Vec<Value>, at_once: usize) {
+    let n = futures_util::stream::iter(listed)
+        .map(|ext| {
+            let r = reconciler.clone();
+            async move {
+                let result = r.rebuild(&ext).await;
+                if let Err(e) = &result {
+                    let (ns, name) = key_of(&ext);
+                    tracing::warn!(namespace = ns, name, error = %e, "rebuilding the webhooks' state");
+                }
+                matches!(result, Ok(true))
+            }
+        })
+        .buffer_unordered(at_once)
+        .filter(|ok| std::future::ready(*ok))
+        .count()
+        .await;
+    tracing::info!(shoots = n, "webhooks' state rebuilt from the Extensions");
+}
+
+/// The webhooks of `t` stop mutating the shoot of `ns` (its Extension is gone).
+fn forget(state: &State, ns: &str, t: ExtensionType) {
+    state.update_shoot(ns, |s| {
+        s.configured.remove(&t);
+        match t {
+            ExtensionType::Node => s.node = None,
+        }
+    });
+}
+
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
@@ -226,9 +312,11 @@ pub async fn run(
     config: Arc<ExtensionConfig>,
     state: Arc<State>,
     ca_bundle: watch::Receiver<String>,
+    synced: oneshot::Sender<()>,
     stop: impl Future<Output = ()>,
 ) {
     Controller::new(client, config, state)
+        .on_synced(synced)
         .run(ca_bundle, stop)
         .await;
 }
@@ -246,53 +334,94 @@ fn key_of(o: &Value) -> Key {
     (s("/metadata/namespace"), s("/metadata/name"))
 }
 
-/// The Extensions served, as last seen: only their status (what the update predicate
-/// compares).
+/// What the predicate compares of an Extension: its operation annotations and its status (a
+/// missing status and a `null` one alike).
+fn predicate_view(v: &Value) -> Value {
+    let mut annotations = serde_json::Map::new();
+    for k in [reconcile::OPERATION, reconcile::TIMESTAMP] {
+        if let Some(a) = v.pointer("/metadata/annotations").and_then(|a| a.get(k)) {
+            annotations.insert(k.to_owned(), a.clone());
+        }
+    }
+    let mut view = serde_json::json!({ "metadata": { "annotations": annotations } });
+    if let Some(s) = v.get("status").filter(|s| !s.is_null()) {
+        view["status"] = s.clone();
+    }
+    view
+}
+
+/// What one Extensions watch event means.
+#[derive(Debug, Default)]
+struct Changes {
+    /// Keys to reconcile.
+    queue: Vec<Key>,
+    /// Extensions gone (deleted, or missing from a relist): their shoots' state is cleared.
+    gone: Vec<(Key, ExtensionType)>,
+    /// The first list is done: the Extensions it listed (served ones), to rebuild the state.
+    first_list: Option<Vec<Value>>,
+}
+
+/// The Extensions served, as last seen: their type and what the update predicate compares.
 #[derive(Debug, Default)]
 struct Seen {
-    status: HashMap<Key, Value>,
-    relist: Option<HashMap<Key, Value>>,
+    seen: HashMap<Key, (ExtensionType, Value)>,
+    relist: Option<HashMap<Key, (ExtensionType, Value)>>,
+    /// The objects of the first list, until it is done.
+    first: Option<Vec<Value>>,
+    listed: bool,
 }
 
 impl Seen {
-    /// Applies one watch event; the keys to reconcile.
-    fn apply(&mut self, e: Event<DynamicObject>, types: &[String]) -> Vec<Key> {
-        let mut out = Vec::new();
+    /// Applies one watch event.
+    fn apply(&mut self, e: Event<DynamicObject>, types: &[String]) -> Changes {
+        let mut out = Changes::default();
         let mut saw = |o: DynamicObject, into_relist: bool, this: &mut Seen| {
             let Ok(v) = serde_json::to_value(&o) else {
                 return;
             };
-            if reconcile::served_type(&v, types).is_none() {
+            let Some(t) = reconcile::served_type(&v, types) else {
                 return;
-            }
+            };
             let key = key_of(&v);
-            let old = this
-                .status
-                .get(&key)
-                .map(|s| serde_json::json!({ "status": s }));
-            if reconcile::admit(old.as_ref(), &v) {
-                out.push(key.clone());
+            let old = this.seen.get(&key).map(|(_, old)| old);
+            if reconcile::admit(old, &v) {
+                out.queue.push(key.clone());
             }
-            let status = v.get("status").cloned().unwrap_or(Value::Null);
+            let view = predicate_view(&v);
             if into_relist {
                 this.relist
                     .get_or_insert_with(HashMap::new)
-                    .insert(key.clone(), status.clone());
+                    .insert(key.clone(), (t, view.clone()));
+                if !this.listed {
+                    this.first.get_or_insert_with(Vec::new).push(v);
+                }
             }
-            this.status.insert(key, status);
+            this.seen.insert(key, (t, view));
         };
         match e {
             Event::Init => self.relist = Some(HashMap::new()),
             Event::InitApply(o) => saw(o, true, self),
             Event::InitDone => {
-                if let Some(listed) = self.relist.take() {
-                    self.status = listed;
+                let listed = self.relist.take().unwrap_or_default();
+                out.gone = self
+                    .seen
+                    .iter()
+                    .filter(|(k, _)| !listed.contains_key(*k))
+                    .map(|(k, (t, _))| (k.clone(), *t))
+                    .collect();
+                self.seen = listed;
+                if !self.listed {
+                    self.listed = true;
+                    out.first_list = Some(self.first.take().unwrap_or_default());
                 }
             }
             Event::Apply(o) => saw(o, false, self),
             Event::Delete(o) => {
                 if let Ok(v) = serde_json::to_value(&o) {
-                    self.status.remove(&key_of(&v));
+                    let key = key_of(&v);
+                    if let Some((t, _)) = self.seen.remove(&key) {
+                        out.gone.push((key, t));
+                    }
                 }
             }
         }
@@ -300,7 +429,7 @@ impl Seen {
     }
 
     fn keys(&self) -> Vec<Key> {
-        self.status.keys().cloned().collect()
+        self.seen.keys().cloned().collect()
     }
 }
 
@@ -386,8 +515,18 @@ struct Callers {
     relist: Option<BTreeMap<String, BTreeMap<String, BTreeSet<IpAddr>>>>,
 }
 
+/// The addresses of a kube-apiserver pod. A pod that has ended (phase `Failed`, e.g.
+/// evicted, or `Succeeded`) has none: it keeps its `podIP`, which the network may give to
+/// another pod. A pod being deleted (a `deletionTimestamp`) keeps its addresses: it serves,
+/// and calls the webhooks, until its graceful termination ends; it goes with its Delete event.
 fn pod_ips(o: &DynamicObject) -> BTreeSet<IpAddr> {
     let status = o.data.get("status");
+    if matches!(
+        status.and_then(|s| s.get("phase")).and_then(Value::as_str),
+        Some("Failed" | "Succeeded")
+    ) {
+        return BTreeSet::new();
+    }
     let mut ips: BTreeSet<IpAddr> = status
         .and_then(|s| s.get("podIPs"))
         .and_then(Value::as_array)
