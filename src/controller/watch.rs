@@ -435,24 +435,22 @@ async fn discover_all(client: &kube::Client, kinds: &[usize]) -> Vec<(usize, Opt
     }
 }
 
-async fn client(config: &ControllerConfig) -> Result<kube::Client, WatchError> {
+/// A Kubernetes client from a kubeconfig file, or from the in-cluster configuration (or
+/// `KUBECONFIG`) without one.
+pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client, WatchError> {
     // kube's TLS uses the process' provider; a build linking more than one has no default.
     // An error means one is installed already.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let kube_config = match &config.kubeconfig {
+    let kube_config = match kubeconfig {
         Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path).map_err(|source| {
-                WatchError::Kubeconfig {
-                    path: path.clone(),
-                    source,
-                }
-            })?;
+            let wrap = |source| WatchError::Kubeconfig {
+                path: path.to_owned(),
+                source,
+            };
+            let file = kube::config::Kubeconfig::read_from(path).map_err(wrap)?;
             kube::Config::from_custom_kubeconfig(file, &Default::default())
                 .await
-                .map_err(|source| WatchError::Kubeconfig {
-                    path: path.clone(),
-                    source,
-                })?
+                .map_err(wrap)?
         }
         None => kube::Config::infer().await?,
     };
@@ -559,7 +557,7 @@ impl Role for Starting {
     type Serving = Watching;
 
     async fn serve(self, cx: &Context) -> Result<Watching, WatchError> {
-        let client = client(&self.config).await?;
+        let client = client(self.config.kubeconfig.as_deref().map(std::path::Path::new)).await?;
         Ok(Watching {
             running: Some(Running {
                 config: self.config,

@@ -9,7 +9,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::net::IpAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,7 +25,6 @@ use super::reconcile::{self, Outcome, ReconcileError, Reconciler, Renderer};
 use super::role::ExtensionType;
 use super::state::State;
 use crate::config::extension::ExtensionConfig;
-use crate::controller::watch::WatchError;
 
 /// The label selector of the kube-apiserver pods of shoot namespaces.
 pub const APISERVER_PODS: &str = "app=kubernetes,role=apiserver";
@@ -63,27 +61,7 @@ impl Timing {
     }
 }
 
-/// A kube client from a kubeconfig file, or in-cluster configuration (or `KUBECONFIG`)
-/// without one.
-pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, WatchError> {
-    // kube's TLS uses the process' provider; a build linking more than one has no default.
-    // An error means one is installed already.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = match kubeconfig {
-        Some(path) => {
-            let wrap = |source| WatchError::Kubeconfig {
-                path: path.to_owned(),
-                source,
-            };
-            let file = kube::config::Kubeconfig::read_from(path).map_err(wrap)?;
-            kube::Config::from_custom_kubeconfig(file, &Default::default())
-                .await
-                .map_err(wrap)?
-        }
-        None => kube::Config::infer().await?,
-    };
-    Ok(kube::Client::try_from(config)?)
-}
+pub use crate::controller::watch::client;
 
 /// The Extension controller, ready to run.
 pub struct Controller {
