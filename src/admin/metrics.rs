@@ -461,11 +461,10 @@ impl Metrics {
             tunnel: Default::default(),
         };
         let r = registry.sub_registry_with_prefix("trellis");
-        match role {
-            Role::Controller => m.register_controller(r),
-            #[cfg(feature = "extension")]
-            Role::Extension => {}
-            Role::Gateway | Role::Node | Role::Agent => m.register_connections(r),
+        if role == Role::Controller {
+            m.register_controller(r);
+        } else if matches!(role, Role::Gateway | Role::Node | Role::Agent) {
+            m.register_connections(r);
         }
         if matches!(role, Role::Gateway | Role::Agent) {
             m.tunnel.register(r);

@@ -126,7 +126,12 @@ async fn run_all(
     // The first key pair: until it is served, handshakes fail and the process is not ready.
     let mut pause = Duration::from_millis(250);
     loop {
-        match certs::check_and_publish(&secrets, &settings, &published, &metrics).await {
+        let checked = tokio::select! {
+            checked = certs::check_and_publish(&secrets, &settings, &published, &metrics) => checked,
+            // An API server that does not answer must not hold a stop.
+            () = server::stopped(&mut stop) => return,
+        };
+        match checked {
             Ok(()) => break,
             Err(e) => {
                 metrics.certificate_errors.inc();
