@@ -110,6 +110,16 @@ struct Env {
 }
 
 impl Env {
+    /// The shoot's `trellis-node` Extension, annotated with `operation`.
+    fn put_node_extension(&self, operation: &str) {
+        self.kube.put(extension(
+            NS,
+            "trellis-node",
+            "trellis-node",
+            json!({OPERATION: operation}),
+        ));
+    }
+
     async fn start() -> Env {
         Env::start_with(|_| {}).await
     }
@@ -375,12 +385,7 @@ async fn reconcile_writes_the_finalizer_first_then_status_secret_and_managed_res
 async fn errors_are_written_to_the_status_and_retried_until_success() {
     let env = Env::start().await;
     env.render_failures.store(2, Ordering::SeqCst);
-    env.kube.put(extension(
-        NS,
-        "trellis-node",
-        "trellis-node",
-        json!({OPERATION: "reconcile"}),
-    ));
+    env.put_node_extension("reconcile");
     let ext = succeeded(&env, "Create").await;
     assert!(
         ext["status"].get("lastError").is_none(),
@@ -430,12 +435,7 @@ async fn errors_are_written_to_the_status_and_retried_until_success() {
 
 /// Reconciled, with gardener-resource-manager's finalizer on the ManagedResource.
 async fn reconciled_with_resource_manager(env: &Env) {
-    env.kube.put(extension(
-        NS,
-        "trellis-node",
-        "trellis-node",
-        json!({OPERATION: "reconcile"}),
-    ));
+    env.put_node_extension("reconcile");
     succeeded(env, "Create").await;
     env.edit(MR, "ManagedResource", NS, NAME, |mr| {
         mr["metadata"]["finalizers"] =
@@ -601,12 +601,7 @@ async fn foreign_types_other_classes_and_failed_shoots_are_left_alone() {
 #[tokio::test]
 async fn a_new_ca_bundle_reconciles_every_extension_again() {
     let env = Env::start().await;
-    env.kube.put(extension(
-        NS,
-        "trellis-node",
-        "trellis-node",
-        json!({OPERATION: "reconcile"}),
-    ));
+    env.put_node_extension("reconcile");
     succeeded(&env, "Create").await;
     env.ca.send_replace("CA2".to_owned());
     until("the webhook configuration carrying CA2", || {
@@ -776,12 +771,7 @@ async fn a_failed_first_patch_writes_no_status_before_the_finalizer() {
     env.kube.fail_next_where(1, Fault::Internal, |l| {
         l.starts_with("PATCH") && l.contains("/extensions/trellis-node?")
     });
-    env.kube.put(extension(
-        NS,
-        "trellis-node",
-        "trellis-node",
-        json!({OPERATION: "reconcile"}),
-    ));
+    env.put_node_extension("reconcile");
     succeeded(&env, "Create").await;
     let writes = env.writes_to("/extensions/trellis-node");
     let first_status = writes
@@ -807,12 +797,7 @@ async fn a_failed_first_patch_writes_no_status_before_the_finalizer() {
 #[tokio::test]
 async fn a_restore_is_not_followed_by_a_reconcile_of_its_own_writes() {
     let env = Env::start().await;
-    env.kube.put(extension(
-        NS,
-        "trellis-node",
-        "trellis-node",
-        json!({OPERATION: "restore"}),
-    ));
+    env.put_node_extension("restore");
     succeeded(&env, "Restore").await;
     until("the restore annotation removed", || {
         env.ext(NS, "trellis-node").unwrap()["metadata"]["annotations"]
@@ -835,12 +820,7 @@ async fn a_restore_is_not_followed_by_a_reconcile_of_its_own_writes() {
 #[tokio::test]
 async fn an_extension_gone_without_its_finalizer_clears_the_state() {
     let env = Env::start().await;
-    env.kube.put(extension(
-        NS,
-        "trellis-node",
-        "trellis-node",
-        json!({OPERATION: "reconcile"}),
-    ));
+    env.put_node_extension("reconcile");
     succeeded(&env, "Create").await;
     assert!(env.state.shoot(NS).unwrap().enabled(ExtensionType::Node));
     // The finalizer removed by force, then deleted: gone at once, never reconciled.

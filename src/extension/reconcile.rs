@@ -515,9 +515,17 @@ impl Job<'_> {
         let obj = self
             .exts
             .patch(self.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(api(what))?;
-        self.ext = serde_json::to_value(&obj)?;
+            .await;
+        self.patched(obj, what)
+    }
+
+    /// Keeps the Extension as a patch returned it.
+    fn patched(
+        &mut self,
+        obj: Result<DynamicObject, kube::Error>,
+        what: String,
+    ) -> Result<(), ReconcileError> {
+        self.ext = serde_json::to_value(&obj.map_err(api(what))?)?;
         Ok(())
     }
 
@@ -555,10 +563,8 @@ impl Job<'_> {
         let obj = self
             .exts
             .patch_status(self.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(api(what))?;
-        self.ext = serde_json::to_value(&obj)?;
-        Ok(())
+            .await;
+        self.patched(obj, what)
     }
 
     /// `Processing`, unless the last operation already says so (a deletion waiting for its
