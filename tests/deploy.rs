@@ -1,14 +1,17 @@
-//! `deploy/`: the kustomize bases render with `kubectl kustomize`; every rendered object
-//! validates against the Kubernetes OpenAPI schemas (the `kubernetes-validate` package,
-//! `--strict`, so unknown fields fail); the configs in the rendered ConfigMaps pass `trellis
+//! `deploy/`: every `kubectl apply -k`, `delete -k` and `kustomize` the README and `docs/`
+//! show renders with `kubectl kustomize` and creates exactly what its step says, on its own
+//! (the ingress gateway without the tunnel gateway, monitoring without a zone); every
+//! rendered object validates against the Kubernetes OpenAPI schemas (the
+//! `kubernetes-validate` package, `--strict`, so unknown fields fail); the configs in the rendered ConfigMaps pass `trellis
 //! check` laid out as the pods mount them (the seed gateway's once the table its controller
 //! sidecar renders is where the controller writes it); the pods keep the rules a rollout
 //! without refusals depends on (grace period above the drain, probes on the admin port, the
 //! Service ports on the listeners); and the controller sidecar is wired to the gateway
 //! (table volume, startup probe, token in the sidecar only, ClusterRoles of exactly the
 //! kinds the controller watches with its configuration, read-only); only the tunnel
-//! replicas render tunnels and may read Secrets. Skipped with a printed reason without kubectl or
-//! kubernetes-validate (`scripts/test` installs the latter into `target/deploy-venv`).
+//! replicas render tunnels and may read Secrets. The README's examples run as written.
+//! Skipped with a printed reason without kubectl or kubernetes-validate (`scripts/test`
+//! installs the latter into `target/deploy-venv`).
 // A test or bench fails loudly on what it did not expect; its helpers are its own.
 #![expect(
     clippy::unwrap_used,
@@ -43,6 +46,15 @@ fn grace_margin(drain: Duration) -> Duration {
 }
 
 const IMAGE: &str = "ghcr.io/gardener/trellis";
+
+/// `Err(message)` unless `cond`.
+macro_rules! ensure {
+    ($cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Err(format!($($msg)+));
+        }
+    };
+}
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -108,6 +120,17 @@ fn render(base: &str) -> Vec<Value> {
         .into_iter()
         .filter(|v| !v.is_null())
         .collect()
+}
+
+/// The ingress gateway's step: the exposure class handler's gateway and its controller.
+const INGRESS: &str = "seed/gateway";
+
+/// The seed with the tunnel gateway: the tunnel gateway's step (`seed/tunnel`) and the
+/// ingress gateway with the hand-off to it (`seed/gateway-with-tunnel`), rendered together.
+fn seed_with_tunnel() -> Vec<Value> {
+    let mut objects = render("seed/gateway-with-tunnel");
+    objects.extend(render("seed/tunnel"));
+    objects
 }
 
 /// Validates `objects` against every version in [`KUBERNETES_VERSIONS`]; `Err` with the
@@ -455,55 +478,703 @@ fn assert_lifecycle(workload: &Value, config: &Value, default_drain_delay: Durat
     );
 }
 
+/// A `kubectl apply -k`, `delete -k` or `kustomize` of a directory of `deploy/` that the
+/// README or a file of `docs/` shows: where, and the directory (`seed/gateway`).
+#[derive(Debug)]
+struct Documented {
+    at: String,
+    dir: String,
+}
+
+/// Every [`Documented`] command of the README and `docs/*.md`, found in their text (code
+/// blocks and prose alike, also where a line break splits one): `kubectl`, then within the
+/// next few words `-k DIR` or `kustomize DIR`, DIR under `deploy/`.
+fn documented_kustomizations() -> Vec<Documented> {
+    let mut files = vec![repo().join("README.md")];
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(repo().join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    documented_in(&files)
+}
+
+/// The [`Documented`] commands of `files`.
+fn documented_in(files: &[PathBuf]) -> Vec<Documented> {
+    let mut found = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(file).unwrap();
+        let name = file
+            .strip_prefix(repo())
+            .unwrap_or(file)
+            .display()
+            .to_string();
+        // (line, word) for every word, backticks and surrounding punctuation removed.
+        let words: Vec<(usize, String)> = text
+            .lines()
+            .enumerate()
+            .flat_map(|(n, l)| l.split_whitespace().map(move |w| (n + 1, w)))
+            .map(|(n, w)| {
+                let w = w.trim_matches(|c: char| "`()[],.;:\"'".contains(c));
+                (n, w.trim_end_matches('/').to_owned())
+            })
+            .collect();
+        for (i, (line, word)) in words.iter().enumerate() {
+            if word != "kubectl" {
+                continue;
+            }
+            // The command's words: up to a comment, the next kubectl, or 8 words.
+            let command: Vec<&str> = words[i + 1..]
+                .iter()
+                .map(|(_, w)| w.as_str())
+                .take_while(|w| !w.starts_with('#') && *w != "kubectl")
+                .take(8)
+                .collect();
+            for pair in command.windows(2) {
+                if (pair[0] == "-k" || pair[0] == "kustomize") && pair[1].starts_with("deploy/") {
+                    found.push(Documented {
+                        at: format!("{name}:{line}"),
+                        dir: pair[1]["deploy/".len()..].to_owned(),
+                    });
+                }
+            }
+        }
+    }
+    found
+}
+
+/// A documented step: the kustomization's directory under `deploy/`, what it creates
+/// (`Kind namespace/name`, cluster-scoped `Kind name`, a generated ConfigMap without its
+/// hash suffix), the Secrets its pods mount that the operator creates (the README's `create
+/// secret` commands), and the rule its text states.
+struct Step {
+    dir: &'static str,
+    creates: &'static [&'static str],
+    secrets: &'static [&'static str],
+    rule: fn(&[Value]) -> Result<(), String>,
+}
+
+const INGRESS_OBJECTS: [&str; 10] = [
+    "ServiceAccount istio-ingress-handler-trellis/trellis-gateway",
+    "ClusterRole trellis-controller",
+    "ClusterRoleBinding trellis-controller",
+    "ConfigMap istio-ingress-handler-trellis/trellis-controller-config",
+    "ConfigMap istio-ingress-handler-trellis/trellis-gateway-config",
+    "Service istio-ingress-handler-trellis/trellis-gateway",
+    "Service istio-ingress-handler-trellis/trellis-gateway-metrics",
+    "Deployment istio-ingress-handler-trellis/trellis-gateway",
+    "PodDisruptionBudget istio-ingress-handler-trellis/trellis-gateway",
+    "HorizontalPodAutoscaler istio-ingress-handler-trellis/trellis-gateway",
+];
+
+/// The steps the README and `docs/` show, each with what it says it creates.
+fn steps() -> Vec<Step> {
+    let zone: Vec<String> = INGRESS_OBJECTS
+        .iter()
+        .map(|o| {
+            o.replace(
+                "istio-ingress-handler-trellis/",
+                "istio-ingress-handler-trellis--eu-1a/",
+            )
+            .replace(
+                "ClusterRoleBinding trellis-controller",
+                "ClusterRoleBinding trellis-controller-eu-1a",
+            )
+        })
+        .collect();
+    let with_tunnel: Vec<String> = INGRESS_OBJECTS
+        .iter()
+        .map(|o| (*o).to_owned())
+        .chain(["NetworkPolicy istio-ingress-handler-trellis/trellis-gateway-to-tunnel".to_owned()])
+        .collect();
+    let leak = |v: Vec<String>| -> &'static [&'static str] {
+        Vec::leak(v.into_iter().map(|s| &*String::leak(s)).collect())
+    };
+    vec![
+        Step {
+            dir: "seed/gateway",
+            creates: &INGRESS_OBJECTS,
+            secrets: &[],
+            rule: ingress_alone,
+        },
+        Step {
+            dir: "seed/zone",
+            creates: leak(zone),
+            secrets: &[],
+            rule: ingress_alone,
+        },
+        Step {
+            dir: "seed/gateway-with-tunnel",
+            creates: leak(with_tunnel),
+            secrets: &[],
+            rule: ingress_alone,
+        },
+        Step {
+            dir: "seed/tunnel",
+            creates: &[
+                "Namespace trellis-ingress",
+                "ServiceAccount trellis-ingress/trellis-tunnel",
+                "ClusterRole trellis-tunnel-controller",
+                "ClusterRoleBinding trellis-tunnel-controller",
+                "ConfigMap trellis-ingress/trellis-tunnel-0-config",
+                "ConfigMap trellis-ingress/trellis-tunnel-1-config",
+                "ConfigMap trellis-ingress/trellis-tunnel-controller-config",
+                "Service trellis-ingress/trellis-egress",
+                "Service trellis-ingress/trellis-tunnel-0",
+                "Service trellis-ingress/trellis-tunnel-1",
+                "Service trellis-ingress/trellis-tunnel-metrics",
+                "Service trellis-ingress/trellis-wireguard-0",
+                "Service trellis-ingress/trellis-wireguard-1",
+                "Deployment trellis-ingress/trellis-tunnel-0",
+                "Deployment trellis-ingress/trellis-tunnel-1",
+                "PodDisruptionBudget trellis-ingress/trellis-tunnel",
+                "NetworkPolicy trellis-ingress/trellis-tunnel",
+            ],
+            secrets: &["trellis-egress-tls", "trellis-wireguard-key"],
+            rule: tunnel_alone,
+        },
+        Step {
+            dir: "monitoring",
+            creates: &[
+                "ConfigMap garden/trellis-dashboards",
+                "PodMonitor garden/aggregate-trellis",
+                "PrometheusRule garden/aggregate-trellis",
+            ],
+            secrets: &[],
+            rule: |o| in_namespace(o, Some("garden")),
+        },
+        Step {
+            dir: "monitoring/shoot",
+            creates: &[
+                "ConfigMap trellis-dashboards",
+                "PrometheusRule shoot-trellis",
+                "ScrapeConfig shoot-trellis-agent",
+                "ScrapeConfig shoot-trellis-node",
+            ],
+            secrets: &[],
+            rule: |o| in_namespace(o, None),
+        },
+        Step {
+            dir: "extension",
+            creates: &[
+                "ControllerDeployment extension-trellis",
+                "ControllerRegistration extension-trellis",
+            ],
+            secrets: &[],
+            rule: |_| Ok(()),
+        },
+        Step {
+            dir: "shoot",
+            creates: &[
+                "ConfigMap kube-system/trellis-node",
+                "DaemonSet kube-system/trellis-node",
+            ],
+            secrets: &[],
+            rule: |o| in_namespace(o, Some("kube-system")),
+        },
+        Step {
+            dir: "agent",
+            creates: &[
+                "ServiceAccount kube-system/trellis-agent",
+                "ConfigMap kube-system/trellis-agent",
+                "StatefulSet kube-system/trellis-agent",
+                "PodDisruptionBudget kube-system/trellis-agent",
+                "NetworkPolicy kube-system/trellis-agent",
+                "NetworkPolicy kube-system/trellis-allow-from-seed",
+            ],
+            secrets: &["trellis-agent-keys"],
+            rule: |o| in_namespace(o, Some("kube-system")),
+        },
+    ]
+}
+
+/// `Kind namespace/name` of each object (cluster-scoped: `Kind name`), a ConfigMap whose
+/// name carries kustomize's hash suffix without it, sorted.
+fn inventory(objects: &[Value]) -> Vec<String> {
+    let hashed: Vec<String> = objects
+        .iter()
+        .flat_map(all_pod_specs)
+        .flat_map(|pod| pod["volumes"].as_array().into_iter().flatten())
+        .filter_map(|v| v["configMap"]["name"].as_str().map(str::to_owned))
+        .collect();
+    let mut names: Vec<String> = objects
+        .iter()
+        .map(|o| {
+            let mut name = o["metadata"]["name"].as_str().unwrap().to_owned();
+            if o["kind"] == "ConfigMap"
+                && hashed.contains(&name)
+                && let Some((base, suffix)) = name.rsplit_once('-')
+                && suffix.len() == 10
+            {
+                name = base.to_owned();
+            }
+            match o["metadata"]["namespace"].as_str() {
+                Some(ns) => format!("{} {ns}/{name}", o["kind"].as_str().unwrap()),
+                None => format!("{} {name}", o["kind"].as_str().unwrap()),
+            }
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+/// The pod spec of a workload, if `object` is one.
+fn all_pod_specs(object: &Value) -> Option<&Value> {
+    ["Deployment", "DaemonSet", "StatefulSet"]
+        .contains(&object["kind"].as_str().unwrap_or(""))
+        .then(|| &object["spec"]["template"]["spec"])
+}
+
+/// A step stands alone: what its objects refer to is among them (every ConfigMap a pod
+/// mounts, every pod's service account, every binding's role), except the Secrets its pods
+/// mount, which it returns (the operator creates them).
+fn stands_alone(objects: &[Value]) -> Result<Vec<String>, String> {
+    let has = |kind: &str, namespace: &Value, name: &str| {
+        objects.iter().any(|o| {
+            o["kind"] == kind
+                && o["metadata"]["name"] == name
+                && (namespace.is_null() || &o["metadata"]["namespace"] == namespace)
+        })
+    };
+    let mut secrets = Vec::new();
+    for workload in objects.iter().filter(|o| all_pod_specs(o).is_some()) {
+        let namespace = &workload["metadata"]["namespace"];
+        let pod = all_pod_specs(workload).unwrap();
+        let account = pod["serviceAccountName"].as_str().unwrap_or("default");
+        ensure!(
+            account == "default" || has("ServiceAccount", namespace, account),
+            "{} runs as service account {account}, which the step does not create",
+            workload["metadata"]["name"]
+        );
+        for v in pod["volumes"].as_array().into_iter().flatten() {
+            if let Some(cm) = v["configMap"]["name"].as_str() {
+                ensure!(
+                    has("ConfigMap", namespace, cm),
+                    "{} mounts the ConfigMap {cm}, which the step does not create",
+                    workload["metadata"]["name"]
+                );
+            }
+            if let Some(secret) = v["secret"]["secretName"].as_str() {
+                secrets.push(secret.to_owned());
+            }
+        }
+    }
+    for binding in objects
+        .iter()
+        .filter(|o| o["kind"] == "ClusterRoleBinding" || o["kind"] == "RoleBinding")
+    {
+        let role = &binding["roleRef"];
+        let namespace = if role["kind"] == "Role" {
+            &binding["metadata"]["namespace"]
+        } else {
+            &Value::Null
+        };
+        ensure!(
+            has(
+                role["kind"].as_str().unwrap(),
+                namespace,
+                role["name"].as_str().unwrap()
+            ),
+            "{} binds the {} {}, which the step does not create",
+            binding["metadata"]["name"],
+            role["kind"],
+            role["name"]
+        );
+    }
+    secrets.sort();
+    secrets.dedup();
+    Ok(secrets)
+}
+
+/// The (API group, resource) pairs any ClusterRole or Role among `objects` grants.
+fn granted(objects: &[Value]) -> Vec<(String, String)> {
+    objects
+        .iter()
+        .filter(|o| o["kind"] == "ClusterRole" || o["kind"] == "Role")
+        .flat_map(|r| r["rules"].as_array().into_iter().flatten())
+        .flat_map(rule_resources)
+        .collect()
+}
+
+/// The ingress gateway's step (the handler's, a zone's, or with the hand-off to the tunnel
+/// gateway) as docs/gardener.md says it: everything in the handler's namespaces, which
+/// gardenlet owns (so no Namespace), no access to Secrets or Clusters, no UDP load balancer,
+/// no pod waiting for a Secret, no workload but the gateway.
+fn ingress_alone(objects: &[Value]) -> Result<(), String> {
+    for o in objects {
+        let what = format!("{} {}", o["kind"], o["metadata"]["name"]);
+        ensure!(
+            o["kind"] != "Namespace",
+            "the ingress step creates the {what}"
+        );
+        if let Some(ns) = o["metadata"]["namespace"].as_str() {
+            ensure!(
+                ns.starts_with("istio-ingress-handler-trellis"),
+                "the ingress step puts {what} into {ns}"
+            );
+        }
+        for port in o["spec"]["ports"].as_array().into_iter().flatten() {
+            ensure!(
+                o["kind"] != "Service" || port["protocol"] != "UDP",
+                "the ingress step's {what} has a UDP port: {port}"
+            );
+        }
+        if all_pod_specs(o).is_some() {
+            ensure!(
+                o["metadata"]["name"] == "trellis-gateway",
+                "the ingress step runs {what}"
+            );
+        }
+    }
+    for (group, resource) in granted(objects) {
+        ensure!(
+            !["secrets", "clusters", "*"].contains(&resource.as_str()),
+            "the ingress step grants {resource} of group {group:?}"
+        );
+    }
+    let secrets = stands_alone(objects)?;
+    ensure!(
+        secrets.is_empty(),
+        "the ingress step's pods wait for the Secrets {secrets:?}"
+    );
+    Ok(())
+}
+
+/// The tunnel gateway's step: everything in its own namespace `trellis-ingress`, which it
+/// creates, its accounts bound there, nothing in a handler's namespace.
+fn tunnel_alone(objects: &[Value]) -> Result<(), String> {
+    for o in objects {
+        let what = format!("{} {}", o["kind"], o["metadata"]["name"]);
+        if o["kind"] == "Namespace" {
+            ensure!(
+                o["metadata"]["name"] == "trellis-ingress",
+                "the tunnel step creates the {what}"
+            );
+        } else if let Some(ns) = o["metadata"]["namespace"].as_str() {
+            ensure!(
+                ns == "trellis-ingress",
+                "the tunnel step puts {what} into {ns}"
+            );
+        }
+        for subject in o["subjects"].as_array().into_iter().flatten() {
+            ensure!(
+                subject["namespace"] == "trellis-ingress",
+                "the tunnel step's {what} binds {subject}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Every object in `namespace` (`None`: no object names one, so `kubectl -n` puts them where
+/// the operator says), and no Namespace created.
+fn in_namespace(objects: &[Value], namespace: Option<&str>) -> Result<(), String> {
+    for o in objects {
+        let what = format!("{} {}", o["kind"], o["metadata"]["name"]);
+        ensure!(o["kind"] != "Namespace", "the step creates the {what}");
+        ensure!(
+            o["metadata"]["namespace"].as_str() == namespace,
+            "the step puts {what} into {}, not {namespace:?}",
+            o["metadata"]["namespace"]
+        );
+    }
+    Ok(())
+}
+
+/// `Err` unless `objects`, rendered from `step.dir`, are exactly what the step says it
+/// creates, keep its rule, stand alone, and mount no Secret but those it names.
+fn step_rules(step: &Step, objects: &[Value]) -> Result<(), String> {
+    let mut creates: Vec<String> = step.creates.iter().map(|c| (*c).to_owned()).collect();
+    creates.sort();
+    let made = inventory(objects);
+    ensure!(
+        made == creates,
+        "deploy/{} creates {made:#?}, its step says {creates:#?}",
+        step.dir
+    );
+    (step.rule)(objects).map_err(|e| format!("deploy/{}: {e}", step.dir))?;
+    let secrets = stands_alone(objects).map_err(|e| format!("deploy/{}: {e}", step.dir))?;
+    ensure!(
+        secrets == step.secrets,
+        "deploy/{}: its pods mount the Secrets {secrets:?}, its step names {:?}",
+        step.dir,
+        step.secrets
+    );
+    Ok(())
+}
+
+/// The objects of kinds the Kubernetes schemas know (not Gardener's or
+/// prometheus-operator's custom resources).
+fn core_objects(objects: &[Value]) -> Vec<Value> {
+    objects
+        .iter()
+        .filter(|o| {
+            let api = o["apiVersion"].as_str().unwrap();
+            !api.starts_with("monitoring.coreos.com/") && !api.starts_with("core.gardener.cloud/")
+        })
+        .cloned()
+        .collect()
+}
+
+/// Every `kubectl apply -k`, `delete -k` and `kustomize` the README and `docs/` show renders,
+/// creates exactly what its step says and keeps the step's rule (the ingress step: no
+/// namespace, no Secret access, no UDP Service, no pod waiting for a Secret; the tunnel
+/// gateway's: its own namespace and RBAC; monitoring: nothing outside `garden`), stands
+/// alone, and validates against the Kubernetes schemas. A documented command without a step
+/// here fails, as does a step no document shows. The Secrets a step's pods wait for are the
+/// ones the README says how to create, and a native sidecar's Kubernetes version is stated.
 #[test]
-fn seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas() {
+fn documented_kustomizations_create_only_what_their_step_says_and_validate() {
     let Some(validator) =
-        tools("seed_shoot_and_agent_render_and_validate_against_kubernetes_schemas")
+        tools("documented_kustomizations_create_only_what_their_step_says_and_validate")
     else {
         return;
     };
-    for (base, kinds) in [
-        (
-            "seed",
-            &[
-                "Namespace",
-                "ServiceAccount",
-                "ClusterRole",
-                "ClusterRoleBinding",
-                "ConfigMap",
-                "Deployment",
-                "Service",
-                "PodDisruptionBudget",
-                "HorizontalPodAutoscaler",
-                "NetworkPolicy",
-            ][..],
-        ),
-        (
-            "seed/zone",
-            &["ConfigMap", "Deployment", "Service", "ClusterRoleBinding"][..],
-        ),
-        ("shoot", &["ConfigMap", "DaemonSet"][..]),
-        (
-            "agent",
-            &[
-                "ServiceAccount",
-                "ConfigMap",
-                "StatefulSet",
-                "PodDisruptionBudget",
-                "NetworkPolicy",
-            ][..],
-        ),
-    ] {
-        let objects = render(base);
-        for kind in kinds {
+    let documented = documented_kustomizations();
+    let steps = steps();
+    for d in &documented {
+        assert!(
+            steps.iter().any(|s| s.dir == d.dir),
+            "{}: `deploy/{}` is documented but no step of this test says what it creates",
+            d.at,
+            d.dir
+        );
+    }
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let gardener = std::fs::read_to_string(repo().join("docs/gardener.md")).unwrap();
+    let mut sidecars = false;
+    for step in &steps {
+        assert!(
+            documented.iter().any(|d| d.dir == step.dir),
+            "no `kubectl apply -k deploy/{}` or `kubectl kustomize deploy/{}` in the docs",
+            step.dir,
+            step.dir
+        );
+        let objects = render(step.dir);
+        step_rules(step, &objects).unwrap();
+        for secret in step.secrets {
             assert!(
-                objects.iter().any(|o| o["kind"] == *kind),
-                "deploy/{base} renders no {kind}"
+                readme.contains(&format!("create secret generic {secret}")),
+                "deploy/{}: the README does not say how to create the Secret {secret}",
+                step.dir
             );
         }
-        if let Err(report) = validate(&validator, &objects) {
-            panic!("deploy/{base}: {report}");
+        if let Err(report) = validate(&validator, &core_objects(&objects)) {
+            panic!("deploy/{}: {report}", step.dir);
         }
+        sidecars |= objects
+            .iter()
+            .filter_map(all_pod_specs)
+            .flat_map(|pod| pod["initContainers"].as_array().into_iter().flatten())
+            .any(|c| c["restartPolicy"] == "Always");
+    }
+    assert!(
+        sidecars,
+        "no step runs a native sidecar: update the Kubernetes version below"
+    );
+    for (doc, text) in [("README.md", &readme), ("docs/gardener.md", &gardener)] {
+        assert!(
+            text.contains("Kubernetes 1.29 or later"),
+            "{doc} does not say the native sidecar needs Kubernetes 1.29 or later"
+        );
+    }
+}
+
+/// The control for the test above: the old all-in-one seed (ingress and tunnel gateway in
+/// one step), the monitoring NetworkPolicy of an example zone, a tunnel gateway bound to
+/// the ingress gateway's ClusterRole, an object more than the step says, and a command the
+/// docs show without a step all fail; so does the extraction missing a wrapped command.
+#[test]
+fn a_step_that_applies_more_than_it_says_fails() {
+    if !kubectl("a_step_that_applies_more_than_it_says_fails") {
+        return;
+    }
+    let steps = steps();
+    let step = |dir: &str| steps.iter().find(|s| s.dir == dir).unwrap();
+    let ingress = step(INGRESS);
+    // The ingress step that also applies the tunnel gateway.
+    let mut both = render(INGRESS);
+    both.extend(render("seed/tunnel"));
+    let e = ingress_alone(&both).unwrap_err();
+    assert!(e.contains("creates the \"Namespace\""), "{e}");
+    let without_namespace: Vec<Value> = both
+        .iter()
+        .filter(|o| o["kind"] != "Namespace")
+        .cloned()
+        .collect();
+    let e = ingress_alone(&without_namespace).unwrap_err();
+    assert!(e.contains("into trellis-ingress"), "{e}");
+    let e = step_rules(ingress, &both).unwrap_err();
+    assert!(e.contains("its step says"), "{e}");
+    // Each of the ingress rules on its own.
+    let mut udp = render(INGRESS);
+    find_mut(&mut udp, "Service", "trellis-gateway")["spec"]["ports"][0]["protocol"] = json!("UDP");
+    assert!(ingress_alone(&udp).unwrap_err().contains("UDP port"));
+    let mut secrets = render(INGRESS);
+    rule_mut(&mut secrets, 1)["resources"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!("secrets"));
+    assert!(
+        ingress_alone(&secrets)
+            .unwrap_err()
+            .contains("grants secrets")
+    );
+    let mut waits = render(INGRESS);
+    pod_mut(&mut waits)["volumes"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "key", "secret": {"secretName": "trellis-wireguard-key"}}));
+    let e = ingress_alone(&waits).unwrap_err();
+    assert!(e.contains("wait for the Secrets"), "{e}");
+    // Monitoring with the NetworkPolicy of the example zone's namespace.
+    let mut monitoring = render("monitoring");
+    monitoring.push(
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "trellis-from-seed-prometheus",
+            "namespace": "istio-ingress-handler-trellis--eu-1a"}, "spec": {"podSelector": {}}}),
+    );
+    let e = step_rules(step("monitoring"), &monitoring).unwrap_err();
+    assert!(e.contains("its step says"), "{e}");
+    let e = (step("monitoring").rule)(&monitoring).unwrap_err();
+    assert!(e.contains("istio-ingress-handler-trellis--eu-1a"), "{e}");
+    // The tunnel gateway bound to the ingress gateway's ClusterRole, which it does not bring.
+    let mut tunnel = render("seed/tunnel");
+    find_mut(
+        &mut tunnel,
+        "ClusterRoleBinding",
+        "trellis-tunnel-controller",
+    )["roleRef"]["name"] = json!("trellis-controller");
+    let e = step_rules(step("seed/tunnel"), &tunnel).unwrap_err();
+    assert!(e.contains("which the step does not create"), "{e}");
+    // A Secret the step does not name.
+    let mut tunnel = render("seed/tunnel");
+    tunnel_pod_mut(&mut tunnel, "trellis-tunnel-0")["volumes"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "x", "secret": {"secretName": "trellis-more"}}));
+    let e = step_rules(step("seed/tunnel"), &tunnel).unwrap_err();
+    assert!(e.contains("trellis-more"), "{e}");
+    // The extraction: one command split over two lines, another in a code block with a
+    // comment after it.
+    let dir = TestDir::new("documented");
+    let words = "A `kubectl apply -k\n  deploy/seed/gateway` restores it.\n\n```sh\nkubectl -n x apply -k deploy/monitoring/shoot   # per shoot\nkubectl kustomize deploy/nothing-here\n```\n";
+    std::fs::write(dir.path("x.md"), words).unwrap();
+    let found = documented_in(&[dir.path("x.md")]);
+    let dirs: Vec<&str> = found.iter().map(|d| d.dir.as_str()).collect();
+    assert_eq!(dirs, ["seed/gateway", "monitoring/shoot", "nothing-here"]);
+    assert!(
+        !steps.iter().any(|s| s.dir == "nothing-here"),
+        "a documented directory without a step is caught by the test above"
+    );
+}
+/// The controller configuration of the gateway Deployment in `objects`, parsed.
+fn ingress_controller_config(objects: &[Value]) -> Value {
+    config_in(
+        objects,
+        find(objects, "Deployment", "trellis-gateway"),
+        "controller",
+    )
+    .0
+}
+
+/// The tunnel gateway's hand-off (`deploy/seed/tunnel-handoff`, a Component) changes the
+/// gateway it is applied with by its `extraRoutes` alone, the ones that lead to the tunnel
+/// replicas, and adds the NetworkPolicy to them: for the handler's gateway
+/// (`seed/gateway-with-tunnel`) and for a zone's copy (an overlay of `seed/zone` naming the
+/// component, as the README says), whose own configuration it keeps.
+#[test]
+fn tunnel_handoff_adds_only_its_routes_to_any_ingress_gateway() {
+    if !kubectl("tunnel_handoff_adds_only_its_routes_to_any_ingress_gateway") {
+        return;
+    }
+    // A zone's overlay with the component, beside the repository (kustomize takes relative
+    // paths only).
+    let dir = TestDir::new("zone-handoff");
+    let up = "../".repeat(dir.0.components().count() - 1);
+    let deploy = format!(
+        "{up}{}",
+        repo()
+            .join("deploy")
+            .to_str()
+            .unwrap()
+            .trim_start_matches('/')
+    );
+    std::fs::write(
+        dir.path("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+             namespace: istio-ingress-handler-trellis--eu-1a\n\
+             resources: [{deploy}/seed/zone]\ncomponents: [{deploy}/seed/tunnel-handoff]\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let zone_with: Vec<Value> =
+        serde_saphyr::from_multiple::<Value>(&String::from_utf8(out.stdout).unwrap())
+            .unwrap()
+            .into_iter()
+            .filter(|v| !v.is_null())
+            .collect();
+    let tunnel = render("seed/tunnel");
+    let destinations: Vec<Value> = ["trellis-tunnel-0", "trellis-tunnel-1"]
+        .iter()
+        .map(|n| {
+            let config = config_in(&tunnel, find(&tunnel, "Deployment", n), "trellis").0;
+            listener(&config, "wireguard").unwrap()["wireguard"]["connectDestination"].clone()
+        })
+        .collect();
+    for (alone, with) in [
+        (render(INGRESS), render("seed/gateway-with-tunnel")),
+        (render("seed/zone"), zone_with),
+    ] {
+        let mut before = ingress_controller_config(&alone);
+        let mut after = ingress_controller_config(&with);
+        assert_eq!(
+            before["extraRoutes"],
+            json!([]),
+            "the gateway alone hands nothing on"
+        );
+        let routes = after["extraRoutes"].as_array().unwrap().clone();
+        let handed: Vec<Value> = routes
+            .iter()
+            .map(|r| r["destinations"][0].clone())
+            .collect();
+        assert_eq!(handed, destinations, "{routes:?}");
+        for r in &routes {
+            assert_eq!(r["forwardConnect"], true, "{r}");
+            let backend = r["backends"][0]["address"].as_str().unwrap();
+            assert!(backend.contains(".trellis-ingress.svc."), "{backend}");
+        }
+        before.as_object_mut().unwrap().remove("extraRoutes");
+        after.as_object_mut().unwrap().remove("extraRoutes");
+        assert_eq!(before, after, "the hand-off changes more than extraRoutes");
+        let namespace =
+            find(&alone, "Deployment", "trellis-gateway")["metadata"]["namespace"].clone();
+        let policy = find(&with, "NetworkPolicy", "trellis-gateway-to-tunnel");
+        assert_eq!(policy["metadata"]["namespace"], namespace);
+        let (ok, out) = {
+            let root = TestDir::new("handoff-check");
+            let file = lay_out(
+                &with,
+                find(&with, "Deployment", "trellis-gateway"),
+                "controller",
+                &root.0,
+            );
+            check(&file)
+        };
+        assert!(ok, "{out}");
     }
 }
 
@@ -515,7 +1186,7 @@ fn a_broken_manifest_or_config_fails() {
     let Some(validator) = tools("a_broken_manifest_or_config_fails") else {
         return;
     };
-    let objects = render("seed");
+    let objects = render(INGRESS);
     let deployment = objects
         .iter()
         .position(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "trellis-gateway")
@@ -564,7 +1235,9 @@ fn embedded_configs_pass_check_where_the_pods_mount_them() {
     let (ok, out) = check(&file);
     assert!(ok && out.contains("valid NodeConfiguration"), "{out}");
 
-    let objects = render("seed");
+    let objects = render(INGRESS);
+    check_seed_pod(&objects, "trellis-gateway");
+    let objects = seed_with_tunnel();
     for name in ["trellis-gateway", "trellis-tunnel-0", "trellis-tunnel-1"] {
         check_seed_pod(&objects, name);
     }
@@ -635,7 +1308,7 @@ fn seed_gateway_survives_rollouts_zones_and_evictions() {
     if !kubectl("seed_gateway_survives_rollouts_zones_and_evictions") {
         return;
     }
-    let objects = render("seed");
+    let objects = render(INGRESS);
     let deployment = find(&objects, "Deployment", "trellis-gateway");
     let config = config_of(&objects, deployment);
     let spec = &deployment["spec"];
@@ -777,15 +1450,6 @@ fn shoot_node_daemonset_manages_the_address_with_two_capabilities() {
     // The node rejects drainDelay: none to wait for.
     assert!(config["timeouts"]["drainDelay"].is_null());
     assert_lifecycle(daemonset, &config, Duration::ZERO);
-}
-
-/// `Err(message)` unless `cond`.
-macro_rules! ensure {
-    ($cond:expr, $($msg:tt)+) => {
-        if !$cond {
-            return Err(format!($($msg)+));
-        }
-    };
 }
 
 /// `path` with `.` and `..` resolved as the kernel does where no component is a link.
@@ -1100,16 +1764,24 @@ fn watched_by(objects: &[Value], name: &str) -> Vec<WatchedKind> {
 }
 
 /// The controller runs beside each gateway, the ingress gateway's and each tunnel
-/// replica's, as the deploy notes say: see [`controller_wiring`].
+/// replica's, as the deploy notes say: see [`controller_wiring`]. Each step brings the RBAC
+/// its own controllers need: the ingress gateway's and the tunnel gateway's are rendered
+/// apart.
 #[test]
 fn seed_controller_sidecar_writes_where_the_gateway_reads_with_read_only_access() {
     if !kubectl("seed_controller_sidecar_writes_where_the_gateway_reads_with_read_only_access") {
         return;
     }
-    let objects = render("seed");
-    for name in ["trellis-gateway", "trellis-tunnel-0", "trellis-tunnel-1"] {
-        controller_wiring(&objects, name, &watched_by(&objects, name))
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    for (base, names) in [
+        (INGRESS, &["trellis-gateway"][..]),
+        ("seed/gateway-with-tunnel", &["trellis-gateway"][..]),
+        ("seed/tunnel", &["trellis-tunnel-0", "trellis-tunnel-1"][..]),
+    ] {
+        let objects = render(base);
+        for name in names {
+            controller_wiring(&objects, name, &watched_by(&objects, name))
+                .unwrap_or_else(|e| panic!("deploy/{base}: {name}: {e}"));
+        }
     }
 }
 
@@ -1135,7 +1807,7 @@ fn mount_mut<'a>(container: &'a mut Value, name: &str) -> &'a mut Value {
         .unwrap()
 }
 
-/// Replaces `from` by `to` in the ConfigMap named `prefix-<hash>`.
+/// Replaces `from` by `to` in each file of the ConfigMap named `prefix-<hash>` that has it.
 fn edit_config(objects: &mut [Value], prefix: &str, from: &str, to: &str) {
     let cm = objects
         .iter_mut()
@@ -1143,11 +1815,15 @@ fn edit_config(objects: &mut [Value], prefix: &str, from: &str, to: &str) {
             o["kind"] == "ConfigMap" && o["metadata"]["name"].as_str().unwrap().starts_with(prefix)
         })
         .unwrap();
+    let mut edited = false;
     for value in cm["data"].as_object_mut().unwrap().values_mut() {
         let text = value.as_str().unwrap();
-        assert!(text.contains(from), "{from:?} not in {prefix}");
-        *value = Value::String(text.replacen(from, to, 1));
+        if text.contains(from) {
+            *value = Value::String(text.replacen(from, to, 1));
+            edited = true;
+        }
     }
+    assert!(edited, "{from:?} not in {prefix}");
 }
 
 /// Rule `i` of the ClusterRole every controller's account is bound to.
@@ -1162,7 +1838,7 @@ fn a_miswired_controller_sidecar_fails() {
     if !kubectl("a_miswired_controller_sidecar_fails") {
         return;
     }
-    let objects = render("seed");
+    let objects = render(INGRESS);
     let watched = watched_by(&objects, "trellis-gateway");
     type Break = fn(&mut Vec<Value>);
     let breaks: [(&str, Break, &str); 19] = [
@@ -1472,7 +2148,7 @@ fn seed_only_the_tunnel_replicas_render_tunnels_and_read_secrets() {
     if !kubectl("seed_only_the_tunnel_replicas_render_tunnels_and_read_secrets") {
         return;
     }
-    tunnel_access(&render("seed")).unwrap();
+    tunnel_access(&seed_with_tunnel()).unwrap();
 }
 
 /// The control for the test above: each way of giving the ingress gateway the tunnels (or
@@ -1482,7 +2158,7 @@ fn tunnels_or_secrets_in_the_ingress_gateway_fail() {
     if !kubectl("tunnels_or_secrets_in_the_ingress_gateway_fail") {
         return;
     }
-    let objects = render("seed");
+    let objects = seed_with_tunnel();
     type Break = fn(&mut Vec<Value>);
     let breaks: [(&str, Break, &str); 5] = [
         (
@@ -2067,7 +2743,7 @@ fn listener<'a>(config: &'a Value, protocol: &str) -> Option<&'a Value> {
         .find(|l| l["protocol"] == protocol)
 }
 
-/// The tunnel gateway in the seed (`deploy/seed`, Deployments `trellis-tunnel-<N>`), as the
+/// The tunnel gateway in the seed (`deploy/seed/tunnel`, Deployments `trellis-tunnel-<N>`), as the
 /// deploy notes say: two replicas of one pod each, unprivileged, that share one WireGuard
 /// key Secret and each have a connectDestination of their own; each reached over UDP
 /// through a load balancer Service of its own (its own port, source addresses kept, health
@@ -2326,7 +3002,7 @@ fn seed_tunnel_replicas_share_a_key_and_each_has_its_own_entry() {
     if !kubectl("seed_tunnel_replicas_share_a_key_and_each_has_its_own_entry") {
         return;
     }
-    tunnel_rules(&render("seed")).unwrap();
+    tunnel_rules(&seed_with_tunnel()).unwrap();
 }
 
 fn tunnel_pod_mut<'a>(objects: &'a mut [Value], name: &str) -> &'a mut Value {
@@ -2340,7 +3016,7 @@ fn a_weakened_tunnel_gateway_fails() {
     if !kubectl("a_weakened_tunnel_gateway_fails") {
         return;
     }
-    let objects = render("seed");
+    let objects = seed_with_tunnel();
     type Break = fn(&mut Vec<Value>);
     let breaks: [(&str, Break, &str); 15] = [
         (
@@ -2821,7 +3497,7 @@ fn handler_routes(objects: &[Value], zone: Option<&str>) -> Vec<String> {
         .collect()
 }
 
-/// The handler's gateway (`deploy/seed`) and a zone's (`deploy/seed/zone`, zone `eu-1a`)
+/// The handler's gateway (`deploy/seed/gateway`) and a zone's (`deploy/seed/zone`, zone `eu-1a`)
 /// keep [`handler_rules`] with the labels the rollout gives their namespaces, and each
 /// renders the shoots gardenlet exposes through it. The rollout's commands say what the
 /// rules assume: the namespace label, and a rollback patch selecting exactly Envoy's pods.
@@ -2830,7 +3506,7 @@ fn seed_ingress_is_the_exposure_class_handlers_and_reaches_the_shoots() {
     if !kubectl("seed_ingress_is_the_exposure_class_handlers_and_reaches_the_shoots") {
         return;
     }
-    for (base, zone) in [("seed", None), ("seed/zone", Some("eu-1a"))] {
+    for (base, zone) in [(INGRESS, None), ("seed/zone", Some("eu-1a"))] {
         let objects = render(base);
         handler_rules(&objects, zone, &handler_namespace_labels(zone, true))
             .unwrap_or_else(|e| panic!("deploy/{base}: {e}"));
@@ -2876,7 +3552,7 @@ fn a_seed_ingress_beside_the_handler_fails() {
     if !kubectl("a_seed_ingress_beside_the_handler_fails") {
         return;
     }
-    let objects = render("seed");
+    let objects = render(INGRESS);
     fn gateway_service(o: &mut [Value]) -> &mut Value {
         find_mut(o, "Service", "trellis-gateway")
     }
@@ -3027,6 +3703,104 @@ fn readme_block(first: &str) -> Vec<String> {
 /// it is the one under test.
 fn as_tested(line: &str) -> String {
     line.replace("target/release/trellis", BIN)
+        .replace("cargo run --release --", BIN)
+}
+
+/// A shell running a script in a process group of its own, its output in files; the group
+/// is killed on drop (the script's background jobs with it).
+struct Shell {
+    child: std::process::Child,
+    dir: TestDir,
+}
+
+impl Shell {
+    fn start(script: &str) -> Shell {
+        use std::os::unix::process::CommandExt;
+        let dir = TestDir::new("readme-shell");
+        let child = Command::new("bash")
+            .arg("-c")
+            .arg(script)
+            .current_dir(repo())
+            .process_group(0)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::fs::File::create(dir.path("stdout")).unwrap())
+            .stderr(std::fs::File::create(dir.path("stderr")).unwrap())
+            .spawn()
+            .unwrap();
+        Shell { child, dir }
+    }
+
+    /// Waits up to `limit` for the script to end; its stdout and stderr.
+    fn wait(&mut self, limit: Duration) -> (String, String) {
+        let start = std::time::Instant::now();
+        while self.child.try_wait().unwrap().is_none() {
+            let read = |f: &str| std::fs::read_to_string(self.dir.path(f)).unwrap_or_default();
+            assert!(
+                start.elapsed() < limit,
+                "the script did not end within {limit:?}:\n{}\n{}",
+                read("stdout"),
+                read("stderr")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let read = |f: &str| std::fs::read_to_string(self.dir.path(f)).unwrap();
+        (read("stdout"), read("stderr"))
+    }
+}
+
+impl Drop for Shell {
+    fn drop(&mut self) {
+        use rustix::process::{Pid, Signal, kill_process_group};
+        let _ = kill_process_group(Pid::from_child(&self.child), Signal::KILL);
+        let _ = self.child.wait();
+    }
+}
+
+/// The README's Try block of a tunnel (gateway, agent, a target, then the egress CONNECT
+/// through the tunnel) works pasted at once, as written: it waits for the processes itself,
+/// and its CONNECT reaches the target through the agent, whose peer `/routes` then shows.
+/// Only `cargo run --release --` is the binary under test; the block's background jobs are
+/// stopped when it ends. Needs curl and python3; its ports (the example configs') free.
+#[test]
+fn readme_tunnel_try_block_works_pasted_at_once() {
+    let test = "readme_tunnel_try_block_works_pasted_at_once";
+    for tool in ["curl", "python3", "bash"] {
+        let here = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !here {
+            common::skip(test, &format!("{tool} is not installed"));
+            return;
+        }
+    }
+    let block = readme_block("cargo run --release -- gateway --config config/tunnel.yaml &");
+    assert!(block.len() >= 6, "{block:?}");
+    for port in [8000, 8446, 9445, 15003, 15024, 16911] {
+        assert!(
+            std::net::TcpListener::bind(("127.0.0.1", port)).is_ok(),
+            "port {port}, which the README's example configs use, is taken"
+        );
+    }
+    let script = format!(
+        "trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n{}\n",
+        block
+            .iter()
+            .map(|l| as_tested(l))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(!script.contains("cargo "), "{script}");
+    let mut shell = Shell::start(&script);
+    let (stdout, stderr) = shell.wait(Duration::from_secs(120));
+    assert!(
+        stdout.contains("Directory listing for /"),
+        "the CONNECT through the tunnel did not reach the target:\n{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.contains("\"live\": true"),
+        "/routes shows no live peer:\n{stdout}\n{stderr}"
+    );
 }
 
 /// The README's example of `controller render` on the repository's example seed prints what

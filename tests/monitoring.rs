@@ -1,8 +1,8 @@
 //! `deploy/monitoring/`: both kustomizations render with `kubectl kustomize`; the core objects
 //! validate against the Kubernetes schemas (`kubernetes-validate --strict`) and the
 //! prometheus-operator objects keep the rules that make them scrape what `deploy/` runs (the
-//! PodMonitor's ports are the seed pods' admin ports, the NetworkPolicy admits Prometheus to
-//! them in the seed's namespace, the ScrapeConfigs find the node daemons' and agents' pods);
+//! PodMonitor's ports are the seed pods' admin ports, the seed's pieces admit Prometheus to
+//! them in their own namespaces, the ScrapeConfigs find the node daemons' and agents' pods);
 //! every alert carries a severity, a summary, a description and a `for`; Prometheus' own
 //! `promtool check rules` accepts the alerting rules and every query of the dashboards; and
 //! every metric they name is one that a real gateway, controller, node daemon or agent exports
@@ -748,9 +748,13 @@ fn selects(selector: &Value, labels: &Value) -> bool {
 }
 
 /// The seed's trellis pods are all scraped on their admin ports, and Prometheus may reach
-/// those ports: the PodMonitor selects every trellis workload of deploy/seed in any namespace
-/// and each of its ports is a container port of every such pod; the NetworkPolicy stands in
-/// their namespace, selects them and opens those ports' numbers.
+/// those ports: the PodMonitor selects every trellis workload of deploy/seed's pieces in any
+/// namespace and each of its ports is a container port of every such pod; that port's number
+/// is admitted by the pieces themselves, never by deploy/monitoring (which must apply on a
+/// seed whatever pieces run there): by a NetworkPolicy in the pod's namespace that selects it
+/// and admits the seed's Prometheus pods, or by a Service there that selects it and carries
+/// Gardener's `from-all-seed-scrape-targets-allowed-ports` annotation (from which
+/// gardener-resource-manager writes that policy).
 fn seed_scraped(monitoring: &[Value], seed: &[Value]) -> Result<(), String> {
     let pm = one(monitoring, "PodMonitor");
     if pm["metadata"]["labels"]["prometheus"] != "aggregate" {
@@ -765,7 +769,6 @@ fn seed_scraped(monitoring: &[Value], seed: &[Value]) -> Result<(), String> {
         .iter()
         .map(|e| e["port"].as_str().unwrap_or(""))
         .collect();
-    let policies = find(monitoring, "NetworkPolicy");
     let workloads: Vec<&Value> = seed
         .iter()
         .filter(|o| {
@@ -778,17 +781,6 @@ fn seed_scraped(monitoring: &[Value], seed: &[Value]) -> Result<(), String> {
     for w in workloads {
         let name = w["metadata"]["name"].as_str().unwrap_or("");
         let labels = &pod_template(w)["metadata"]["labels"];
-        let np = policies
-            .iter()
-            .find(|np| np["metadata"]["namespace"] == w["metadata"]["namespace"])
-            .ok_or(format!("NetworkPolicy not in {name}'s namespace"))?;
-        let open: Vec<u64> = np["spec"]["ingress"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .flat_map(|r| r["ports"].as_array().into_iter().flatten())
-            .filter_map(|p| p["port"].as_u64())
-            .collect();
         if !selects(&pm["spec"]["selector"], labels) {
             return Err(format!("PodMonitor does not select {name}"));
         }
@@ -798,17 +790,67 @@ fn seed_scraped(monitoring: &[Value], seed: &[Value]) -> Result<(), String> {
                 .find(|p| p["name"] == *port)
                 .and_then(|p| p["containerPort"].as_u64())
                 .ok_or(format!("{name} has no container port {port}"))?;
-            if !open.contains(&number) {
+            if !prometheus_admitted(seed, w, number) {
                 return Err(format!(
-                    "NetworkPolicy does not open {name}'s {port} ({number})"
+                    "nothing admits the seed's Prometheus to {name}'s {port} ({number})"
                 ));
             }
         }
-        if !selects(&np["spec"]["podSelector"], labels) {
-            return Err(format!("NetworkPolicy does not select {name}"));
-        }
     }
     Ok(())
+}
+
+/// Whether the seed's Prometheus pods (in `garden`, labelled
+/// `networking.resources.gardener.cloud/to-all-seed-scrape-targets: allowed`) may reach
+/// `port` of the pods of `workload`, by the objects in `seed`: see [`seed_scraped`].
+fn prometheus_admitted(seed: &[Value], workload: &Value, port: u64) -> bool {
+    let namespace = &workload["metadata"]["namespace"];
+    let labels = &pod_template(workload)["metadata"]["labels"];
+    let here = |kind: &'static str| {
+        seed.iter()
+            .filter(move |o| o["kind"] == kind && &o["metadata"]["namespace"] == namespace)
+    };
+    let prometheus = json!({
+        "namespace": {"kubernetes.io/metadata.name": "garden"},
+        "pod": {"networking.resources.gardener.cloud/to-all-seed-scrape-targets": "allowed"},
+    });
+    let by_policy = here("NetworkPolicy").any(|np| {
+        selects(&np["spec"]["podSelector"], labels)
+            && np["spec"]["ingress"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|rule| {
+                    let from_prometheus = rule["from"].as_array().is_none_or(|from| {
+                        // Without a namespaceSelector a peer is in the policy's namespace.
+                        from.iter().any(|f| {
+                            f["namespaceSelector"].is_object()
+                                && selects(&f["namespaceSelector"], &prometheus["namespace"])
+                                && selects(&f["podSelector"], &prometheus["pod"])
+                        })
+                    });
+                    let on_port = rule["ports"].as_array().is_none_or(|ports| {
+                        ports.iter().any(|p| {
+                            p["port"] == port && p["protocol"].as_str().unwrap_or("TCP") == "TCP"
+                        })
+                    });
+                    from_prometheus && on_port
+                })
+    });
+    let by_annotation = here("Service").any(|svc| {
+        let selector = json!({"matchLabels": svc["spec"]["selector"]});
+        let allowed: Vec<Value> = svc["metadata"]["annotations"]
+            ["networking.resources.gardener.cloud/from-all-seed-scrape-targets-allowed-ports"]
+            .as_str()
+            .and_then(|a| serde_json::from_str(a).ok())
+            .unwrap_or_default();
+        svc["spec"]["selector"].is_object()
+            && selects(&selector, labels)
+            && allowed
+                .iter()
+                .any(|a| a["port"] == port && a["protocol"] == "TCP")
+    });
+    by_policy || by_annotation
 }
 
 /// Each shoot ScrapeConfig finds its workload's pods: pods in the workload's namespace, named
@@ -926,7 +968,10 @@ impl Rendered {
         Rendered {
             seed_monitoring: render("monitoring"),
             shoot_monitoring: render("monitoring/shoot"),
-            seed: render("seed"),
+            seed: ["seed/gateway", "seed/tunnel", "seed/zone"]
+                .into_iter()
+                .flat_map(render)
+                .collect(),
             shoot_workloads: vec![
                 ("trellis-node", workload("shoot", "DaemonSet")),
                 ("trellis-agent", workload("agent", "StatefulSet")),
@@ -1130,19 +1175,34 @@ fn a_dashboard_or_rule_that_drifts_from_the_code_or_the_pods_fails() {
         "no container port controller-admin",
     );
     fails(
-        "a NetworkPolicy in another namespace",
+        "the tunnel gateway's NetworkPolicy without Prometheus",
         &|r| {
             let np = r
-                .seed_monitoring
+                .seed
                 .iter_mut()
-                .find(|o| {
-                    o["kind"] == "NetworkPolicy"
-                        && o["metadata"]["namespace"] == "istio-ingress-handler-trellis"
-                })
+                .find(|o| o["kind"] == "NetworkPolicy" && o["metadata"]["name"] == "trellis-tunnel")
                 .unwrap();
-            np["metadata"]["namespace"] = "istio-ingress".into();
+            for rule in np["spec"]["ingress"].as_array_mut().unwrap() {
+                if let Some(ports) = rule["ports"].as_array_mut() {
+                    ports.retain(|p| p["port"] != 15022);
+                }
+            }
         },
-        "NetworkPolicy not in",
+        "nothing admits the seed's Prometheus to trellis-tunnel-0's ctl-admin (15022)",
+    );
+    fails(
+        "the metrics Service without Gardener's scrape annotation",
+        &|r| {
+            for svc in r.seed.iter_mut().filter(|o| {
+                o["kind"] == "Service" && o["metadata"]["name"] == "trellis-gateway-metrics"
+            }) {
+                svc["metadata"]["annotations"]
+                    .as_object_mut()
+                    .unwrap()
+                    .clear();
+            }
+        },
+        "nothing admits the seed's Prometheus to trellis-gateway's admin (15021)",
     );
     fails(
         "a ScrapeConfig for pods the shoot does not run",
