@@ -652,6 +652,7 @@ fn tagged_files() -> Vec<PathBuf> {
         repo().join("docs"),
         repo().join("deploy"),
         repo().join("charts"),
+        repo().join("config"),
     ];
     while let Some(dir) = dirs.pop() {
         for entry in std::fs::read_dir(dir).unwrap() {
