@@ -1,7 +1,8 @@
-//! Networks in trellis' own files, through the real binary: a network written with host
-//! bits set (`127.0.0.1/8`) is an error at its field's FILE:LINE:COL in every kind that
-//! holds networks (never silently widened to `127.0.0.0/8`), also in a table the gateway
-//! reloads (as the controller's tables reach it).
+//! Networks and field names in trellis' own files, through the real binary: a network
+//! written with host bits set (`127.0.0.1/8`) is an error at its field's FILE:LINE:COL in
+//! every kind that holds networks (never silently widened to `127.0.0.0/8`), also in a
+//! table the gateway reloads (as the controller's tables reach it); an unknown field is
+//! told the known field it is closest to, in every kind, at its position.
 #![expect(
     clippy::unwrap_used,
     reason = "a test or bench fails loudly on what it did not expect"
@@ -223,4 +224,138 @@ async fn a_reloaded_table_with_host_bits_is_rejected_and_the_last_good_one_kept(
             .find(|l| l["generation"] == 2)
     })
     .unwrap_or_else(|| panic!("{}", gw.logs()));
+}
+
+/// An unknown field in any kind is told the known field of its structure it is closest
+/// to, at the field's position: a typo, a swap of two letters, a difference in case, at the
+/// top or nested; a field close to no known one gets no suggestion.
+#[test]
+fn an_unknown_field_is_told_the_closest_known_one_in_every_kind() {
+    let dir = TestDir::new("did-you-mean");
+    let config = examples(&dir);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&config)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    let mut kinds = std::collections::BTreeSet::new();
+    // At the top of every file: a swap of two letters.
+    for file in &files {
+        let original = std::fs::read_to_string(file).unwrap();
+        let kind = original
+            .lines()
+            .find_map(|l| l.strip_prefix("kind: "))
+            .unwrap()
+            .to_owned();
+        kinds.insert(kind);
+        let text = format!("{original}apiVersoin: x\nzzzzzz: 1\n");
+        std::fs::write(file, &text).unwrap();
+        let (ok, out) = check(file);
+        std::fs::write(file, &original).unwrap();
+        let lines = original.lines().count();
+        let f = file.display();
+        for want in [
+            format!(
+                "{f}:{}:1: apiVersoin: unknown field `apiVersoin`: did you mean `apiVersion`?",
+                lines + 1
+            ),
+            format!("{f}:{}:1: zzzzzz: unknown field `zzzzzz`\n", lines + 2),
+        ] {
+            assert!(!ok && out.contains(&want), "missing {want:?} in:\n{out}");
+        }
+    }
+    assert_eq!(
+        kinds.into_iter().collect::<Vec<_>>(),
+        [
+            "AgentConfiguration",
+            "ControllerConfiguration",
+            "ExtensionConfiguration",
+            "GatewayConfiguration",
+            "NodeConfiguration",
+            "RoutingTable"
+        ],
+        "every kind"
+    );
+    // Nested: (file, text replaced, by this, the unknown field's path, the suggestion).
+    let cases = [
+        (
+            "egress-routes.yaml",
+            "allowedNetworks:",
+            "allowedNetwork:",
+            "routes[0].egress.allowedNetwork",
+            "allowedNetworks",
+        ),
+        (
+            "gateway.yaml",
+            "trustedSources:",
+            "TrustedSources:",
+            "listeners[0].proxyProtocol.TrustedSources",
+            "trustedSources",
+        ),
+        (
+            "agent.yaml",
+            "persistentKeepalive:",
+            "persistentKeepAlive:",
+            "wireguard.gateway.persistentKeepAlive",
+            "persistentKeepalive",
+        ),
+        (
+            "controller.yaml",
+            "connectLegacy:",
+            "conectLegacy:",
+            "fallback.conectLegacy",
+            "connectLegacy",
+        ),
+        (
+            "node.yaml",
+            "checkInterval:",
+            "checkIntervall:",
+            "interface.checkIntervall",
+            "checkInterval",
+        ),
+        (
+            "extension.yaml",
+            "renewInterval:",
+            "renewInterwal:",
+            "heartbeat.renewInterwal",
+            "renewInterval",
+        ),
+        (
+            "routes.yaml",
+            "  timeouts: {connect: 2s, idle: 1h}",
+            "  timeouts: {connect: 2s, idel: 1h}",
+            "routes[0].timeouts.idel",
+            "idle",
+        ),
+    ];
+    for (name, from, to, path, like) in cases {
+        let file = config.join(name);
+        let original = std::fs::read_to_string(&file).unwrap();
+        let text = edit(&original, from, to);
+        std::fs::write(&file, &text).unwrap();
+        let (ok, out) = check(&file);
+        std::fs::write(&file, &original).unwrap();
+        let field = path.rsplit('.').next().unwrap();
+        let (line, column) = position(&text, &format!("{field}:"));
+        let want = format!(
+            "{}:{line}:{column}: {path}: unknown field `{field}`: did you mean `{like}`?",
+            file.display()
+        );
+        assert!(!ok && out.contains(&want), "missing {want:?} in:\n{out}");
+    }
+    // JSON too, at the field's position.
+    let file = config.join("table.json");
+    std::fs::write(
+        &file,
+        "{\"apiVersion\": \"trellis.gardener.cloud/v1alpha1\", \"kind\": \"RoutingTable\", \"routs\": []}",
+    )
+    .unwrap();
+    let (ok, out) = check(&file);
+    let (line, column) = position(&std::fs::read_to_string(&file).unwrap(), "\"routs\"");
+    let want = format!(
+        "{}:{line}:{column}: routs: unknown field `routs`: did you mean `routes`?",
+        file.display()
+    );
+    assert!(!ok && out.contains(&want), "missing {want:?} in:\n{out}");
 }
