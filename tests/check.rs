@@ -369,7 +369,7 @@ routes:
         [
             format!("{g}:5:24: listeners[0].address: expected IP:port, got \"nope\""),
             format!("{g}:5:45: listeners[0].bogus: unknown field `bogus`"),
-            format!("{g}:7:1: limit: unknown field `limit`"),
+            format!("{g}:7:1: limit: unknown field `limit`: did you mean `limits`?"),
         ]
     );
     let node = dir.path("node.yaml");
@@ -379,7 +379,9 @@ routes:
         check_errors(&node),
         [
             format!("{n}:3:10: listen[0]: expected IP:port, got \"nope\""),
-            format!("{n}:4:44: upstream.destinationHeaders: unknown field `destinationHeaders`"),
+            format!(
+                "{n}:4:44: upstream.destinationHeaders: unknown field `destinationHeaders`: did you mean `destinationHeader`?"
+            ),
         ]
     );
 }

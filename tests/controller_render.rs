@@ -435,3 +435,64 @@ fn a_namespace_named_like_a_controller_route_keeps_the_table_valid() {
         }
     }
 }
+
+/// An allow-list network an RBAC EnvoyFilter writes with host bits set (`203.0.113.9/24`)
+/// is the network Envoy enforces (`203.0.113.0/24`): the table is the one the clean filter
+/// renders, nothing is skipped for it, and the report names the filter, the field, the text
+/// and the network used (no such entry for the clean filter).
+#[test]
+fn an_acl_network_with_host_bits_renders_as_its_network_and_is_reported() {
+    let acl = data().join("acl");
+    let file = "shoot--acl--locked.yaml";
+    let locked = std::fs::read_to_string(acl.join("seed").join(file)).unwrap();
+    let clean = "- remote_ip: {address_prefix: 203.0.113.0, prefix_len: 24}";
+    assert!(locked.contains(clean), "the fixture changed");
+    let dir = std::env::temp_dir().join(format!("trellis-render-host-bits-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(acl.join("seed")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let render = || {
+        let output = trellis()
+            .args(["controller", "render", "--manifests"])
+            .arg(&dir)
+            .arg("--config")
+            .arg(acl.join("controller.yaml"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8(output.stderr).unwrap();
+        assert!(output.status.success(), "{stderr}");
+        let report: serde_json::Value = serde_json::from_str(&stderr).unwrap();
+        (String::from_utf8(output.stdout).unwrap(), report)
+    };
+    let (clean_table, clean_report) = render();
+    // Only the filter's first patch, the API server's.
+    std::fs::write(
+        dir.join(file),
+        locked.replacen(
+            clean,
+            "- remote_ip: {address_prefix: 203.0.113.9, prefix_len: 24}",
+            1,
+        ),
+    )
+    .unwrap();
+    let (table, report) = render();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(clean_report.get("normalised").is_none(), "{clean_report}");
+    assert_eq!(
+        table, clean_table,
+        "the network used is the one Envoy enforces"
+    );
+    assert_eq!(report["skips"], clean_report["skips"]);
+    assert_eq!(
+        report["normalised"],
+        serde_json::json!([{
+            "object": "EnvoyFilter istio-ingress/acl-api-shoot--acl--locked",
+            "field": "spec.configPatches[0].patch.value.typed_config.rules.policies.acl-api.principals[0].remote_ip",
+            "given": "203.0.113.9/24",
+            "used": "203.0.113.0/24",
+        }]),
+        "{report}"
+    );
+}

@@ -778,6 +778,86 @@ tunnel: {enabled: true}",
     }
 }
 
+/// A shoot whose Cluster writes its node network with host bits set (`10.250.0.1/16`) gets
+/// its tunnel all the same, to the network meant (`10.250.0.0/16`): the controller never
+/// fails a shoot for it, and logs it, naming the Cluster, the field, the text and the
+/// network used, once (not again with every render while it stays).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_network_with_host_bits_is_used_cleared_and_logged_once() {
+    let kube = FakeKube::start().await;
+    seed(&kube, &[]);
+    let name = "hostbits";
+    let ns = e2e::namespace(name);
+    let mut cluster = e2e::cluster(name);
+    cluster["spec"]["shoot"]["spec"]["networking"]["nodes"] = "10.250.0.1/16".into();
+    e2e::put_all(
+        &kube,
+        vec![
+            cluster,
+            e2e::peers_secret(name, &trellis::route::WgKey([9; 32]).to_base64()),
+        ],
+    );
+    let c = Controller(e2e::Controller::start_with(
+        &kube,
+        "gateway:
+  selector: {app: istio-ingressgateway, istio: ingressgateway, istio-role: seed}
+fallback: {address: \"istio-ingressgateway.istio-ingress.svc.cluster.local:443\"}
+tunnel: {enabled: true}",
+    ));
+    let tunnel_route = format!("{ns}.tunnel");
+    let table = c
+        .wait_table("the shoot's tunnel", |t| route(t, &tunnel_route).is_some())
+        .await;
+    let allowed =
+        &route(&table, &tunnel_route).unwrap()["tunnel"]["wireguard"]["peers"][0]["allowedIPs"];
+    assert_eq!(
+        allowed,
+        &serde_json::json!([
+            "192.168.128.5/32",
+            "10.250.0.0/16",
+            "100.64.0.0/13",
+            "100.96.0.0/11"
+        ]),
+        "{table}"
+    );
+    let message = "a network with host bits set: its network is used";
+    let lines = logged(&c, message);
+    let [line] = lines.as_slice() else {
+        panic!("{}", c.logs())
+    };
+    assert_eq!(line["level"], "WARN", "{line}");
+    assert_eq!(
+        (
+            &line["object"],
+            &line["field"],
+            &line["given"],
+            &line["used"]
+        ),
+        (
+            &format!("Cluster {ns}").into(),
+            &"spec.shoot.spec.networking.nodes".into(),
+            &"10.250.0.1/16".into(),
+            &"10.250.0.0/16".into()
+        ),
+        "{line}"
+    );
+    // Another shoot: a render with the same Cluster again, which is not logged again.
+    let other = "hostbits-other";
+    e2e::put_all(
+        &kube,
+        vec![
+            e2e::cluster(other),
+            e2e::peers_secret(other, &trellis::route::WgKey([10; 32]).to_base64()),
+        ],
+    );
+    let other_route = format!("{}.tunnel", e2e::namespace(other));
+    c.wait_table("the other shoot's tunnel", |t| {
+        route(t, &other_route).is_some()
+    })
+    .await;
+    assert_eq!(logged(&c, message).len(), 1, "{}", c.logs());
+}
+
 /// Clusters (each can approach 1.5 MiB) are listed twenty at a time: 45 shoots with
 /// tunnels take three pages, each asking for 20, and every shoot's route is rendered; the
 /// other kinds keep the client's default page.

@@ -385,7 +385,11 @@ mod tests {
                     ("", "missing field `apiVersion`", Some((3, 1))),
                     ("", "missing field `routes`", Some((3, 1))),
                     ("", "missing field `admin`", Some((3, 1))),
-                    ("routs", "unknown field `routs`", Some(unknown)),
+                    (
+                        "routs",
+                        "unknown field `routs`: did you mean `routes`?",
+                        Some(unknown)
+                    ),
                 ],
                 "{doc}"
             );
@@ -402,7 +406,7 @@ mod tests {
                 errors.found,
                 [FieldError {
                     path: "routs".into(),
-                    message: "unknown field `routs`".into(),
+                    message: "unknown field `routs`: did you mean `routes`?".into(),
                     position: errors.found[0].position,
                 }],
                 "{doc}"

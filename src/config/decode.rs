@@ -9,7 +9,9 @@
 //! the file is decoded again, past it ([`recover`]: the wrong value replaced by a stand-in, a
 //! missing field added), until the whole document is read or [`recover::MAX_FIXES`] are
 //! made, so that one run shows every problem: type errors, unknown fields, and what
-//! validation then finds (except at the stand-ins). Every problem is reported as
+//! validation then finds (except at the stand-ins). An unknown field is told the known
+//! field of its structure it is closest to, when one is close ([`suggestion`]): every
+//! structure is decoded through [`MappingOnly`], which makes its fields known meanwhile. Every problem is reported as
 //! `FILE:LINE:COL: field.path: message`; those found after the parser ([`located`]) are
 //! pointed at by reading the text again. A parse error (YAML or JSON syntax, a second
 //! document) stops the file: what follows it cannot be read. A valid file is decoded once,
@@ -92,8 +94,113 @@ impl<'de, T: Derived<'de>> Visitor<'de> for MappingOnly<T> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+        // An unknown field of the mapping is found while it is decoded: then `T`'s fields
+        // are the innermost ones.
+        let _inside = Inside::enter(fields_of::<'de, T>);
         T::derived(MapAccessDeserializer::new(map))
     }
+}
+
+/// The fields of a structure, found when an unknown field needs them.
+type FieldsOf = fn() -> &'static [&'static str];
+
+thread_local! {
+    /// The structures being decoded on this thread, innermost last.
+    static INSIDE: RefCell<Vec<FieldsOf>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A structure being decoded, from [`Inside::enter`] until dropped (also when its decode
+/// fails or unwinds).
+struct Inside;
+
+impl Inside {
+    fn enter(fields: FieldsOf) -> Inside {
+        INSIDE.with_borrow_mut(|inside| inside.push(fields));
+        Inside
+    }
+
+    /// The fields of the innermost structure being decoded.
+    fn fields() -> &'static [&'static str] {
+        INSIDE
+            .with_borrow(|inside| inside.last().copied())
+            .map_or(&[], |fields| fields())
+    }
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        INSIDE.with_borrow_mut(|inside| inside.pop());
+    }
+}
+
+/// The fields `T`'s derived decoder knows (their names as written in files, without those
+/// it never reads): what it asks its deserializer for, which here answers nothing else.
+fn fields_of<'de, T: Derived<'de>>() -> &'static [&'static str] {
+    struct Probe<'a>(&'a std::cell::Cell<&'static [&'static str]>);
+    impl<'de> Deserializer<'de> for Probe<'_> {
+        type Error = serde::de::value::Error;
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(serde::de::Error::custom("fields only"))
+        }
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _name: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            self.0.set(fields);
+            Err(serde::de::Error::custom("fields only"))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let fields = std::cell::Cell::new(&[][..]);
+    let _ = T::derived(Probe(&fields));
+    fields.get()
+}
+
+/// The known field an unknown one is most likely a typo of: the closest of `known` by edit
+/// distance (insertions, deletions, substitutions and swaps of two neighbours, letter case
+/// ignored), when it is close: at most 2 edits, and at most one per three letters of the
+/// known name (`x` is no typo of `via`). A difference in letter case only is always one.
+/// The first of equally close names wins.
+fn suggestion<'k>(unknown: &str, known: &[&'k str]) -> Option<&'k str> {
+    let lower: Vec<char> = unknown.chars().flat_map(char::to_lowercase).collect();
+    known
+        .iter()
+        .filter_map(|&k| {
+            let name: Vec<char> = k.chars().flat_map(char::to_lowercase).collect();
+            let d = distance(&lower, &name);
+            (d <= 2 && d * 3 <= name.len()).then_some((d, k))
+        })
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, k)| k)
+}
+
+/// The optimal string alignment distance of `a` and `b`: insertions, deletions,
+/// substitutions and transpositions of adjacent characters, each one edit.
+fn distance(a: &[char], b: &[char]) -> usize {
+    // Three rows of the matrix: two back, one back, this one.
+    let mut before: Vec<usize> = vec![0; b.len() + 1];
+    let mut last: Vec<usize> = (0..=b.len()).collect();
+    let mut row: Vec<usize> = vec![0; b.len() + 1];
+    for i in 1..=a.len() {
+        row[0] = i;
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut d = (last[j] + 1).min(row[j - 1] + 1).min(last[j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                d = d.min(before[j - 2] + 1);
+            }
+            row[j] = d;
+        }
+        std::mem::swap(&mut before, &mut last);
+        std::mem::swap(&mut last, &mut row);
+    }
+    last[b.len()]
 }
 
 /// Largest config or routing file we read (a 10,000-route table is ~2 MB).
@@ -159,7 +266,14 @@ pub(crate) fn decode<S: Kinds>(
     let mut unknown: Vec<FieldError> = found
         .unknown
         .into_iter()
-        .map(|(path, field)| field_error(path, None, format_args!("unknown field `{field}`")))
+        .map(|Unknown { path, field, like }| match like {
+            Some(like) => field_error(
+                path,
+                None,
+                format_args!("unknown field `{field}`: did you mean `{like}`?"),
+            ),
+            None => field_error(path, None, format_args!("unknown field `{field}`")),
+        })
         .collect();
     if !unknown.is_empty() {
         // An unknown field is pointed at by its key.
@@ -250,10 +364,20 @@ pub(crate) fn located<T>(
     }
 }
 
+/// A field nothing read.
+pub(crate) struct Unknown {
+    /// Its path.
+    pub(crate) path: String,
+    /// Its name.
+    pub(crate) field: String,
+    /// The known field of its structure it is close to ([`suggestion`]).
+    pub(crate) like: Option<&'static str>,
+}
+
 /// What a decode found besides the value.
 pub(crate) struct Found {
-    /// Fields nothing read, by path and name.
-    pub(crate) unknown: Vec<(String, String)>,
+    /// Fields nothing read.
+    pub(crate) unknown: Vec<Unknown>,
     /// Type errors, each with its path and position, in the order found.
     pub(crate) wrong: Vec<FieldError>,
     /// What was decoded in place of the wrong values: paths whose later problems are
@@ -373,14 +497,20 @@ where
     }
 }
 
-/// Records a field nothing read by its path and name.
-fn collect(unknown: &mut Vec<(String, String)>) -> impl FnMut(serde_ignored::Path<'_>) + '_ {
+/// Records a field nothing read by its path and name, and the known field of the structure
+/// being decoded (the one it is in) it is close to.
+fn collect(unknown: &mut Vec<Unknown>) -> impl FnMut(serde_ignored::Path<'_>) + '_ {
     |path| {
         let field = match &path {
             serde_ignored::Path::Map { key, .. } => key.clone(),
             _ => String::new(),
         };
-        unknown.push((field_path(&path), field));
+        let like = suggestion(&field, Inside::fields());
+        unknown.push(Unknown {
+            path: field_path(&path),
+            field,
+            like,
+        });
     }
 }
 
@@ -801,5 +931,78 @@ pub(crate) fn yaml_options_with(max_documents: usize) -> serde_saphyr::Options {
         emit_comments: false,
         non_finite_float_policy: serde_saphyr::NonFiniteFloatPolicy::AsString,
         with_snippet: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ROUTE: &[&str] = &[
+        "name",
+        "sni",
+        "destinations",
+        "backends",
+        "timeouts",
+        "allowedSourceRanges",
+        "via",
+    ];
+
+    /// A typo, a swapped pair, a missing or extra letter or a difference in case is told the
+    /// field meant; a name close to no field, or short and far, is told nothing.
+    #[test]
+    fn suggestions_are_the_closest_known_field_when_it_is_close() {
+        for (unknown, like) in [
+            ("allowedSourceRange", Some("allowedSourceRanges")),
+            ("AllowedSourceRanges", Some("allowedSourceRanges")),
+            ("ALLOWEDSOURCERANGES", Some("allowedSourceRanges")),
+            ("alowedSourceRanges", Some("allowedSourceRanges")),
+            ("allowedSuorceRanges", Some("allowedSourceRanges")),
+            ("allowedSourcesRange", Some("allowedSourceRanges")),
+            ("bakends", Some("backends")),
+            ("nmae", Some("name")),
+            ("snis", Some("sni")),
+            ("vai", Some("via")),
+            ("bcknds", Some("backends")),
+            // Three edits, or two in a short name: no typo of anything.
+            ("alowedSorceRange", None),
+            ("bknds", None),
+            ("x", None),
+            ("ab", None),
+            ("weight", None),
+            ("", None),
+        ] {
+            assert_eq!(suggestion(unknown, ROUTE), like, "{unknown}");
+        }
+        assert_eq!(suggestion("name", &[]), None);
+        // The closest wins, then the first of equally close ones.
+        assert_eq!(suggestion("idel", &["idle", "id"]), Some("idle"));
+        assert_eq!(suggestion("abcd", &["abce", "abcf"]), Some("abce"));
+    }
+
+    #[test]
+    fn the_distance_counts_each_edit_once() {
+        let d = |a: &str, b: &str| {
+            let a: Vec<char> = a.chars().collect();
+            let b: Vec<char> = b.chars().collect();
+            distance(&a, &b)
+        };
+        assert_eq!(d("", ""), 0);
+        assert_eq!(d("abc", ""), 3);
+        assert_eq!(d("", "abc"), 3);
+        assert_eq!(d("abc", "abc"), 0);
+        assert_eq!(d("abc", "abd"), 1);
+        assert_eq!(d("abc", "acb"), 1);
+        assert_eq!(d("abc", "abcd"), 1);
+        assert_eq!(d("kitten", "sitting"), 3);
+        assert_eq!(d("ca", "abc"), 3);
+    }
+
+    /// The fields a structure's decoder knows are those written in files (renamed, skipped
+    /// ones left out).
+    #[test]
+    fn a_structures_fields_are_its_names_in_files() {
+        let fields = fields_of::<crate::config::table::RawTunnelPeer>();
+        assert_eq!(fields, ["publicKey", "allowedIPs"]);
     }
 }

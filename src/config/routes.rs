@@ -582,7 +582,7 @@ mod tests {
   backends: [{{address: \"10.1.2.3:443\", zone: eu-1a}}, {{address: \"kube-apiserver.a:443\"}}]
   timeouts: {{connect: 5000ms, idle: 1h}}
   maxConnectionDuration: 24h
-  allowedSourceRanges: [\"203.0.113.9/24\", \"2001:db8::/32\"]
+  allowedSourceRanges: [\"203.0.113.0/24\", \"2001:db8::/32\"]
   sendProxyProtocol: v2
   forwardConnect: true
   egress:

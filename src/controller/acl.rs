@@ -12,7 +12,9 @@
 //!   `string_match.contains`, also under `not_rule`; `any`).
 //! - Principals `remote_ip` and `source_ip` are the client address as trellis sees it (the
 //!   PROXY source when the peer is trusted, else the peer); `direct_remote_ip` and anything
-//!   else cannot be matched by a route.
+//!   else cannot be matched by a route. A principal's network with host bits set
+//!   (`10.1.2.3/16`) is its network (`10.1.0.0/16`), as Envoy reads it; the report names
+//!   each one (`normalised`) of a filter that applies to the gateway.
 //!
 //! A route serves every path its keys are on, but has one list: it gets the intersection of
 //! what its paths admit. Where that is not exactly what Envoy enforces (a principal or
@@ -338,6 +340,9 @@ pub fn apply(
     if filters.is_empty() {
         return;
     }
+    for f in &filters {
+        report.normalised(&format!("EnvoyFilter {}", f.meta.key()), &f.host_bits);
+    }
     // Envoy applies its own filters when it is told the client.
     let enforced_by_fallback = target.fallback_proxy_protocol.is_some();
     // Routes added for restricted server names no route holds, and those of them dropped
@@ -635,6 +640,7 @@ mod tests {
                 crate::config::controller::ControllerConfig::default().selector,
             ),
             rbac: vec![rbac],
+            host_bits: Vec::new(),
         }
     }
 

@@ -4,7 +4,9 @@
 //! YAML file with any number of documents, `kind: List` (as `kubectl get -o yaml` writes)
 //! unpacked. Objects of the kinds translation reads are projected; everything else is
 //! skipped. A field of an unexpected type reads as absent: these are the API server's
-//! objects, not trellis' own files, so nothing here rejects them.
+//! objects, not trellis' own files, so nothing here rejects them; a network written with
+//! host bits set is read with them cleared, and kept in the projection
+//! ([`HostBits`]) for translation to report.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,11 +16,11 @@ use thiserror::Error;
 
 use super::model::{
     BackendRef, Cluster, Destination, DestinationRule, Endpoint, EndpointSlice, EnvoyFilter,
-    Gateway, Meta, Namespace, Object, PeerEntry, Permission, Principal, Rbac, RbacAt, RbacPolicy,
-    Secret, SecretBytes, SecretContent, Server, Service, ServicePort, Snapshot, TUNNEL_PEERS_LABEL,
-    TlsRoute, TlsRouteObject, VirtualService,
+    Gateway, HostBits, Meta, Namespace, Object, PeerEntry, Permission, Principal, Rbac, RbacAt,
+    RbacPolicy, Secret, SecretBytes, SecretContent, Server, Service, ServicePort, Snapshot,
+    TUNNEL_PEERS_LABEL, TlsRoute, TlsRouteObject, VirtualService,
 };
-use crate::route::Net;
+use crate::route::{Net, NetError};
 
 /// Why a manifest directory could not be read.
 #[derive(Debug, Error)]
@@ -296,20 +298,60 @@ fn field<'a>(v: &'a Value, snake: &str) -> Option<&'a Value> {
 }
 
 fn envoy_filter(doc: &Value) -> EnvoyFilter {
+    let mut host_bits = Vec::new();
+    let rbac = array(doc, "/spec/configPatches")
+        .iter()
+        .enumerate()
+        .filter_map(|(i, patch)| {
+            let at = format!("spec.configPatches[{i}].patch.value.typed_config.rules.policies");
+            rbac(patch, &at, &mut host_bits)
+        })
+        .collect();
     EnvoyFilter {
         meta: meta(doc),
         workload_selector: doc
             .pointer("/spec/workloadSelector")
             .map(|w| labels(w, "/labels")),
-        rbac: array(doc, "/spec/configPatches")
-            .iter()
-            .filter_map(rbac)
-            .collect(),
+        rbac,
+        host_bits,
     }
 }
 
-/// The RBAC filter a patch inserts, if it inserts one that enforces rules.
-fn rbac(patch: &Value) -> Option<Rbac> {
+/// The network `text` (`IP/prefix` or a bare IP) with any host bits cleared, which are
+/// recorded in `host_bits` at `field`; `None` when it is no network.
+fn network(
+    text: &str,
+    field: impl FnOnce() -> String,
+    host_bits: &mut Vec<HostBits>,
+) -> Option<Net> {
+    cleared(Net::parse(text), field, host_bits)
+}
+
+/// The network of `result`, one with host bits set cleared and recorded in `host_bits` at
+/// `field`.
+fn cleared(
+    result: Result<Net, NetError>,
+    field: impl FnOnce() -> String,
+    host_bits: &mut Vec<HostBits>,
+) -> Option<Net> {
+    match result {
+        Ok(net) => Some(net),
+        Err(NetError::HostBits { given, network, .. }) => {
+            host_bits.push(HostBits {
+                field: field(),
+                given,
+                used: network,
+            });
+            Some(network)
+        }
+        Err(_) => None,
+    }
+}
+
+/// The RBAC filter a patch inserts, if it inserts one that enforces rules; its principals'
+/// networks with host bits set recorded in `host_bits` (`policies_at`: the path of its
+/// policies).
+fn rbac(patch: &Value, policies_at: &str, host_bits: &mut Vec<HostBits>) -> Option<Rbac> {
     let value = patch.pointer("/patch/value")?;
     let config = field(value, "typed_config")?;
     let kind = config.get("@type")?.as_str()?;
@@ -342,7 +384,14 @@ fn rbac(patch: &Value) -> Option<Rbac> {
                 .map(|(name, p)| RbacPolicy {
                     name: name.clone(),
                     permissions: array(p, "/permissions").iter().map(permission).collect(),
-                    principals: array(p, "/principals").iter().map(principal).collect(),
+                    principals: array(p, "/principals")
+                        .iter()
+                        .enumerate()
+                        .map(|(j, principal_value)| {
+                            let field = format!("{policies_at}.{name}.principals[{j}]");
+                            principal(principal_value, &field, host_bits)
+                        })
+                        .collect(),
                 })
                 .collect()
         })
@@ -396,20 +445,26 @@ fn permission(p: &Value) -> Permission {
     }
 }
 
-fn principal(p: &Value) -> Principal {
-    let cidr = |v: &Value| -> Option<Net> {
+/// One principal (`field`: its path, for `host_bits`).
+fn principal(p: &Value, field_path: &str, host_bits: &mut Vec<HostBits>) -> Principal {
+    let Some(obj) = p.as_object().filter(|o| o.len() == 1) else {
+        return Principal::Other;
+    };
+    let (key, v) = obj.iter().next().map_or(("", p), |(k, v)| (k.as_str(), v));
+    // Envoy clears host bits of a CidrRange: so does the projection, and says so.
+    let mut cidr = |v: &Value| -> Option<Net> {
         let addr = field(v, "address_prefix")?.as_str()?.parse().ok()?;
         // `prefix_len` is a UInt32Value: absent means 0.
         let prefix = match field(v, "prefix_len") {
             None => 0,
             Some(n) => u8::try_from(n.as_u64()?).ok()?,
         };
-        Net::new(addr, prefix).ok()
+        cleared(
+            Net::new(addr, prefix),
+            || format!("{field_path}.{key}"),
+            host_bits,
+        )
     };
-    let Some(obj) = p.as_object().filter(|o| o.len() == 1) else {
-        return Principal::Other;
-    };
-    let (key, v) = obj.iter().next().map_or(("", p), |(k, v)| (k.as_str(), v));
     match key {
         "remote_ip" | "remoteIp" | "source_ip" | "sourceIp" => {
             cidr(v).map_or(Principal::Other, Principal::Client)
@@ -528,18 +583,29 @@ fn tls_route(doc: &Value) -> TlsRouteObject {
 fn cluster(doc: &Value) -> Cluster {
     let shoot = doc.pointer("/spec/shoot").unwrap_or(&Value::Null);
     let mut networks = std::collections::BTreeSet::new();
+    let mut host_bits = Vec::new();
     for kind in ["nodes", "pods", "services"] {
-        let spec = shoot
+        if let Some(text) = shoot
             .pointer(&format!("/spec/networking/{kind}"))
-            .and_then(Value::as_str);
-        let status = strings(shoot, &format!("/status/networking/{kind}"));
-        for text in spec.into_iter().chain(status.iter().map(String::as_str)) {
-            networks.extend(Net::parse(text).ok());
+            .and_then(Value::as_str)
+        {
+            let field = || format!("spec.shoot.spec.networking.{kind}");
+            networks.extend(network(text, field, &mut host_bits));
+        }
+        // Indexed as the object lists them (an entry that is not text too).
+        for (i, text) in array(shoot, &format!("/status/networking/{kind}"))
+            .iter()
+            .enumerate()
+            .filter_map(|(i, v)| Some((i, v.as_str()?)))
+        {
+            let field = || format!("spec.shoot.status.networking.{kind}[{i}]");
+            networks.extend(network(text, field, &mut host_bits));
         }
     }
     Cluster {
         meta: meta(doc),
         networks: networks.into_iter().collect(),
+        host_bits,
     }
 }
 
@@ -745,6 +811,15 @@ spec:
         let [f] = s.envoy_filters.as_slice() else {
             panic!("{s:?}")
         };
+        // Envoy clears a CidrRange's host bits: so does the projection, and keeps a note.
+        assert_eq!(
+            f.host_bits,
+            [HostBits {
+                field: "spec.configPatches[0].patch.value.typed_config.rules.policies.b.principals[0].remoteIp".into(),
+                given: "10.1.2.3/16".into(),
+                used: Net::parse("10.1.0.0/16").unwrap(),
+            }]
+        );
         let selector = f.workload_selector.as_ref().unwrap();
         assert_eq!(
             selector.get("istio").map(String::as_str),
@@ -792,6 +867,62 @@ spec:
                     action: "DENY".into(),
                     policies: vec![],
                 },
+            ]
+        );
+    }
+
+    /// A Cluster's network with host bits set is the network, not a reason to drop it (the
+    /// shoot would lose a network), and is kept with its field for the report; one that is
+    /// no network at all is left out, as before.
+    #[test]
+    fn a_cluster_network_with_host_bits_is_cleared_and_recorded() {
+        let yaml = "apiVersion: extensions.gardener.cloud/v1alpha1
+kind: Cluster
+metadata: {name: shoot--a--b}
+spec:
+  shoot:
+    spec:
+      networking: {nodes: 10.250.0.1/16, pods: 100.96.0.0/11, services: nope}
+    status:
+      networking:
+        nodes: [10.250.0.0/16, 7, '2001:db8:180::1/64']
+        pods: ['::ffff:100.96.0.5/11']
+";
+        let mut s = Snapshot::default();
+        for doc in documents(Path::new("x.yaml"), yaml.as_bytes()).unwrap() {
+            add(&mut s, &doc);
+        }
+        let [c] = s.clusters.as_slice() else {
+            panic!("{s:?}")
+        };
+        let nets: Vec<String> = c.networks.iter().map(Net::to_string).collect();
+        assert_eq!(
+            nets,
+            ["10.250.0.0/16", "100.96.0.0/11", "2001:db8:180::/64"]
+        );
+        let host_bits: Vec<(&str, &str, String)> = c
+            .host_bits
+            .iter()
+            .map(|h| (h.field.as_str(), h.given.as_str(), h.used.to_string()))
+            .collect();
+        assert_eq!(
+            host_bits,
+            [
+                (
+                    "spec.shoot.spec.networking.nodes",
+                    "10.250.0.1/16",
+                    "10.250.0.0/16".to_owned()
+                ),
+                (
+                    "spec.shoot.status.networking.nodes[2]",
+                    "2001:db8:180::1/64",
+                    "2001:db8:180::/64".to_owned()
+                ),
+                (
+                    "spec.shoot.status.networking.pods[0]",
+                    "::ffff:100.96.0.5/11",
+                    "100.96.0.0/11".to_owned()
+                ),
             ]
         );
     }

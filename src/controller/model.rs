@@ -124,6 +124,22 @@ pub struct EnvoyFilter {
     pub workload_selector: Option<BTreeMap<String, String>>,
     /// `spec.configPatches[]` whose value is an Envoy RBAC filter (network or HTTP), in order.
     pub rbac: Vec<Rbac>,
+    /// The principals' networks written with host bits set, in order: each is used with
+    /// them cleared (as Envoy reads them), and reported.
+    pub host_bits: Vec<HostBits>,
+}
+
+/// A network an object writes with host bits set (`10.250.0.1/16`). Objects are the API
+/// server's, not trellis' own files: the network with the host bits cleared is used, never
+/// the object refused, and translation reports each one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostBits {
+    /// Where in the object (`spec.shoot.spec.networking.nodes`).
+    pub field: String,
+    /// The network as written.
+    pub given: String,
+    /// The network used.
+    pub used: Net,
 }
 
 /// One RBAC filter an EnvoyFilter patch inserts: where, and whom it admits to what.
@@ -297,8 +313,11 @@ pub struct Cluster {
     /// The node, pod and service networks of the embedded Shoot (`spec.shoot`): its
     /// `spec.networking.nodes/pods/services` (one network each, the primary family) and its
     /// `status.networking.nodes/pods/services` (every family of a dual-stack shoot), sorted
-    /// and unique; what is not a network is left out.
+    /// and unique; what is not a network is left out, a network with host bits set is
+    /// there with them cleared.
     pub networks: Vec<Net>,
+    /// The networks written with host bits set, in order.
+    pub host_bits: Vec<HostBits>,
 }
 
 /// Bytes from a Secret (certificates, private keys): shared, not copied, from the store's

@@ -1,6 +1,6 @@
-//! What a translation saw and left out ([`Report`]): objects per kind, routes rendered and
-//! every skip with its [`Reason`], for `render`'s stderr, the controller's logs and its
-//! metrics. Filled by every translation step; pure data, no I/O.
+//! What a translation saw and left out ([`Report`]): objects per kind, routes rendered,
+//! every skip with its [`Reason`] and every network an object wrote with host bits set
+//! ([`Normalised`]), for `render`'s stderr, the controller's logs and its metrics. Filled by every translation step; pure data, no I/O.
 
 use std::collections::BTreeMap;
 
@@ -69,6 +69,21 @@ pub struct Skip {
     pub detail: String,
 }
 
+/// A network an object wrote with host bits set, which translation used with them cleared
+/// (a shoot is not failed for it; a typo may have widened what its network admits or
+/// reaches, and the operator is told).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Normalised {
+    /// `Kind namespace/name` of the object (`Cluster name` for a cluster-scoped one).
+    pub object: String,
+    /// The field, in the object.
+    pub field: String,
+    /// The network as written.
+    pub given: String,
+    /// The network used.
+    pub used: String,
+}
+
 /// What a translation saw and left out: for logs and metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Report {
@@ -80,6 +95,10 @@ pub struct Report {
     pub skipped: BTreeMap<Reason, usize>,
     /// Every skip, in the order found.
     pub skips: Vec<Skip>,
+    /// Every network used with its host bits cleared, in the order found (left out of the
+    /// JSON when there is none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub normalised: Vec<Normalised>,
 }
 
 impl Report {
@@ -95,6 +114,16 @@ impl Report {
             .map(|(reason, n)| format!("{}={n}", reason.as_str()))
             .collect();
         counts.join(" ")
+    }
+
+    /// Records the networks `object` wrote with host bits set.
+    pub(super) fn normalised(&mut self, object: &str, host_bits: &[super::model::HostBits]) {
+        self.normalised.extend(host_bits.iter().map(|h| Normalised {
+            object: object.to_owned(),
+            field: h.field.clone(),
+            given: h.given.clone(),
+            used: h.used.to_string(),
+        }));
     }
 
     /// Records one skip.

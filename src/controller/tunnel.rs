@@ -27,6 +27,9 @@
 //!   Without both TLS Secrets: `no_egress_tls`; without any endpoint address (a hibernated
 //!   shoot): `no_endpoints`; with addresses that older shoots hold, every one: `conflict`.
 //! - A shoot without peers gets neither (`no_tunnel_peers`).
+//! - A network the Cluster writes with host bits set (`10.250.0.1/16`) is used with them
+//!   cleared (`10.250.0.0/16`), as gardenlet would not fail the shoot for it either, and the
+//!   report names it (`normalised`: the Cluster, the field, the text and the network used).
 //!
 //! Shoots are settled oldest Cluster first (creation time, then name), so a contested key
 //! or source stays where it was. Pure: no I/O, no runtime; the files are returned as bytes
@@ -194,6 +197,7 @@ pub(super) fn routes(
     for cluster in clusters {
         let ns = cluster.meta.name.as_str();
         let object = || format!("Cluster {ns}");
+        report.normalised(&object(), &cluster.host_bits);
         let shoot = shoots.get(ns);
         let peer_secrets = shoot.map_or(&[][..], |s| &s.peers[..]);
         if peer_secrets.is_empty() {
@@ -507,6 +511,7 @@ mod tests {
         Cluster {
             meta: meta("", ns, Some(created)),
             networks: networks.iter().map(|n| Net::parse(n).unwrap()).collect(),
+            host_bits: Vec::new(),
         }
     }
 

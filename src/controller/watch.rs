@@ -19,7 +19,7 @@
 //! emptied) — except EnvoyFilters, whose source allow-lists restrict shoots: those are kept.
 //! Kinds not served are looked for again every [`RECHECK`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,6 +38,7 @@ use tokio::time::Instant;
 use super::kinds::{WATCHED, WatchedKind};
 use super::model::{Object, Snapshot};
 use super::output::{Writer, Written};
+use super::report::Normalised;
 use super::{Target, manifest, to_json, translate};
 use crate::admin::metrics::{KindLabel, KindVersionLabels, ReasonLabel, ResultLabel};
 use crate::admin::{AdminState, Metrics};
@@ -462,6 +463,9 @@ struct Rendering {
     writer: Writer,
     /// When the first change not yet in a written table came.
     pending_since: Option<Instant>,
+    /// The networks with host bits set the last render used cleared: each is logged when
+    /// a render first finds it, not again with every render.
+    normalised: BTreeSet<Normalised>,
 }
 
 impl Rendering {
@@ -470,6 +474,18 @@ impl Rendering {
     fn render(&mut self, stores: &[Store], target: &Target, metrics: &Metrics) -> bool {
         let rendered = translate(&snapshot(stores), target);
         let report = &rendered.report;
+        for n in &report.normalised {
+            if !self.normalised.contains(n) {
+                tracing::warn!(
+                    object = %n.object,
+                    field = %n.field,
+                    given = %n.given,
+                    used = %n.used,
+                    "a network with host bits set: its network is used"
+                );
+            }
+        }
+        self.normalised = report.normalised.iter().cloned().collect();
         let json = to_json(&rendered.table);
         let c = &metrics.controller;
         c.renders.inc();
@@ -663,6 +679,7 @@ impl Running {
         let mut writer = Rendering {
             writer: Writer::new(path),
             pending_since: None,
+            normalised: BTreeSet::new(),
         };
         let mut render_at: Option<Instant> = None;
         tracing::info!(

@@ -4,8 +4,12 @@
 //!
 //! An IPv4-mapped IPv6 address (`::ffff:a.b.c.d`) is the IPv4 address it carries, both as a
 //! client looked up and as a network (`::ffff:10.0.0.0/104` is `10.0.0.0/8`), because
-//! clients reach a dual-stack socket as mapped addresses. A network never keeps host bits:
-//! `10.1.2.3/8` is `10.0.0.0/8` (every user matched it masked). Pure data, no I/O.
+//! clients reach a dual-stack socket as mapped addresses. A network has no host bits, and
+//! text or a pair with host bits is not a network: `10.1.2.3/8` is refused
+//! ([`NetError::HostBits`], which names `10.0.0.0/8` and `10.1.2.3/32`), never widened
+//! silently to `10.0.0.0/8` — in an allow-list that would hide a typo that admits more. A
+//! reader of other programs' objects that must not refuse them takes the network the error
+//! names, and says so. Pure data, no I/O.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -41,6 +45,20 @@ pub enum NetError {
         /// The prefix length.
         prefix: u8,
     },
+    /// The address has bits set beyond the prefix length: a typo for the network, or for the
+    /// one address.
+    #[error(
+        "{given} has host bits set: did you mean {network} (or {} for the one address)?",
+        Net::host(*address)
+    )]
+    HostBits {
+        /// The network as written (`IP/prefix`).
+        given: String,
+        /// The network with the host bits cleared.
+        network: Net,
+        /// The address as written (an IPv4-mapped one as IPv4 where the network is IPv4).
+        address: IpAddr,
+    },
 }
 
 impl Net {
@@ -56,9 +74,10 @@ impl Net {
         prefix: 0,
     };
 
-    /// The network `addr/prefix`, host bits cleared. An IPv4-mapped IPv6 address with a
-    /// prefix of at least 96 is the IPv4 network it names (`::ffff:10.0.0.0/104` is
-    /// `10.0.0.0/8`); with a shorter prefix it stays an IPv6 network.
+    /// The network `addr/prefix`; host bits are an error ([`NetError::HostBits`]). An
+    /// IPv4-mapped IPv6 address with a prefix of at least 96 is the IPv4 network it names
+    /// (`::ffff:10.0.0.0/104` is `10.0.0.0/8`); with a shorter prefix it stays an IPv6
+    /// network.
     pub fn new(addr: IpAddr, prefix: u8) -> Result<Net, NetError> {
         let (net, bits) = match addr {
             IpAddr::V6(a) if prefix >= 96 => match a.to_ipv4_mapped() {
@@ -70,7 +89,7 @@ impl Net {
         if bits > width(net) {
             return Err(NetError::TooLong { addr, prefix });
         }
-        Ok(Net::masked(net, bits))
+        Net::exact(net, bits, || format!("{addr}/{prefix}"))
     }
 
     /// The network of one address (`/32` or `/128`; an IPv4-mapped address as IPv4).
@@ -87,7 +106,8 @@ impl Net {
     /// the IPv4 address it carries, and the prefix length counts bits of that family:
     /// `::ffff:10.0.0.0/8` is `10.0.0.0/8` and `::ffff:10.0.0.0/104` is an error here, unlike
     /// [`Net::new`], which takes the pair as IPv6 until the prefix reaches the IPv4 part.
-    /// Host bits are accepted and cleared.
+    /// Host bits are an error ([`NetError::HostBits`]); a bare address is the network of
+    /// that one address.
     pub fn parse(s: &str) -> Result<Net, NetError> {
         let (ip, prefix) = match s.split_once('/') {
             Some((ip, p)) => (ip, Some(p)),
@@ -106,7 +126,7 @@ impl Net {
                 .ok_or_else(|| NetError::Prefix(p.to_owned()))?,
             None => max,
         };
-        Ok(Net::masked(addr, prefix))
+        Net::exact(addr, prefix, || s.to_owned())
     }
 
     /// The network address (host bits zero).
@@ -140,6 +160,21 @@ impl Net {
     /// Whether the two networks share an address: one contains the other.
     pub fn overlaps(&self, other: &Net) -> bool {
         self.contains_net(other) || other.contains_net(self)
+    }
+
+    /// `addr/prefix`, or [`NetError::HostBits`] naming the network as `given` writes it;
+    /// `addr` is canonical and `prefix` fits it.
+    fn exact(addr: IpAddr, prefix: u8, given: impl FnOnce() -> String) -> Result<Net, NetError> {
+        let net = Net::masked(addr, prefix);
+        if net.addr == addr {
+            Ok(net)
+        } else {
+            Err(NetError::HostBits {
+                given: given(),
+                network: net,
+                address: addr,
+            })
+        }
     }
 
     /// `addr/prefix` with the host bits cleared; `addr` is canonical and `prefix` fits it.
@@ -459,9 +494,10 @@ mod tests {
 
     #[test]
     fn parses_networks_and_bare_addresses() {
-        assert_eq!(net("10.1.2.3/8").to_string(), "10.0.0.0/8");
+        assert_eq!(net("10.0.0.0/8").to_string(), "10.0.0.0/8");
         assert_eq!(net("10.1.2.3").to_string(), "10.1.2.3/32");
-        assert_eq!(net("fd00::1/64").to_string(), "fd00::/64");
+        assert_eq!(net("10.1.2.3/32").to_string(), "10.1.2.3/32");
+        assert_eq!(net("fd00::/64").to_string(), "fd00::/64");
         assert_eq!(net("::1").to_string(), "::1/128");
         assert_eq!(net("0.0.0.0/0"), Net::ANY_V4);
         assert_eq!(net("::/0"), Net::ANY_V6);
@@ -487,6 +523,53 @@ mod tests {
         assert_eq!("10.0.0.0/8".parse::<Net>(), Ok(net("10.0.0.0/8")));
     }
 
+    /// Host bits are refused, never cleared: the error names the network and the one
+    /// address either reading would have meant.
+    #[test]
+    fn host_bits_are_an_error_naming_what_was_meant() {
+        let refused = |s: &str| Net::parse(s).unwrap_err().to_string();
+        assert_eq!(
+            refused("127.0.0.1/8"),
+            "127.0.0.1/8 has host bits set: did you mean 127.0.0.0/8 (or 127.0.0.1/32 for the one address)?"
+        );
+        assert_eq!(
+            Net::parse("10.1.2.3/8"),
+            Err(NetError::HostBits {
+                given: "10.1.2.3/8".into(),
+                network: net("10.0.0.0/8"),
+                address: ip("10.1.2.3"),
+            })
+        );
+        assert_eq!(
+            refused("fd00::1/64"),
+            "fd00::1/64 has host bits set: did you mean fd00::/64 (or fd00::1/128 for the one address)?"
+        );
+        assert_eq!(
+            refused("2001:db8::8000/112"),
+            "2001:db8::8000/112 has host bits set: did you mean 2001:db8::/112 (or 2001:db8::8000/128 for the one address)?"
+        );
+        // A mapped address is written as given, the networks meant as IPv4.
+        assert_eq!(
+            refused("::ffff:10.1.2.3/16"),
+            "::ffff:10.1.2.3/16 has host bits set: did you mean 10.1.0.0/16 (or 10.1.2.3/32 for the one address)?"
+        );
+        assert!(Net::parse("2001:db8::8000/113").is_ok());
+        assert!(Net::parse("0.0.0.1/0").is_err());
+        assert!(Net::parse("::1/0").is_err());
+        // The last bit before the prefix is the network's; the first after it a host bit.
+        assert!(Net::parse("10.0.0.128/25").is_ok());
+        assert!(Net::parse("10.0.0.64/25").is_err());
+        // Pairs are refused alike.
+        assert_eq!(
+            Net::new(ip("::ffff:10.1.2.3"), 104)
+                .unwrap_err()
+                .to_string(),
+            "::ffff:10.1.2.3/104 has host bits set: did you mean 10.0.0.0/8 (or 10.1.2.3/32 for the one address)?"
+        );
+        assert!(Net::new(ip("10.1.2.3"), 8).is_err());
+        assert!(Net::new(ip("10.1.2.3"), 32).is_ok());
+    }
+
     #[test]
     fn pairs_take_mapped_networks_from_prefix_96() {
         let new = |a: &str, p| Net::new(ip(a), p);
@@ -494,11 +577,15 @@ mod tests {
             new("::ffff:10.0.0.0", 104).unwrap().to_string(),
             "10.0.0.0/8"
         );
-        assert_eq!(new("::ffff:10.0.0.0", 96).unwrap(), Net::ANY_V4);
-        // Shorter: an IPv6 network (which no client normalised to IPv4 is in).
-        let v6 = new("::ffff:10.0.0.0", 80).unwrap();
-        assert_eq!(v6.to_string(), "::/80");
-        assert!(!v6.contains(ip("10.0.0.1")));
+        assert_eq!(new("::ffff:0.0.0.0", 96).unwrap(), Net::ANY_V4);
+        // Shorter: an IPv6 network (which no client normalised to IPv4 is in), whose
+        // `ffff` bits are host bits.
+        assert!(matches!(
+            new("::ffff:10.0.0.0", 80),
+            Err(NetError::HostBits { network, .. }) if network.to_string() == "::/80"
+        ));
+        let v6 = new("::", 80).unwrap();
+        assert!(!v6.contains(ip("10.0.0.1")) && !v6.contains(ip("::ffff:10.0.0.1")));
         assert_eq!(
             new("::ffff:10.0.0.0", 129),
             Err(NetError::TooLong {
@@ -666,7 +753,7 @@ mod tests {
     #[test]
     fn sets_count_each_network_once_and_debug_print_as_text() {
         let mut s = set(&["10.0.0.0/8", "2001:db8::/32"]);
-        assert!(!s.insert(net("10.9.9.9/8")), "the same network");
+        assert!(!s.insert(net("10.0.0.0/8")), "the same network");
         assert!(s.insert(net("10.0.0.0/9")));
         assert_eq!(s.len(), 3);
         assert_eq!(format!("{s:?}"), "{10.0.0.0/8, 2001:db8::/32, 10.0.0.0/9}");

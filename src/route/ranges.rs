@@ -5,7 +5,7 @@ use std::net::IpAddr;
 
 use serde::Serialize;
 
-use super::net::{Net, NetSet};
+use super::net::{Net, NetError, NetSet};
 
 /// The networks a route admits clients from. Never empty: a route that admits everyone
 /// has none ([`Route::allowed_sources`](super::Route) is `None`).
@@ -25,26 +25,19 @@ pub enum RangesError {
         "an empty list would admit no client; leave the field out to admit every client, or list the networks to admit"
     )]
     Empty,
-    /// A prefix length longer than the address.
-    #[error("prefix length {prefix} is longer than the address of {addr}")]
-    Prefix {
-        /// The address.
-        addr: IpAddr,
-        /// The prefix length.
-        prefix: u8,
-    },
+    /// A pair that is not a network: a prefix length longer than the address, or host bits.
+    #[error("{0}")]
+    Network(NetError),
 }
 
 impl SourceRanges {
-    /// Ranges from (address, prefix length) pairs, read as [`Net::new`] does: an
-    /// IPv4-mapped IPv6 network (`::ffff:a.b.c.d/n`, n ≥ 96) is kept as the IPv4 network it
-    /// names, as clients are matched normalised.
+    /// Ranges from (address, prefix length) pairs, read as [`Net::new`] does (host bits are
+    /// an error): an IPv4-mapped IPv6 network (`::ffff:a.b.c.d/n`, n ≥ 96) is kept as the
+    /// IPv4 network it names, as clients are matched normalised.
     pub fn new(networks: impl IntoIterator<Item = (IpAddr, u8)>) -> Result<Self, RangesError> {
         let nets = networks
             .into_iter()
-            .map(|(addr, prefix)| {
-                Net::new(addr, prefix).map_err(|_| RangesError::Prefix { addr, prefix })
-            })
+            .map(|(addr, prefix)| Net::new(addr, prefix).map_err(RangesError::Network))
             .collect::<Result<Vec<_>, _>>()?;
         Self::from_nets(nets)
     }
@@ -96,7 +89,7 @@ mod tests {
 
     #[test]
     fn matches_v4_v6_and_mapped_clients() {
-        let r = ranges(&[("203.0.113.7", 24), ("2001:db8::", 32)]);
+        let r = ranges(&[("2001:db8::", 32), ("203.0.113.0", 24)]);
         assert!(r.contains(ip("203.0.113.0")));
         assert!(r.contains(ip("203.0.113.255")));
         assert!(r.contains(ip("::ffff:203.0.113.9")));
@@ -107,7 +100,7 @@ mod tests {
         // A v4 network never admits a v6 client with the same bits, nor the reverse.
         assert!(!r.contains(ip("::cb00:7101")));
         assert!(!ranges(&[("::", 96)]).contains(ip("203.0.113.1")));
-        // Host bits in the network are ignored; shown masked.
+        // Shown IPv4 first.
         assert_eq!(
             r.networks().map(|n| n.to_string()).collect::<Vec<_>>(),
             ["203.0.113.0/24", "2001:db8::/32"]
@@ -149,9 +142,13 @@ mod tests {
         assert_eq!(SourceRanges::new([]), Err(RangesError::Empty));
         assert!(matches!(
             SourceRanges::new([(ip("10.0.0.0"), 33)]),
-            Err(RangesError::Prefix { .. })
+            Err(RangesError::Network(NetError::TooLong { .. }))
         ));
         assert!(SourceRanges::new([(ip("::"), 129)]).is_err());
+        assert!(matches!(
+            SourceRanges::new([(ip("10.0.0.1"), 8)]),
+            Err(RangesError::Network(NetError::HostBits { .. }))
+        ));
     }
 
     #[test]
