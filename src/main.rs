@@ -69,11 +69,22 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Validate trellis config and routing table files; exit 1 if any is invalid.
+    /// Validate trellis configuration and routing table files, and the files they name;
+    /// exit 1 if any is invalid.
     Check {
-        /// Files to check.
-        #[arg(required = true)]
+        /// Files to check, each of the kind it names.
+        #[arg(required = true, value_name = "FILE")]
         files: Vec<PathBuf>,
+        /// Read the files a configuration meant for a pod names as the pod would: what the
+        /// pod sees at MOUNT_PATH (a volume's mount path, or one file's) is at LOCAL_PATH
+        /// here, as in the pod's volumeMounts. A FILE under a LOCAL_PATH is taken to be at
+        /// its MOUNT_PATH, so names relative to it are resolved as in the pod. Repeatable.
+        #[arg(long = "mount", value_name = "MOUNT_PATH=LOCAL_PATH", value_parser = parse_mount)]
+        mounts: Vec<(PathBuf, PathBuf)>,
+        /// Do not read the files the configurations name (keys, certificates, CA bundles,
+        /// routing tables, kubeconfigs); the output lists each as not checked.
+        #[arg(long, conflicts_with = "mounts")]
+        skip_files: bool,
     },
 }
 
@@ -94,6 +105,18 @@ enum ControllerCommand {
         #[arg(long)]
         output: Option<PathBuf>,
     },
+}
+
+/// `MOUNT_PATH=LOCAL_PATH` of `--mount`.
+fn parse_mount(text: &str) -> Result<(PathBuf, PathBuf), String> {
+    match text.split_once('=') {
+        Some((path, local)) if path.starts_with('/') && !local.is_empty() => {
+            Ok((PathBuf::from(path), PathBuf::from(local)))
+        }
+        _ => Err(format!(
+            "expected MOUNT_PATH=LOCAL_PATH with an absolute MOUNT_PATH (as in the pod), got {text:?}"
+        )),
+    }
 }
 
 fn init_logging(format: LogFormat) {
@@ -120,16 +143,38 @@ fn access_format(format: LogFormat) -> trellis::access_log::Format {
 
 use trellis::config::controller::ControllerConfig;
 
-fn check(files: &[PathBuf]) -> ExitCode {
+fn check(files: &[PathBuf], mounts: &[(PathBuf, PathBuf)], skip_files: bool) -> ExitCode {
+    let referenced = trellis::config::Referenced {
+        mounts: trellis::config::Mounts::new(mounts.iter().cloned()),
+        skip: skip_files,
+        kubeconfig: kubeconfig_loader(),
+    };
     let mut ok = true;
     for file in files {
-        match trellis::config::check_file(file) {
-            Ok(trellis::config::AnyFile::Node(n)) if n.listen.is_empty() => println!(
-                "{}: valid NodeConfiguration (without listen: `trellis node` needs \
-                 --advertise-address IP to start with it)",
-                file.display()
-            ),
-            Ok(f) => println!("{}: valid {}", file.display(), f.kind()),
+        match trellis::config::check_file(file, &referenced) {
+            Ok(checked) => {
+                let note = match &checked.file {
+                    trellis::config::AnyFile::Node(n) if n.listen.is_empty() => {
+                        " (without listen: `trellis node` needs --advertise-address IP to start \
+                         with it)"
+                    }
+                    _ => "",
+                };
+                println!("{}: valid {}{note}", file.display(), checked.file.kind());
+                let mut whys: Vec<&str> = checked.unread.iter().map(|u| u.why).collect();
+                whys.sort_unstable();
+                whys.dedup();
+                for why in whys {
+                    let said = match why {
+                        trellis::config::SKIPPED => "--skip-files",
+                        other => other,
+                    };
+                    println!("  files it names, not checked ({said}):");
+                    for u in checked.unread.iter().filter(|u| u.why == why) {
+                        println!("    {}: {}", u.field, u.path.display());
+                    }
+                }
+            }
             Err(e) => {
                 ok = false;
                 eprintln!("{e}");
@@ -141,6 +186,33 @@ fn check(files: &[PathBuf]) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// How `check` loads a kubeconfig: as `trellis controller` and `trellis extension` do at
+/// start, into a Kubernetes client (which connects to nothing until asked).
+#[cfg(feature = "controller")]
+fn kubeconfig_loader() -> Option<&'static trellis::config::LoadKubeconfig> {
+    fn load(file: &std::path::Path) -> Result<(), String> {
+        use trellis::controller::watch::{WatchError, client};
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("starting the async runtime: {e}"))?;
+        let said = match runtime.block_on(client(Some(file))) {
+            Ok(_) => return Ok(()),
+            // The field is `kubeconfig` already.
+            Err(WatchError::Kubeconfig { source, .. }) => source.to_string(),
+            Err(e) => e.to_string(),
+        };
+        // One line per problem: the YAML parser's snippet of the file is left out.
+        Err(said.lines().next().unwrap_or_default().to_owned())
+    }
+    Some(&load)
+}
+
+#[cfg(not(feature = "controller"))]
+fn kubeconfig_loader() -> Option<&'static trellis::config::LoadKubeconfig> {
+    None
 }
 
 fn render(
@@ -349,7 +421,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let result = match &cli.command {
-        Command::Check { files } => Ok(check(files)),
+        Command::Check {
+            files,
+            mounts,
+            skip_files,
+        } => Ok(check(files, mounts, *skip_files)),
         Command::Controller {
             command:
                 Some(ControllerCommand::Render {
