@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 /// trellis: L4 data plane for hosted Kubernetes control planes.
 #[derive(Parser)]
-#[command(version = trellis::VERSION, about)]
+#[command(version = trellis::VERSION, about, after_help = after_help())]
 struct Cli {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
@@ -71,6 +71,7 @@ enum Command {
     },
     /// Validate trellis configuration and routing table files, and the files they name;
     /// exit 1 if any is invalid.
+    #[command(after_help = check_after_help())]
     Check {
         /// Files to check, each of the kind it names.
         #[arg(required = true, value_name = "FILE")]
@@ -107,6 +108,65 @@ enum ControllerCommand {
     },
 }
 
+/// The environment variable that says what is logged: a `tracing` filter (`info` unless set).
+const LOG_ENV: &str = "TRELLIS_LOG";
+
+/// Each kind of file and its commented example in the repository.
+const EXAMPLES: [(&str, &str); 6] = {
+    use trellis::config::ConfigKind;
+    use trellis::config::{agent, controller, extension, gateway, node, routes};
+    [
+        (gateway::GatewayConfig::KIND, "config/gateway.yaml"),
+        (routes::LoadedTable::KIND, "config/routes.yaml"),
+        (node::NodeConfig::KIND, "config/node.yaml"),
+        (agent::AgentConfig::KIND, "config/agent.yaml"),
+        (controller::ControllerConfig::KIND, "config/controller.yaml"),
+        (extension::ExtensionConfig::KIND, "config/extension.yaml"),
+    ]
+};
+
+/// `trellis --help` after the commands: the environment, the kinds of files and their
+/// examples.
+fn after_help() -> String {
+    let zone = trellis::config::gateway::ZONE_ENV;
+    let mut text = format!(
+        "Environment:
+  {LOG_ENV}   what is logged, as a tracing filter (default: info), e.g. {LOG_ENV}=debug
+                or {LOG_ENV}=info,trellis::tunnel=debug
+  {zone}  the gateway's availability zone (wins over `zone` in its file)
+
+Files: YAML or JSON with `apiVersion: {}` and a `kind`;
+`trellis check FILE...` validates any of them. The repository's config/ holds a commented
+example of each kind:
+",
+        trellis::config::API_VERSION
+    );
+    for (kind, example) in EXAMPLES {
+        text += &format!("  {kind:<25}{example}\n");
+    }
+    text
+}
+
+/// `trellis check --help` after the options: the kinds and the files they name.
+fn check_after_help() -> String {
+    format!(
+        "Kinds: {}.
+
+Besides the file itself, check reads the files it names as its role reads them at start: a
+gateway's routing table (and the TLS files of its routes), certificates, keys and CA
+bundles (a key must match its certificate), WireGuard private keys, kubeconfigs. Every
+problem is one line, FILE:LINE:COL: field: message, the field being the one that names a
+file that is missing, unreadable or unusable.
+
+A configuration meant for a pod names files that exist only there: give each volume the
+pod mounts, e.g.
+  trellis check --mount /etc/trellis/config=./config --mount /etc/trellis/tls=./tls \\
+    ./config/gateway.yaml
+or check the configuration alone with --skip-files.",
+        trellis::config::KINDS.join(", ")
+    )
+}
+
 /// `MOUNT_PATH=LOCAL_PATH` of `--mount`.
 fn parse_mount(text: &str) -> Result<(PathBuf, PathBuf), String> {
     match text.split_once('=') {
@@ -121,7 +181,7 @@ fn parse_mount(text: &str) -> Result<(PathBuf, PathBuf), String> {
 
 fn init_logging(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("TRELLIS_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env(LOG_ENV).unwrap_or_else(|_| EnvFilter::new("info"));
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -1528,3 +1528,46 @@ fn a_configuration_meant_for_a_pod_is_checked_through_mounts_or_without_its_file
         );
     }
 }
+
+/// `trellis --help` says how logging is filtered (`TRELLIS_LOG`), which kinds of files
+/// there are and where their examples are (each example it names is in `config/` and
+/// passes `check`); `trellis check --help` lists the kinds and its options.
+#[test]
+fn help_names_the_log_filter_the_kinds_and_the_examples() {
+    let help = |args: &[&str]| {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let top = help(&["--help"]);
+    assert!(top.contains("TRELLIS_LOG"), "{top}");
+    assert!(top.contains("TRELLIS_ZONE"), "{top}");
+    for kind in trellis::config::KINDS {
+        assert!(top.contains(kind), "{kind} not in:\n{top}");
+    }
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let examples: Vec<std::path::PathBuf> = top
+        .split_whitespace()
+        .filter(|w| w.starts_with("config/") && w.len() > "config/".len())
+        .map(|w| repo.join(w))
+        .collect();
+    assert_eq!(examples.len(), trellis::config::KINDS.len(), "{top}");
+    let (ok, out) = run(
+        Command::new(BIN).arg("check").args(&examples),
+        b"",
+        Duration::from_secs(20),
+    );
+    assert!(ok, "{out}");
+    for kind in trellis::config::KINDS {
+        assert!(out.contains(&format!("valid {kind}")), "{kind}: {out}");
+    }
+
+    let check = help(&["check", "--help"]);
+    for needle in trellis::config::KINDS.iter().copied().chain([
+        "--mount",
+        "MOUNT_PATH=LOCAL_PATH",
+        "--skip-files",
+    ]) {
+        assert!(check.contains(needle), "{needle} not in:\n{check}");
+    }
+}
