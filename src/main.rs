@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 /// trellis: L4 data plane for hosted Kubernetes control planes.
 #[derive(Parser)]
-#[command(version = trellis::VERSION, about)]
+#[command(version = trellis::VERSION, about, after_help = after_help())]
 struct Cli {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
@@ -69,11 +69,23 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Validate trellis config and routing table files; exit 1 if any is invalid.
+    /// Validate trellis configuration and routing table files, and the files they name;
+    /// exit 1 if any is invalid.
+    #[command(after_help = check_after_help())]
     Check {
-        /// Files to check.
-        #[arg(required = true)]
+        /// Files to check, each of the kind it names.
+        #[arg(required = true, value_name = "FILE")]
         files: Vec<PathBuf>,
+        /// Read the files a configuration meant for a pod names as the pod would: what the
+        /// pod sees at MOUNT_PATH (a volume's mount path, or one file's) is at LOCAL_PATH
+        /// here, as in the pod's volumeMounts. A FILE under a LOCAL_PATH is taken to be at
+        /// its MOUNT_PATH, so names relative to it are resolved as in the pod. Repeatable.
+        #[arg(long = "mount", value_name = "MOUNT_PATH=LOCAL_PATH", value_parser = parse_mount)]
+        mounts: Vec<(PathBuf, PathBuf)>,
+        /// Do not read the files the configurations name (keys, certificates, CA bundles,
+        /// routing tables, kubeconfigs); the output lists each as not checked.
+        #[arg(long, conflicts_with = "mounts")]
+        skip_files: bool,
     },
 }
 
@@ -96,9 +108,80 @@ enum ControllerCommand {
     },
 }
 
+/// The environment variable that says what is logged: a `tracing` filter (`info` unless set).
+const LOG_ENV: &str = "TRELLIS_LOG";
+
+/// Each kind of file and its commented example in the repository.
+const EXAMPLES: [(&str, &str); 6] = {
+    use trellis::config::ConfigKind;
+    use trellis::config::{agent, controller, extension, gateway, node, routes};
+    [
+        (gateway::GatewayConfig::KIND, "config/gateway.yaml"),
+        (routes::LoadedTable::KIND, "config/routes.yaml"),
+        (node::NodeConfig::KIND, "config/node.yaml"),
+        (agent::AgentConfig::KIND, "config/agent.yaml"),
+        (controller::ControllerConfig::KIND, "config/controller.yaml"),
+        (extension::ExtensionConfig::KIND, "config/extension.yaml"),
+    ]
+};
+
+/// `trellis --help` after the commands: the environment, the kinds of files and their
+/// examples.
+fn after_help() -> String {
+    let zone = trellis::config::gateway::ZONE_ENV;
+    let mut text = format!(
+        "Environment:
+  {LOG_ENV}   what is logged, as a tracing filter (default: info), e.g. {LOG_ENV}=debug
+                or {LOG_ENV}=info,trellis::tunnel=debug
+  {zone}  the gateway's availability zone (wins over `zone` in its file)
+
+Files: YAML or JSON with `apiVersion: {}` and a `kind`;
+`trellis check FILE...` validates any of them. The repository's config/ holds a commented
+example of each kind:
+",
+        trellis::config::API_VERSION
+    );
+    for (kind, example) in EXAMPLES {
+        text += &format!("  {kind:<25}{example}\n");
+    }
+    text
+}
+
+/// `trellis check --help` after the options: the kinds and the files they name.
+fn check_after_help() -> String {
+    format!(
+        "Kinds: {}.
+
+Besides the file itself, check reads the files it names as its role reads them at start: a
+gateway's routing table (and the TLS files of its routes), certificates, keys and CA
+bundles (a key must match its certificate), WireGuard private keys, kubeconfigs. Every
+problem is one line, FILE:LINE:COL: field: message, the field being the one that names a
+file that is missing, unreadable or unusable.
+
+A configuration meant for a pod names files that exist only there: give each volume the
+pod mounts, e.g.
+  trellis check --mount /etc/trellis/config=./config --mount /etc/trellis/tls=./tls \\
+    ./config/gateway.yaml
+or check the configuration alone with --skip-files.",
+        trellis::config::KINDS.join(", ")
+    )
+}
+
+/// `MOUNT_PATH=LOCAL_PATH` of `--mount`.
+fn parse_mount(text: &str) -> Result<(PathBuf, PathBuf), String> {
+    match text.split_once('=') {
+        Some((path, local)) if path.starts_with('/') && !local.is_empty() => {
+            Ok((PathBuf::from(path), PathBuf::from(local)))
+        }
+        _ => Err(format!(
+            "expected MOUNT_PATH=LOCAL_PATH with an absolute MOUNT_PATH (as in the pod), got {text:?}"
+        )),
+    }
+}
+
 fn init_logging(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("TRELLIS_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env(LOG_ENV).unwrap_or_else(|_| EnvFilter::new("info"));
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -120,16 +203,38 @@ fn access_format(format: LogFormat) -> trellis::access_log::Format {
 
 use trellis::config::controller::ControllerConfig;
 
-fn check(files: &[PathBuf]) -> ExitCode {
+fn check(files: &[PathBuf], mounts: &[(PathBuf, PathBuf)], skip_files: bool) -> ExitCode {
+    let referenced = trellis::config::Referenced {
+        mounts: trellis::config::Mounts::new(mounts.iter().cloned()),
+        skip: skip_files,
+        kubeconfig: kubeconfig_loader(),
+    };
     let mut ok = true;
     for file in files {
-        match trellis::config::check_file(file) {
-            Ok(trellis::config::AnyFile::Node(n)) if n.listen.is_empty() => println!(
-                "{}: valid NodeConfiguration (without listen: `trellis node` needs \
-                 --advertise-address IP to start with it)",
-                file.display()
-            ),
-            Ok(f) => println!("{}: valid {}", file.display(), f.kind()),
+        match trellis::config::check_file(file, &referenced) {
+            Ok(checked) => {
+                let note = match &checked.file {
+                    trellis::config::AnyFile::Node(n) if n.listen.is_empty() => {
+                        " (without listen: `trellis node` needs --advertise-address IP to start \
+                         with it)"
+                    }
+                    _ => "",
+                };
+                println!("{}: valid {}{note}", file.display(), checked.file.kind());
+                let mut whys: Vec<&str> = checked.unread.iter().map(|u| u.why).collect();
+                whys.sort_unstable();
+                whys.dedup();
+                for why in whys {
+                    let said = match why {
+                        trellis::config::SKIPPED => "--skip-files",
+                        other => other,
+                    };
+                    println!("  files it names, not checked ({said}):");
+                    for u in checked.unread.iter().filter(|u| u.why == why) {
+                        println!("    {}: {}", u.field, u.path.display());
+                    }
+                }
+            }
             Err(e) => {
                 ok = false;
                 eprintln!("{e}");
@@ -141,6 +246,33 @@ fn check(files: &[PathBuf]) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// How `check` loads a kubeconfig: as `trellis controller` and `trellis extension` do at
+/// start, into a Kubernetes client (which connects to nothing until asked).
+#[cfg(feature = "controller")]
+fn kubeconfig_loader() -> Option<&'static trellis::config::LoadKubeconfig> {
+    fn load(file: &std::path::Path) -> Result<(), String> {
+        use trellis::controller::watch::{WatchError, client};
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("starting the async runtime: {e}"))?;
+        let said = match runtime.block_on(client(Some(file))) {
+            Ok(_) => return Ok(()),
+            // The field is `kubeconfig` already.
+            Err(WatchError::Kubeconfig { source, .. }) => source.to_string(),
+            Err(e) => e.to_string(),
+        };
+        // One line per problem: the YAML parser's snippet of the file is left out.
+        Err(said.lines().next().unwrap_or_default().to_owned())
+    }
+    Some(&load)
+}
+
+#[cfg(not(feature = "controller"))]
+fn kubeconfig_loader() -> Option<&'static trellis::config::LoadKubeconfig> {
+    None
 }
 
 fn render(
@@ -349,7 +481,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let result = match &cli.command {
-        Command::Check { files } => Ok(check(files)),
+        Command::Check {
+            files,
+            mounts,
+            skip_files,
+        } => Ok(check(files, mounts, *skip_files)),
         Command::Controller {
             command:
                 Some(ControllerCommand::Render {

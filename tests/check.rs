@@ -670,6 +670,11 @@ admin: {{address: \"127.0.0.1:16911\"}}
             "{a}:8:16: wireguard.gateway.endpoints: at least one endpoint is required (udp: HOST:PORT or connect: {{...}})"
         ),
         format!("{a}:9:29: networks[1]: invalid prefix length \"40\""),
+        // The key file is read too, and its absence reported with the rest.
+        format!(
+            "{a}:4:19: wireguard.privateKeyFile: {}: No such file or directory (os error 2)",
+            dir.path("agent.key").display()
+        ),
     ];
     let (code, err) = stderr_of(&["check".as_ref(), routes.as_os_str(), agent.as_os_str()]);
     assert_eq!(code, Some(1), "{err}");
@@ -686,6 +691,7 @@ admin: {{address: \"127.0.0.1:16911\"}}
     )
     .unwrap();
     let gateway = dir.path("gateway.yaml");
+    std::fs::write(dir.path("wg.key"), wg_key(3)).unwrap();
     let write_gateway = |extra: &str| {
         std::fs::write(
             &gateway,
@@ -719,8 +725,7 @@ listeners:
             ),
         ]
     );
-    // Valid itself, the configuration is checked against its table (the key file is the
-    // gateway's to read when it starts).
+    // Valid itself (its key file too), the configuration is checked against its table.
     write_gateway("");
     assert_eq!(
         check_errors(&gateway),
@@ -1046,5 +1051,525 @@ admin: {{address: \"127.0.0.1:1\"}}
         let f = file.display();
         let expected: Vec<String> = expected.iter().map(|e| format!("{f}:{e}")).collect();
         assert_eq!(check_errors(&file), expected, "{text}");
+    }
+}
+
+/// Line and column (from 1) of `value` where `key: value` is written in `text` (a value may
+/// also appear in a comment before it).
+fn value_position(text: &str, key: &str, value: &str) -> (usize, usize) {
+    for (i, line) in text.lines().enumerate() {
+        if let Some(at) = line.find(&format!("{key}: {value}")) {
+            return (i + 1, at + key.len() + 3);
+        }
+    }
+    panic!("no `{key}: {value}` in\n{text}")
+}
+
+/// Good files of every kind a configuration names, generated in a directory of their own:
+/// a server certificate, its key and its CA (rcgen), a WireGuard key, a kubeconfig and
+/// (for a gateway) a routing table holding `routes` (each a route with one backend).
+struct Material {
+    dir: TestDir,
+}
+
+impl Material {
+    fn new() -> Material {
+        let dir = TestDir::new("material");
+        let ca = common::egress::Ca::new("ca");
+        let (cert, key) = ca.issue("server", &["server".to_owned()], true);
+        let (_, other_key) = ca.issue("other", &[], true);
+        std::fs::write(dir.path("tls.crt"), cert).unwrap();
+        std::fs::write(dir.path("tls.key"), key).unwrap();
+        std::fs::write(dir.path("other.key"), other_key).unwrap();
+        std::fs::write(dir.path("ca.crt"), &ca.pem).unwrap();
+        std::fs::write(dir.path("wg.key"), format!("{}\n", wg_key(7))).unwrap();
+        std::fs::write(
+            dir.path("kubeconfig"),
+            "apiVersion: v1
+kind: Config
+clusters: [{name: seed, cluster: {server: \"https://127.0.0.1:6443\"}}]
+users: [{name: trellis, user: {token: t}}]
+contexts: [{name: seed, context: {cluster: seed, user: trellis}}]
+current-context: seed
+",
+        )
+        .unwrap();
+        Material { dir }
+    }
+
+    /// The good file for a field that names one (by the field's last name).
+    fn file(&self, field: &str) -> std::path::PathBuf {
+        let name = match field.rsplit('.').next().unwrap() {
+            "certificateFile" => "tls.crt",
+            "keyFile" => "tls.key",
+            "clientCAFile" => "ca.crt",
+            "privateKeyFile" => "wg.key",
+            "kubeconfig" => "kubeconfig",
+            "file" => return self.table(&[]),
+            other => panic!("no material for {other}"),
+        };
+        self.dir.path(name)
+    }
+
+    /// A routing table with one route named after each of `routes`.
+    fn table(&self, routes: &[&str]) -> std::path::PathBuf {
+        let mut text = format!("{HEAD}kind: RoutingTable\nroutes:\n");
+        if routes.is_empty() {
+            text = format!("{HEAD}kind: RoutingTable\nroutes: []\n");
+        }
+        for r in routes {
+            text += &format!("- {{name: {r}, backends: [{{address: \"127.0.0.1:1\"}}]}}\n");
+        }
+        let file = self.dir.path(&format!("routes-{}.yaml", routes.join("-")));
+        std::fs::write(&file, text).unwrap();
+        file
+    }
+}
+
+/// Every kind, written with `<field>` where a file is named (NodeConfiguration names none).
+const NAMING: [(&str, &str); 5] = [
+    (
+        "gateway",
+        "kind: GatewayConfiguration
+routes:
+  file: <routes.file>
+listeners:
+- name: egress
+  address: \"127.0.0.1:1\"
+  protocol: egress-connect
+  tls:
+    certificateFile: <listeners[0].tls.certificateFile>
+    keyFile: <listeners[0].tls.keyFile>
+    clientCAFile: <listeners[0].tls.clientCAFile>
+- name: wg
+  address: \"127.0.0.1:2\"
+  protocol: wireguard
+  wireguard:
+    privateKeyFile: <listeners[1].wireguard.privateKeyFile>
+admin: {address: \"127.0.0.1:3\"}
+",
+    ),
+    (
+        "routes",
+        "kind: RoutingTable
+routes:
+- name: shoot
+  egress:
+    serverNames: [server]
+    allowedNetworks: [\"10.0.0.0/8\"]
+    tls:
+      certificateFile: <routes[0].egress.tls.certificateFile>
+      keyFile: <routes[0].egress.tls.keyFile>
+      clientCAFile: <routes[0].egress.tls.clientCAFile>
+",
+    ),
+    (
+        "agent",
+        "kind: AgentConfiguration
+wireguard:
+  privateKeyFile: <wireguard.privateKeyFile>
+  addresses: [192.168.128.5]
+  gateway:
+    publicKey: \"VpmxjMXfskaV6NYIj5+qqYlGAzjGY3dLJYYw3f+mNVc=\"
+    endpoints:
+    - udp: \"127.0.0.1:51820\"
+networks: [\"10.0.0.0/8\"]
+admin: {address: \"127.0.0.1:4\"}
+",
+    ),
+    (
+        "controller",
+        "kind: ControllerConfiguration
+kubeconfig: <kubeconfig>
+",
+    ),
+    (
+        "extension",
+        "kind: ExtensionConfiguration
+kubeconfig: <kubeconfig>
+namespace: extension-trellis
+image: trellis
+webhook: {address: \"127.0.0.1:5\"}
+admin: {address: \"127.0.0.1:6\"}
+",
+    ),
+];
+
+/// The fields of a [`NAMING`] text.
+fn named_fields(text: &str) -> Vec<&str> {
+    text.split('<')
+        .skip(1)
+        .map(|s| s.split_once('>').unwrap().0)
+        .collect()
+}
+
+/// `check` reads every file each kind names, with the function its role reads it with at
+/// start: a missing file, a garbage file (and a key that is not the certificate's) is
+/// reported at the field that names it, FILE:LINE:COL: field: why, and nothing else is
+/// reported for that file; with every file good, each kind passes.
+#[test]
+fn every_named_file_is_read_and_a_bad_one_reported_at_its_field() {
+    let material = Material::new();
+    let dir = TestDir::new("named");
+    let mut cases = Vec::new();
+    let mut good = Vec::new();
+    for (kind, template) in NAMING {
+        let fields = named_fields(template);
+        let write = |name: &str, bad: Option<(&str, &std::path::Path)>| {
+            let mut text = format!("{HEAD}{template}");
+            for field in &fields {
+                let file = match bad {
+                    Some((f, file)) if f == *field => file.to_owned(),
+                    _ => material.file(field),
+                };
+                text = text.replace(&format!("<{field}>"), &file.display().to_string());
+            }
+            let path = dir.path(name);
+            std::fs::write(&path, &text).unwrap();
+            (path, text)
+        };
+        good.push(write(&format!("{kind}.yaml"), None).0);
+        for (i, field) in fields.iter().enumerate() {
+            let last = field.rsplit('.').next().unwrap();
+            let garbage_reason = match last {
+                "certificateFile" | "clientCAFile" => "no CERTIFICATE block",
+                "keyFile" => "no private key",
+                "privateKeyFile" => "not base64",
+                "kubeconfig" => "failed to parse kubeconfig YAML",
+                "file" => "is not valid; its problems follow",
+                other => panic!("{other}"),
+            };
+            let missing_reason = match last {
+                "kubeconfig" => "failed to read kubeconfig",
+                "file" => "cannot read the routing table",
+                _ => "No such file or directory",
+            };
+            let garbage = dir.path(&format!("garbage-{kind}-{i}"));
+            std::fs::write(&garbage, "garbage: [\n").unwrap();
+            let mut variants = vec![
+                (
+                    "missing",
+                    dir.path(&format!("missing-{kind}-{i}")),
+                    missing_reason,
+                ),
+                ("garbage", garbage, garbage_reason),
+            ];
+            if last == "keyFile" {
+                variants.push((
+                    "other-key",
+                    material.dir.path("other.key"),
+                    "does not match the certificate",
+                ));
+            }
+            for (variant, bad, reason) in variants {
+                let (path, text) =
+                    write(&format!("{kind}-{i}-{variant}.yaml"), Some((field, &bad)));
+                let (line, col) = value_position(&text, last, &bad.display().to_string());
+                let at = format!("{}:{line}:{col}: {field}: ", path.display());
+                cases.push((path, at, reason));
+            }
+        }
+    }
+    assert!(cases.len() >= 2 * 11, "{}", cases.len());
+
+    let (ok, out) = run(
+        Command::new(BIN).arg("check").args(&good),
+        b"",
+        Duration::from_secs(60),
+    );
+    assert!(ok, "{out}");
+    for f in &good {
+        assert!(out.contains(&format!("{}: valid", f.display())), "{out}");
+    }
+    assert!(!out.contains("not checked"), "{out}");
+
+    let (ok, out) = run(
+        Command::new(BIN)
+            .arg("check")
+            .args(cases.iter().map(|(p, _, _)| p)),
+        b"",
+        Duration::from_secs(60),
+    );
+    assert!(!ok, "{out}");
+    for (path, at, reason) in &cases {
+        let lines: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with(&format!("{}:", path.display())))
+            .collect();
+        assert_eq!(lines.len(), 1, "{at}{reason}\n{out}");
+        assert!(
+            lines[0].starts_with(at.as_str()) && lines[0].contains(reason),
+            "expected {at}...{reason}, got:\n{}",
+            lines[0]
+        );
+    }
+}
+
+/// `path` without `.` and `..` components.
+fn normal(path: &std::path::Path) -> std::path::PathBuf {
+    let mut out = std::path::PathBuf::new();
+    for c in path.components() {
+        match c {
+            std::path::Component::CurDir => {}
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// The trellis configurations in `deploy/` (the files the ConfigMaps are made of), each with
+/// its text and the files it names: `(field, value as written)`.
+#[expect(clippy::type_complexity, reason = "a test's own list")]
+fn deploy_configs() -> Vec<(std::path::PathBuf, String, Vec<(String, String)>)> {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "yaml") {
+                out.push(path);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy"),
+        &mut files,
+    );
+    files.sort();
+    let mut configs = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let Ok(doc) = serde_saphyr::from_str::<serde_json::Value>(&text) else {
+            continue;
+        };
+        if doc["apiVersion"] != "trellis.gardener.cloud/v1alpha1" {
+            continue;
+        }
+        let mut named = Vec::new();
+        let mut name = |field: String, v: &serde_json::Value| {
+            if let Some(v) = v.as_str() {
+                named.push((field, v.to_owned()));
+            }
+        };
+        let tls = |at: &str,
+                   tls: &serde_json::Value,
+                   name: &mut dyn FnMut(String, &serde_json::Value)| {
+            for f in ["certificateFile", "keyFile", "clientCAFile"] {
+                name(format!("{at}.{f}"), &tls[f]);
+            }
+        };
+        match doc["kind"].as_str().unwrap() {
+            "GatewayConfiguration" => {
+                name("routes.file".into(), &doc["routes"]["file"]);
+                for (i, l) in doc["listeners"].as_array().unwrap().iter().enumerate() {
+                    match l["protocol"].as_str().unwrap() {
+                        "wireguard" => name(
+                            format!("listeners[{i}].wireguard.privateKeyFile"),
+                            &l["wireguard"]["privateKeyFile"],
+                        ),
+                        "egress-connect" => {
+                            tls(&format!("listeners[{i}].tls"), &l["tls"], &mut name)
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            "AgentConfiguration" => name(
+                "wireguard.privateKeyFile".into(),
+                &doc["wireguard"]["privateKeyFile"],
+            ),
+            "ControllerConfiguration" | "ExtensionConfiguration" => {
+                name("kubeconfig".into(), &doc["kubeconfig"])
+            }
+            "RoutingTable" => {
+                for (i, r) in doc["routes"].as_array().unwrap().iter().enumerate() {
+                    if !r["egress"]["tls"].is_null() {
+                        tls(
+                            &format!("routes[{i}].egress.tls"),
+                            &r["egress"]["tls"],
+                            &mut name,
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+        configs.push((file, text, named));
+    }
+    configs
+}
+
+/// The configurations in `deploy/` name files that exist only in their pods. With
+/// `--skip-files` each passes and its output lists every file it names as not checked; with
+/// no option one that names files fails; with `--mount` (the file itself where the pod
+/// mounts it, every other path under a scratch root holding generated good files)
+/// each passes, and a garbage file there fails at the field naming it, FILE:LINE:COL.
+#[test]
+fn a_configuration_meant_for_a_pod_is_checked_through_mounts_or_without_its_files() {
+    let configs = deploy_configs();
+    let naming: Vec<_> = configs.iter().filter(|(_, _, n)| !n.is_empty()).collect();
+    assert!(
+        naming
+            .iter()
+            .any(|(_, text, _)| text.contains("kind: GatewayConfiguration"))
+            && naming
+                .iter()
+                .any(|(_, text, _)| text.contains("privateKeyFile")),
+        "deploy/ holds no gateway configuration that names files: {configs:?}"
+    );
+
+    let (ok, out) = run(
+        Command::new(BIN)
+            .args(["check", "--skip-files"])
+            .args(configs.iter().map(|(f, _, _)| f)),
+        b"",
+        Duration::from_secs(60),
+    );
+    assert!(ok, "{out}");
+    for (file, _, named) in &configs {
+        let at = out
+            .find(&format!("{}: valid", file.display()))
+            .unwrap_or_else(|| panic!("{} not valid:\n{out}", file.display()));
+        let said: Vec<&str> = out[at..]
+            .lines()
+            .skip(1)
+            .take_while(|l| l.starts_with(' '))
+            .collect();
+        if named.is_empty() {
+            assert!(said.is_empty(), "{}: {said:?}", file.display());
+            continue;
+        }
+        assert_eq!(
+            said.first().copied(),
+            Some("  files it names, not checked (--skip-files):"),
+            "{out}"
+        );
+        let dir = file.parent().unwrap();
+        let expected: Vec<String> = named
+            .iter()
+            .map(|(field, v)| format!("    {field}: {}", dir.join(v).display()))
+            .collect();
+        assert_eq!(said[1..], expected, "{out}");
+    }
+
+    for (file, text, named) in naming {
+        // Without the pod's files, the configuration does not pass.
+        let (ok, out) = run(
+            Command::new(BIN).arg("check").arg(file),
+            b"",
+            Duration::from_secs(60),
+        );
+        assert!(!ok, "{out}");
+
+        let root = TestDir::new("pod");
+        let material = Material::new();
+        let config_dir = std::path::Path::new("/etc/trellis/config");
+        let in_pod = |v: &str| normal(&config_dir.join(v));
+        let doc: serde_json::Value = serde_saphyr::from_str(text).unwrap();
+        let defaults: Vec<&str> = doc["listeners"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|l| l["defaultRoute"].as_str())
+            .collect();
+        for (field, v) in named {
+            let good = if field == "routes.file" {
+                material.table(&defaults)
+            } else {
+                material.file(field)
+            };
+            let at = root.0.join(in_pod(v).strip_prefix("/").unwrap());
+            std::fs::create_dir_all(at.parent().unwrap()).unwrap();
+            std::fs::copy(good, at).unwrap();
+        }
+        // The configuration alone at its place in the pod (a file's mount, as a subPath
+        // mounts it), everything else under the root.
+        let mounts = [
+            format!("/={}", root.0.display()),
+            format!(
+                "{}={}",
+                config_dir.join(file.file_name().unwrap()).display(),
+                file.display()
+            ),
+        ];
+        let check = || {
+            run(
+                Command::new(BIN)
+                    .arg("check")
+                    .args(mounts.iter().flat_map(|m| ["--mount", m.as_str()]))
+                    .arg(file),
+                b"",
+                Duration::from_secs(60),
+            )
+        };
+        let (ok, out) = check();
+        assert!(ok, "{out}");
+        assert!(out.contains(&format!("{}: valid", file.display())), "{out}");
+
+        // A garbage key (or the first file named) in the pod fails at its field.
+        let (field, v) = named
+            .iter()
+            .find(|(f, _)| f.ends_with("Key") || f.ends_with("keyFile"))
+            .unwrap_or(&named[0]);
+        let pod = in_pod(v);
+        std::fs::write(root.0.join(pod.strip_prefix("/").unwrap()), "garbage\n").unwrap();
+        let (ok, out) = check();
+        assert!(!ok, "{out}");
+        let last = field.rsplit('.').next().unwrap();
+        let (line, col) = value_position(text, last, v);
+        let at = format!("{}:{line}:{col}: {field}: ", file.display());
+        let said = format!("(the pod's {})", pod.display());
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(&at) && l.ends_with(&said)),
+            "expected {at}... {said} in:\n{out}"
+        );
+    }
+}
+
+/// `trellis --help` says how logging is filtered (`TRELLIS_LOG`), which kinds of files
+/// there are and where their examples are (each example it names is in `config/` and
+/// passes `check`); `trellis check --help` lists the kinds and its options.
+#[test]
+fn help_names_the_log_filter_the_kinds_and_the_examples() {
+    let help = |args: &[&str]| {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let top = help(&["--help"]);
+    assert!(top.contains("TRELLIS_LOG"), "{top}");
+    assert!(top.contains("TRELLIS_ZONE"), "{top}");
+    for kind in trellis::config::KINDS {
+        assert!(top.contains(kind), "{kind} not in:\n{top}");
+    }
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let examples: Vec<std::path::PathBuf> = top
+        .split_whitespace()
+        .filter(|w| w.starts_with("config/") && w.len() > "config/".len())
+        .map(|w| repo.join(w))
+        .collect();
+    assert_eq!(examples.len(), trellis::config::KINDS.len(), "{top}");
+    let (ok, out) = run(
+        Command::new(BIN).arg("check").args(&examples),
+        b"",
+        Duration::from_secs(20),
+    );
+    assert!(ok, "{out}");
+    for kind in trellis::config::KINDS {
+        assert!(out.contains(&format!("valid {kind}")), "{kind}: {out}");
+    }
+
+    let check = help(&["check", "--help"]);
+    for needle in trellis::config::KINDS.iter().copied().chain([
+        "--mount",
+        "MOUNT_PATH=LOCAL_PATH",
+        "--skip-files",
+    ]) {
+        assert!(check.contains(needle), "{needle} not in:\n{check}");
     }
 }

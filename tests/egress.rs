@@ -883,9 +883,9 @@ fn check_reports_every_egress_problem() {
     );
     assert!(!ok, "{out}");
     for want in [
-        "routes[0].egress.tls: ",
+        "routes[0].egress.tls.keyFile: ",
         "does not match the certificate",
-        "routes[1].egress.tls: ",
+        "routes[1].egress.tls.clientCAFile: ",
         "nope.crt",
         "routes[0].egress.allowedNetworks[0]",
         "routes[0].egress.via",
@@ -918,7 +918,7 @@ admin: {{address: \"127.0.0.1:4\"}}
     assert!(!ok, "{out}");
     for want in [
         "listeners[0].tls: required",
-        "listeners[1].tls: ",
+        "listeners[1].tls.clientCAFile: ",
         "nope.crt",
         "listeners[2].tls: only valid for egress-connect",
         "listeners[3].proxyProtocol.trustedSources: required",

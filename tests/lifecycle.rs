@@ -387,3 +387,185 @@ async fn idle_admin_connections_cannot_starve_readiness_probes() {
     let closed = tokio::time::timeout(Duration::from_secs(10), idle[0].read(&mut [0u8; 1])).await;
     assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
 }
+
+/// What a role says once something started: none of it may come before the error of a
+/// start that fails.
+const STARTED: [&str; 6] = [
+    "applied",
+    "listening",
+    "ready",
+    "started",
+    "serving",
+    "written",
+];
+
+/// `trellis --log-format json ROLE --config FILE`, which must fail to start (well within
+/// the limit): its log, checked to hold `error` in an ERROR line and no line that says
+/// something started.
+fn fails_to_start_saying_nothing_started(role: &str, config: &std::path::Path, error: &[&str]) {
+    let (ok, out) = run(
+        std::process::Command::new(BIN)
+            .args(["--log-format", "json", role, "--config"])
+            .arg(config),
+        b"",
+        Duration::from_secs(30),
+    );
+    assert!(!ok, "{role} started:\n{out}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|_| serde_json::json!({"message": l})))
+        .collect();
+    let failed = lines.iter().any(|l| {
+        l["level"] == "ERROR"
+            && l["message"]
+                .as_str()
+                .is_some_and(|m| error.iter().all(|e| m.contains(e)))
+    });
+    assert!(failed, "{role}: no ERROR line with {error:?}:\n{out}");
+    for l in &lines {
+        let message = l["message"].as_str().unwrap_or_default();
+        assert!(
+            l["level"] != "INFO" || !STARTED.iter().any(|s| message.contains(s)),
+            "{role}: {message:?} said before the start failed:\n{out}"
+        );
+    }
+}
+
+/// Every role reads what it needs (keys, certificates, kubeconfigs, the resolver's
+/// configuration) and binds its listeners before it says that anything started: a start
+/// that fails on a missing or garbage key, a garbage certificate, a kubeconfig or a taken
+/// port exits non-zero with the reason, and no line before it says "routing table applied",
+/// "listening", "ready" or "started".
+#[test]
+fn a_start_that_fails_says_nothing_started_before_its_error() {
+    let dir = TestDir::new("failed-start");
+    let head = "apiVersion: trellis.gardener.cloud/v1alpha1\n";
+    let ports = free_ports(8);
+    std::fs::write(
+        dir.path("routes.yaml"),
+        routes_yaml(&[R {
+            name: "e",
+            sni: &["e.example.com"],
+            backends: &["127.0.0.1:9".parse().unwrap()],
+        }]),
+    )
+    .unwrap();
+    std::fs::write(dir.path("garbage"), "garbage\n").unwrap();
+    let gateway = |name: &str, listener: &str| {
+        let file = dir.path(name);
+        std::fs::write(
+            &file,
+            format!(
+                "{head}kind: GatewayConfiguration
+routes: {{file: routes.yaml}}
+listeners:
+- {{name: tls, address: \"127.0.0.1:{}\", protocol: sni}}
+- {listener}
+admin: {{address: \"127.0.0.1:{}\"}}
+",
+                ports[0], ports[1]
+            ),
+        )
+        .unwrap();
+        file
+    };
+    let wireguard = |key: &str| {
+        format!(
+            "{{name: wg, address: \"127.0.0.1:{}\", protocol: wireguard, wireguard: {{privateKeyFile: {key}}}}}",
+            ports[2]
+        )
+    };
+    fails_to_start_saying_nothing_started(
+        "gateway",
+        &gateway("missing-key.yaml", &wireguard("missing.key")),
+        &["wireguard private key", "missing.key", "No such file"],
+    );
+    fails_to_start_saying_nothing_started(
+        "gateway",
+        &gateway("garbage-key.yaml", &wireguard("garbage")),
+        &["wireguard private key", "not base64"],
+    );
+    let egress = format!(
+        "{{name: egress, address: \"127.0.0.1:{}\", protocol: egress-connect, tls: {{certificateFile: garbage, keyFile: garbage, clientCAFile: garbage}}}}",
+        ports[3]
+    );
+    fails_to_start_saying_nothing_started(
+        "gateway",
+        &gateway("garbage-certificate.yaml", &egress),
+        &["listener TLS material", "no CERTIFICATE block"],
+    );
+
+    let agent = dir.path("agent.yaml");
+    std::fs::write(
+        &agent,
+        format!(
+            "{head}kind: AgentConfiguration
+wireguard:
+  privateKeyFile: missing.key
+  addresses: [192.168.128.5]
+  gateway:
+    publicKey: \"VpmxjMXfskaV6NYIj5+qqYlGAzjGY3dLJYYw3f+mNVc=\"
+    endpoints: [{{udp: \"127.0.0.1:{}\"}}]
+networks: [\"10.0.0.0/8\"]
+admin: {{address: \"127.0.0.1:{}\"}}
+",
+            ports[4], ports[5]
+        ),
+    )
+    .unwrap();
+    fails_to_start_saying_nothing_started("agent", &agent, &["private key", "No such file"]);
+
+    // The node's listener is taken: it fails before its admin endpoint says it listens.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let node = dir.path("node.yaml");
+    std::fs::write(
+        &node,
+        format!(
+            "{head}kind: NodeConfiguration
+listen: [\"{}\"]
+upstream: {{address: \"127.0.0.1:9\", protocol: http-connect, destination: x}}
+admin: {{address: \"127.0.0.1:{}\"}}
+",
+            taken.local_addr().unwrap(),
+            ports[6]
+        ),
+    )
+    .unwrap();
+    fails_to_start_saying_nothing_started("node", &node, &["cannot bind listener"]);
+
+    // The controller and the extension build their client before the admin endpoint.
+    let controller = dir.path("controller.yaml");
+    std::fs::write(
+        &controller,
+        format!(
+            "{head}kind: ControllerConfiguration
+kubeconfig: missing.kubeconfig
+output: {{file: routes.json}}
+admin: {{address: \"127.0.0.1:{}\"}}
+",
+            ports[7]
+        ),
+    )
+    .unwrap();
+    fails_to_start_saying_nothing_started(
+        "controller",
+        &controller,
+        &["kubeconfig", "missing.kubeconfig"],
+    );
+    let extension = dir.path("extension.yaml");
+    std::fs::write(
+        &extension,
+        format!(
+            "{head}kind: ExtensionConfiguration
+kubeconfig: garbage
+namespace: extension-trellis
+image: trellis
+webhook: {{address: \"127.0.0.1:0\"}}
+admin: {{address: \"127.0.0.1:{}\"}}
+",
+            ports[7]
+        ),
+    )
+    .unwrap();
+    fails_to_start_saying_nothing_started("extension", &extension, &["kubeconfig"]);
+}

@@ -63,7 +63,13 @@ pub enum AgentError {
 /// Runs the agent until SIGTERM/SIGINT and a drain.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let metrics = Arc::new(Metrics::new(MetricsRole::Agent));
+    // What can fail on a file comes before anything is bound or said to have started: the
+    // key, and the resolver's configuration.
     let private = read_key_file(&config.wireguard.private_key_file)?;
+    // The dialer's resolver is never asked (targets are addresses), but it is the
+    // process's one, as on the other roles.
+    let resolver = Resolver::start(&ResolverSettings::default(), fds::lookup_budget())
+        .map_err(|e| AgentError::Resolver(e.to_string()))?;
     // No drain delay: the gateway stops opening connections through a tunnel whose agent
     // no longer accepts them.
     let drain = DrainTimes {
@@ -76,6 +82,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             config,
             metrics,
             private,
+            resolver,
         })
     })
     .await
@@ -86,6 +93,7 @@ struct Starting {
     config: AgentConfig,
     metrics: Arc<Metrics>,
     private: WgKey,
+    resolver: Resolver,
 }
 
 impl process::Role for Starting {
@@ -97,6 +105,7 @@ impl process::Role for Starting {
             config,
             metrics,
             private,
+            resolver,
         } = self;
         let keepalive = config
             .wireguard
@@ -122,6 +131,7 @@ impl process::Role for Starting {
         }
         drop(tx);
         let lanes = Arc::new(lanes);
+        // Nothing can fail the start any more.
         tracing::info!(lanes = lanes.len(), admin = %config.admin.address.0, "agent started");
         let ready = {
             let (lanes, state) = (lanes.clone(), cx.admin.clone());
@@ -138,10 +148,6 @@ impl process::Role for Starting {
                 }
             })
         };
-        // The dialer's resolver is never asked (targets are addresses), but it is the
-        // process's one, as on the other roles.
-        let resolver = Resolver::start(&ResolverSettings::default(), fds::lookup_budget())
-            .map_err(|e| AgentError::Resolver(e.to_string()))?;
         let route = Route::new::<&str, &str>(ROUTE, &[], &[], Vec::new(), Vec::new())
             .unwrap_or_else(|_| unreachable!("a route without keys is never too long"));
         let agent = Arc::new(Agent {

@@ -67,7 +67,7 @@ pub struct AgentConfig {
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct AgentWireGuard {
     /// The agent's private key, as `wg genkey` writes it; relative to this config file
-    /// until validated. Read by the agent when it starts, not by `trellis check`.
+    /// until validated. Read by the agent when it starts, and by `trellis check`.
     #[serde(deserialize_with = "plain::<FilePath, _>")]
     pub private_key_file: PathBuf,
     /// The agent's addresses inside the tunnel (its peer entry's `allowedIPs` at the

@@ -1,9 +1,13 @@
 //! `trellis check`: any file, as the kind it names, through the same steps a process takes
-//! to load it, plus what only `check` reads: a gateway's routing table (and every listener's
-//! `defaultRoute` in it) and the TLS material the files name. The one place that knows
-//! every kind.
+//! to load it, then every file it names, read by the functions its role reads them with at
+//! start: a gateway's routing table (and every listener's `defaultRoute` in it), TLS material
+//! (certificate chain, the key that matches it, client CA bundle), WireGuard private keys,
+//! and kubeconfigs (through the caller: the Kubernetes client lives above this module). A
+//! named file that is missing, unreadable or unusable is reported at the field that names
+//! it. The files of a configuration meant for a pod are read where [`Mounts`] put them, or
+//! left unread and listed. The one place that knows every kind.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserializer;
 
@@ -14,9 +18,21 @@ use super::error::{ConfigError, Errors};
 use super::extension::ExtensionConfig;
 use super::gateway::{GatewayConfig, ListenerKind};
 use super::load::{ConfigKind, One, Source, read_file};
+use super::mounts::Mounts;
 use super::node::NodeConfig;
 use super::routes::{self, LoadedTable, Tables};
-use crate::route::BackendRegistry;
+use crate::net::tls::TlsError;
+use crate::route::{BackendRegistry, TlsFiles};
+
+/// Every kind `trellis check` reads, as written in files.
+pub const KINDS: [&str; 6] = [
+    GatewayConfig::KIND,
+    LoadedTable::KIND,
+    NodeConfig::KIND,
+    ControllerConfig::KIND,
+    AgentConfig::KIND,
+    ExtensionConfig::KIND,
+];
 
 /// Any file `trellis check` understands, validated.
 #[derive(Debug)]
@@ -49,6 +65,103 @@ impl AnyFile {
     }
 }
 
+/// How [`check_file`] treats the files a configuration names.
+#[derive(Default)]
+pub struct Referenced<'a> {
+    /// Where the files a configuration meant for a pod names are here.
+    pub mounts: Mounts,
+    /// Whether named files are left unread (each is listed in [`Checked::unread`]).
+    pub skip: bool,
+    /// Loads a kubeconfig as `trellis controller` and `trellis extension` do at start and
+    /// says why it cannot be used; `None`: kubeconfigs are listed unread.
+    pub kubeconfig: Option<&'a LoadKubeconfig>,
+}
+
+/// Loads the kubeconfig in a file, or says why it cannot be used.
+pub type LoadKubeconfig = dyn Fn(&Path) -> Result<(), String>;
+
+/// Why a file did not pass `check`: its problems, and those of a file it names that is a
+/// file of its own (a gateway's routing table), each file's in its own error.
+#[derive(Debug)]
+pub struct CheckError(pub Vec<ConfigError>);
+
+impl std::fmt::Display for CheckError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for CheckError {}
+
+impl From<ConfigError> for CheckError {
+    fn from(e: ConfigError) -> Self {
+        CheckError(vec![e])
+    }
+}
+
+/// A file valid as its kind, with the named files that were not read.
+#[derive(Debug)]
+pub struct Checked {
+    /// The file.
+    pub file: AnyFile,
+    /// What it names and was not read, in the file's order.
+    pub unread: Vec<Unread>,
+}
+
+/// A file a configuration names that `check` did not read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unread {
+    /// The field that names it (`listeners[1].tls.keyFile`).
+    pub field: String,
+    /// The file, as the role would read it (relative names resolved).
+    pub path: PathBuf,
+    /// Why it was not read.
+    pub why: &'static str,
+}
+
+/// Why named files are left unread with [`Referenced::skip`].
+pub const SKIPPED: &str = "skipped";
+/// Why a kubeconfig is left unread without [`Referenced::kubeconfig`].
+pub const NO_KUBERNETES_CLIENT: &str = "this trellis was built without the `controller` feature";
+
+/// A file a configuration names, by how its role reads it.
+enum Reference {
+    /// A gateway's routing table: loaded, and checked against the configuration, by
+    /// [`check_routes`] once the configuration is valid.
+    Table(PathBuf),
+    /// A WireGuard private key, as `wg genkey` writes it.
+    Key(PathBuf),
+    /// A server certificate chain, its key and a client CA bundle, loaded together.
+    Tls(TlsFiles),
+    /// A kubeconfig.
+    Kubeconfig(PathBuf),
+}
+
+impl Reference {
+    /// The files, each with its field below `at`.
+    fn files(&self, at: &str) -> Vec<(String, &Path)> {
+        match self {
+            Reference::Table(p) | Reference::Key(p) | Reference::Kubeconfig(p) => {
+                vec![(at.to_owned(), p)]
+            }
+            Reference::Tls(files) => TLS_FIELDS
+                .iter()
+                .zip(files.paths())
+                .map(|(field, p)| (format!("{at}.{field}"), p))
+                .collect(),
+        }
+    }
+}
+
+/// A `tls` section's fields, in [`TlsFiles::paths`]' order.
+const TLS_FIELDS: [&str; 3] = ["certificateFile", "keyFile", "clientCAFile"];
+
 /// A file decoded as the kind it names.
 enum Decoded {
     Gateway(<GatewayConfig as ConfigKind>::File),
@@ -65,14 +178,7 @@ enum Unknown {}
 
 impl Kinds for Unknown {
     fn names() -> Vec<&'static str> {
-        vec![
-            GatewayConfig::KIND,
-            LoadedTable::KIND,
-            NodeConfig::KIND,
-            ControllerConfig::KIND,
-            AgentConfig::KIND,
-            ExtensionConfig::KIND,
-        ]
+        KINDS.to_vec()
     }
 
     fn decode<'de, D: Deserializer<'de>>(kind: &str, _: D) -> Result<Self, D::Error> {
@@ -118,37 +224,60 @@ fn decode_any(file: &Path, bytes: &[u8]) -> Result<(Decoded, Errors), ConfigErro
     }
 }
 
-/// Reads and validates any trellis file, as the kind it names; a gateway configuration
-/// together with its routing table ([`check_routes`]).
-pub fn check_file(file: &Path) -> Result<AnyFile, ConfigError> {
+/// Reads and validates any trellis file, as the kind it names, and the files it names as
+/// `referenced` says; a gateway configuration together with its routing table
+/// ([`check_routes`]). A file under a mount is taken to be where the mount puts it in the
+/// pod: names relative to it are resolved there, then read where the mounts put them.
+pub fn check_file(file: &Path, referenced: &Referenced<'_>) -> Result<Checked, CheckError> {
     let bytes = read_file(file)?;
+    let in_pod = referenced.mounts.in_pod(file);
     let source = Source {
-        path: file,
+        path: in_pod.as_deref().unwrap_or(file),
         bytes: &bytes,
     };
+    let mut unread = Vec::new();
     let result = decode_any(file, &bytes).and_then(|(decoded, mut errors)| {
-        let any = validate(decoded, &source, &mut errors);
+        let (any, named) = validate(decoded, &source, &mut errors);
+        unread = read_named(named, referenced, &mut errors);
         errors.finish(file, any)
     });
     let any = decode::located(file, &bytes, result)?;
-    if let AnyFile::Gateway(config) = &any {
-        decode::located(file, &bytes, check_routes(file, config))?;
+    if let AnyFile::Gateway(config) = &any
+        && !referenced.skip
+    {
+        check_routes(file, &bytes, config, referenced)?;
     }
-    Ok(any)
+    Ok(Checked { file: any, unread })
 }
 
-/// Each kind's validation, and the TLS material its files name.
-fn validate(decoded: Decoded, source: &Source<'_>, errors: &mut Errors) -> AnyFile {
-    match decoded {
+/// Each kind's validation, and the files the file names, each with the field naming it.
+fn validate(
+    decoded: Decoded,
+    source: &Source<'_>,
+    errors: &mut Errors,
+) -> (AnyFile, Vec<(String, Reference)>) {
+    let mut named = Vec::new();
+    let any = match decoded {
         Decoded::Gateway(file) => {
             let config = GatewayConfig::validate(file, source, (), errors);
+            named.push((
+                "routes.file".into(),
+                Reference::Table(config.routes.file.clone()),
+            ));
+            // What the gateway reads at start: the TLS material of egress-connect listeners
+            // and the key of the wireguard listener.
             for (i, l) in config.listeners.iter().enumerate() {
-                let path = format!("listeners[{i}].tls");
-                if let ListenerKind::EgressConnect { tls } = l.kind()
-                    && l.tls.is_some()
-                    && !errors.refused(&path)
-                {
-                    super::tls::check_material(errors, &path, tls);
+                match l.kind() {
+                    ListenerKind::EgressConnect { tls } if l.tls.is_some() => {
+                        named.push((format!("listeners[{i}].tls"), Reference::Tls(tls.clone())));
+                    }
+                    ListenerKind::WireGuard {
+                        private_key_file, ..
+                    } if l.wireguard.is_some() => named.push((
+                        format!("listeners[{i}].wireguard.privateKeyFile"),
+                        Reference::Key(private_key_file.to_owned()),
+                    )),
+                    _ => {}
                 }
             }
             AnyFile::Gateway(config)
@@ -157,10 +286,11 @@ fn validate(decoded: Decoded, source: &Source<'_>, errors: &mut Errors) -> AnyFi
             let dir = source.dir();
             for (i, r) in file.routes.iter().enumerate() {
                 let path = format!("routes[{i}].egress.tls");
+                // The table's validation reports a section that names no file.
                 if let Some(t) = r.egress.as_ref().and_then(|e| e.tls.as_ref())
                     && let Some(files) = super::tls::files(&mut Errors::default(), &path, dir, t)
                 {
-                    super::tls::check_material(errors, &path, &files);
+                    named.push((path, Reference::Tls(files)));
                 }
             }
             let registry = BackendRegistry::default();
@@ -172,11 +302,135 @@ fn validate(decoded: Decoded, source: &Source<'_>, errors: &mut Errors) -> AnyFi
         }
         Decoded::Node(file) => AnyFile::Node(NodeConfig::validate(file, source, (), errors)),
         Decoded::Controller(file) => {
-            AnyFile::Controller(ControllerConfig::validate(file, source, (), errors))
+            let config = ControllerConfig::validate(file, source, (), errors);
+            if let Some(k) = &config.kubeconfig {
+                named.push(("kubeconfig".into(), Reference::Kubeconfig(k.clone())));
+            }
+            AnyFile::Controller(config)
         }
-        Decoded::Agent(file) => AnyFile::Agent(AgentConfig::validate(file, source, (), errors)),
+        Decoded::Agent(file) => {
+            let config = AgentConfig::validate(file, source, (), errors);
+            named.push((
+                "wireguard.privateKeyFile".into(),
+                Reference::Key(config.wireguard.private_key_file.clone()),
+            ));
+            AnyFile::Agent(config)
+        }
         Decoded::Extension(file) => {
-            AnyFile::Extension(ExtensionConfig::validate(file, source, (), errors))
+            let config = ExtensionConfig::validate(file, source, (), errors);
+            if let Some(k) = &config.kubeconfig {
+                named.push(("kubeconfig".into(), Reference::Kubeconfig(k.clone())));
+            }
+            AnyFile::Extension(config)
+        }
+    };
+    (any, named)
+}
+
+/// Reads every file in `named` (but a gateway's table, see [`check_routes`]) with the function
+/// its role reads it with at start, where `referenced.mounts` put it, and records why one
+/// cannot be used at the field naming it; a field that has a problem already is not read.
+/// Returns what was left unread.
+fn read_named(
+    named: Vec<(String, Reference)>,
+    referenced: &Referenced<'_>,
+    errors: &mut Errors,
+) -> Vec<Unread> {
+    let mut unread = Vec::new();
+    let mut leave = |at: &str, r: &Reference, why| {
+        for (field, path) in r.files(at) {
+            unread.push(Unread {
+                field,
+                path: path.to_owned(),
+                why,
+            });
+        }
+    };
+    for (at, reference) in named {
+        if errors.at_or_in(&at) {
+            continue;
+        }
+        if referenced.skip {
+            leave(&at, &reference, SKIPPED);
+            continue;
+        }
+        let mounts = &referenced.mounts;
+        match &reference {
+            Reference::Table(_) => {}
+            Reference::Key(path) => {
+                let here = Here::new(mounts, path);
+                if let Err(e) = crate::route::read_key_file(&here.local) {
+                    errors.push(&at, here.said(e));
+                }
+            }
+            Reference::Tls(files) => {
+                let local = local_tls(mounts, files);
+                if let Err(e) = crate::net::tls::load(&local) {
+                    let (field, path) = tls_field(files, &local, &e);
+                    errors.push(format!("{at}.{field}"), Here::new(mounts, path).said(e));
+                }
+            }
+            Reference::Kubeconfig(path) => match referenced.kubeconfig {
+                Some(load) => {
+                    let here = Here::new(mounts, path);
+                    if let Err(e) = load(&here.local) {
+                        errors.push(&at, here.said(e));
+                    }
+                }
+                None => leave(&at, &reference, NO_KUBERNETES_CLIENT),
+            },
+        }
+    }
+    unread
+}
+
+/// Which field of a `tls` section `e` is about, and the file there as the configuration
+/// names it (`files`; `local` is where it was read).
+fn tls_field<'a>(files: &'a TlsFiles, local: &TlsFiles, e: &TlsError) -> (&'static str, &'a Path) {
+    let path = match e {
+        TlsError::Read { path, .. }
+        | TlsError::TooLarge { path }
+        | TlsError::Pem { path, .. }
+        | TlsError::Refused { path, .. } => path,
+        // The key is what does not fit the certificate.
+        TlsError::KeyMismatch { .. } => &local.key_file,
+    };
+    let at = local.paths().iter().position(|p| p == path).unwrap_or(0);
+    (TLS_FIELDS[at], files.paths()[at])
+}
+
+/// Where the files of a `tls` section are read here.
+fn local_tls(mounts: &Mounts, files: &TlsFiles) -> TlsFiles {
+    let here = |p: &Path| Here::new(mounts, p).local;
+    TlsFiles {
+        certificate_file: here(&files.certificate_file),
+        key_file: here(&files.key_file),
+        client_ca_file: here(&files.client_ca_file),
+    }
+}
+
+/// A named file: where the role reads it, and where `check` reads it.
+struct Here<'a> {
+    /// As the configuration names it (relative names resolved).
+    named: &'a Path,
+    /// Where it is read here.
+    local: PathBuf,
+}
+
+impl<'a> Here<'a> {
+    fn new(mounts: &Mounts, named: &'a Path) -> Self {
+        let local = mounts.local(named).unwrap_or_else(|| named.to_owned());
+        Here { named, local }
+    }
+
+    /// The loading function's error, which names the file read, and the file as the pod
+    /// names it when a mount moved it.
+    fn said(&self, e: impl std::fmt::Display) -> String {
+        if self.local == self.named {
+            e.to_string()
+        } else {
+            let pod = super::mounts::normal(self.named);
+            format!("{e} (the pod's {})", pod.display())
         }
     }
 }
@@ -186,34 +440,68 @@ fn validate(decoded: Decoded, source: &Source<'_>, errors: &mut Errors) -> AnyFi
 /// validated, and every listener's `defaultRoute` must be in it. The gateway itself refuses
 /// to start without a valid table, but starts with a missing default route (warning and
 /// counting it at every load): the table may gain the route later, and a restart must not
-/// fail meanwhile. A table's own errors are reported against the table's file.
-pub fn check_routes(file: &Path, config: &GatewayConfig) -> Result<LoadedTable, ConfigError> {
+/// fail meanwhile. A table's own errors are reported against the table's file; the TLS
+/// material its routes name, against `routes.file`.
+fn check_routes(
+    file: &Path,
+    bytes: &[u8],
+    config: &GatewayConfig,
+    referenced: &Referenced<'_>,
+) -> Result<LoadedTable, CheckError> {
     let registry = BackendRegistry::default();
-    let routes = &config.routes.file;
-    let table = match routes::load(routes, &registry) {
+    let routes = Here::new(&referenced.mounts, &config.routes.file);
+    // Parsed as where the gateway reads it, so that the files it names are resolved there;
+    // its problems are the file's here.
+    let loaded = read_file(&routes.local).and_then(|table| {
+        routes::parse(routes.named, &table, &registry).map_err(|e| match e {
+            ConfigError::Invalid { errors, .. } => ConfigError::Invalid {
+                file: routes.local.clone(),
+                errors,
+            },
+            other => other,
+        })
+    });
+    // A table that cannot be used is a problem at `routes.file`, and the table's own
+    // problems follow, at their places in it.
+    let at_routes = |message: String| {
+        let mut errors = Errors::default();
+        errors.push("routes.file", routes.said(message));
+        decode::located(file, bytes, errors.finish(file, ()))
+            .err()
+            .into_iter()
+            .collect::<Vec<_>>()
+    };
+    let table = match loaded {
         Ok(t) => t,
         Err(ConfigError::Read { source, .. }) => {
-            let mut errors = Errors::default();
-            errors.push(
-                "routes.file",
-                format!(
-                    "cannot read the routing table {}: {source}",
-                    routes.display()
-                ),
-            );
-            return errors.finish(file, table_placeholder());
+            return Err(CheckError(at_routes(format!(
+                "cannot read the routing table {}: {source}",
+                routes.local.display()
+            ))));
         }
-        Err(e) => return Err(e),
+        Err(e) => {
+            let mut errors = at_routes(format!(
+                "the routing table {} is not valid; its problems follow",
+                routes.local.display()
+            ));
+            errors.push(e);
+            return Err(CheckError(errors));
+        }
     };
     let mut errors = Errors::default();
     for (i, route) in table.table.routes().iter().enumerate() {
-        if let Some(files) = route.egress.as_ref().and_then(|e| e.tls.as_ref())
-            && let Err(e) = crate::net::tls::load(files)
-        {
-            errors.push(
-                "routes.file",
-                format!("routes[{i}].egress.tls in {}: {e}", routes.display()),
-            );
+        if let Some(files) = route.egress.as_ref().and_then(|e| e.tls.as_ref()) {
+            let local = local_tls(&referenced.mounts, files);
+            if let Err(e) = crate::net::tls::load(&local) {
+                let (field, _) = tls_field(files, &local, &e);
+                errors.push(
+                    "routes.file",
+                    format!(
+                        "routes[{i}].egress.tls.{field} in {}: {e}",
+                        routes.local.display()
+                    ),
+                );
+            }
         }
     }
     for (i, l) in config.listeners.iter().enumerate() {
@@ -228,7 +516,7 @@ pub fn check_routes(file: &Path, config: &GatewayConfig) -> Result<LoadedTable, 
                 format!(
                     "{d:?} is also a destination of route {:?} in {}; it must lead to one place",
                     route.name(),
-                    routes.display()
+                    routes.local.display()
                 ),
             );
         }
@@ -239,20 +527,12 @@ pub fn check_routes(file: &Path, config: &GatewayConfig) -> Result<LoadedTable, 
                 format!("listeners[{i}].defaultRoute"),
                 format!(
                     "route {r:?} is not in the routing table {}; unmatched connections would be rejected",
-                    routes.display()
+                    routes.local.display()
                 ),
             );
         }
     }
-    errors.finish(file, table)
-}
-
-/// Never returned: [`Errors::finish`] with a problem recorded is an error.
-fn table_placeholder() -> LoadedTable {
-    LoadedTable {
-        table: Default::default(),
-        hash: String::new(),
-    }
+    Ok(decode::located(file, bytes, errors.finish(file, table))?)
 }
 
 #[cfg(test)]
@@ -284,7 +564,9 @@ mod tests {
     fn an_unknown_kind_names_every_kind() {
         let file = std::env::temp_dir().join(format!("trellis-kind-{}.yaml", std::process::id()));
         std::fs::write(&file, format!("apiVersion: {API_VERSION}\nkind: Shoot\n")).unwrap();
-        let err = check_file(&file).unwrap_err().to_string();
+        let err = check_file(&file, &Referenced::default())
+            .unwrap_err()
+            .to_string();
         std::fs::remove_file(&file).unwrap();
         for kind in Unknown::names() {
             assert!(err.contains(kind), "{kind} not in {err}");
@@ -543,7 +825,7 @@ mod tests {
             std::fs::write(&file, text).unwrap();
             let registry = crate::route::BackendRegistry::default();
             let gateway = routes::load(&file, &registry).map(|_| ()).map_err(|e| e.to_string());
-            let check = check_file(&file).map(|_| ()).map_err(|e| e.to_string());
+            let check = check_file(&file, &Referenced::default()).map(|_| ()).map_err(|e| e.to_string());
             assert_eq!(gateway, check, "{text}");
             assert_eq!(gateway.is_ok(), *valid, "{gateway:?}\n{text}");
         }
@@ -561,6 +843,10 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let routes = include_str!("../../config/routes.yaml");
         std::fs::write(dir.join("routes.yaml"), routes).unwrap();
+        // The agent's key, which `check` reads.
+        std::fs::create_dir_all(dir.join("wireguard")).unwrap();
+        let key = include_str!("../../config/wireguard/agent.key");
+        std::fs::write(dir.join("wireguard/agent.key"), key).unwrap();
         let gateway =
             include_str!("../../config/gateway.yaml").to_string() + "accessLog: {interval: 1m}\n";
         let examples = [
@@ -592,7 +878,7 @@ mod tests {
                     } else {
                         "invalid type: sequence, expected a mapping"
                     };
-                    match check_file(&file) {
+                    match check_file(&file, &Referenced::default()) {
                         Ok(_) => panic!("{kind} with {pointer:?} as a sequence accepted:\n{text}"),
                         Err(e) => assert!(e.to_string().contains(expected), "{e}"),
                     }
@@ -603,7 +889,7 @@ mod tests {
             for (ext, text) in [("json", doc.to_string()), ("yaml", block(&doc))] {
                 let file = dir.join(format!("{kind}-example.{ext}"));
                 std::fs::write(&file, &text).unwrap();
-                check_file(&file).unwrap_or_else(|e| panic!("{e}\n{text}"));
+                check_file(&file, &Referenced::default()).unwrap_or_else(|e| panic!("{e}\n{text}"));
             }
         }
         std::fs::remove_dir_all(&dir).unwrap();

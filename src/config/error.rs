@@ -120,6 +120,12 @@ impl Errors {
             .any(|s| recover::within(path, s) || recover::within(s, path))
     }
 
+    /// Whether a problem is recorded at `path` or inside it, or its value was refused: what
+    /// the field holds is not what a rule (or a file read) should go on with.
+    pub(crate) fn at_or_in(&self, path: &str) -> bool {
+        self.refused(path) || self.found.iter().any(|e| recover::within(&e.path, path))
+    }
+
     /// Records a problem at `path`, unless the value there (or around it) was refused when
     /// the file was decoded: that was reported then.
     pub fn push(&mut self, path: impl fmt::Display, message: impl fmt::Display) {

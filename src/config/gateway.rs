@@ -208,7 +208,7 @@ impl Text for Protocol {
 #[serde(remote = "Self", rename_all = "camelCase")]
 pub struct WireGuardListener {
     /// The device's private key, as `wg genkey` writes it; relative to this config file
-    /// until validated. Read by the gateway when it starts (and re-read on change), not by
+    /// until validated. Read by the gateway when it starts (and re-read on change), and by
     /// `trellis check`.
     #[serde(deserialize_with = "plain::<FilePath, _>")]
     pub private_key_file: std::path::PathBuf,

@@ -11,7 +11,7 @@
 //! accepts is what runs. This module reads files but never opens sockets.
 //!
 //! Layers, each importing only those below it (`scripts/test` keeps it so): `error`,
-//! `recover`, `locate`, `value` at the bottom; `decode` (kind-agnostic); `load` (the
+//! `recover`, `locate`, `value`, `mounts` at the bottom; `decode` (kind-agnostic); `load` (the
 //! [`ConfigKind`] trait and the one loader); the shared sections `common`, `tls` and `table`
 //! (the routing table's schema); the kinds `gateway`, `node`, `agent`, `controller`,
 //! `extension` and `routes`, none importing another; `check`, the one place that names every kind.
@@ -25,6 +25,7 @@ mod common;
 mod error;
 mod load;
 mod locate;
+mod mounts;
 mod recover;
 pub mod table;
 
@@ -36,10 +37,14 @@ pub mod node;
 pub mod routes;
 pub mod tls;
 
-pub use check::{AnyFile, check_file, check_routes};
+pub use check::{
+    AnyFile, CheckError, Checked, KINDS, LoadKubeconfig, NO_KUBERNETES_CLIENT, Referenced, SKIPPED,
+    Unread, check_file,
+};
 pub use common::{Admin, Downstream, GatewayUpstream, Keepalive, NodeUpstream, Timeouts};
 pub(crate) use decode::yaml_options_with;
 pub use decode::{MAX_FILE_BYTES, Recovery};
 pub use error::{ConfigError, Errors, FieldError};
 pub use load::{ConfigKind, Source, load, parse, parse_with, read_file};
+pub use mounts::Mounts;
 pub use value::{API_VERSION, MAX_DURATION, duration_text, parse_duration};

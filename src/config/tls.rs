@@ -2,8 +2,8 @@
 //! certificate chain, its private key and the CA bundle client certificates must chain to,
 //! as three PEM files. A listener's is decoded straight into [`TlsFiles`]; a route's, in the
 //! routing table's schema, is [`RawTls`] and validated with the route. Relative paths are
-//! resolved against the directory of the file that names them; where asked, the files
-//! themselves are read and checked (see [`crate::net::tls`]); their contents are never kept.
+//! resolved against the directory of the file that names them. The files themselves are
+//! read by [`crate::net::tls`] (and by `trellis check` through it), never here.
 
 use std::path::{Path, PathBuf};
 
@@ -78,12 +78,4 @@ pub(crate) fn files(errors: &mut Errors, path: &str, dir: &Path, raw: &RawTls) -
         key_file: key,
         client_ca_file: client_ca,
     })
-}
-
-/// For `trellis check`: loads the material `files` names and records, at `path`, why it
-/// cannot serve (unreadable, not PEM, the key not the certificate's, no CA).
-pub(crate) fn check_material(errors: &mut Errors, path: &str, files: &TlsFiles) {
-    if let Err(e) = crate::net::tls::load(files) {
-        errors.push(path, e);
-    }
 }

@@ -541,6 +541,9 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
     let Output::File(path) = config.output.clone() else {
         return Err(WatchError::NoOutput);
     };
+    // The kubeconfig is read before the admin endpoint answers: a start that cannot use it
+    // fails before anything is said to have started.
+    let client = client(config.kubeconfig.as_deref()).await?;
     let metrics = Arc::new(Metrics::controller());
     let spec = Spec {
         metrics: metrics.clone(),
@@ -555,17 +558,18 @@ pub async fn run(config: ControllerConfig) -> Result<(), WatchError> {
             config,
             path,
             metrics,
+            client,
         })
     })
     .await
 }
 
-/// The controller before it watches: it builds its Kubernetes client once the admin
-/// endpoint is up.
+/// The controller before it watches (its Kubernetes client built).
 struct Starting {
     config: ControllerConfig,
     path: PathBuf,
     metrics: Arc<Metrics>,
+    client: kube::Client,
 }
 
 impl Role for Starting {
@@ -573,14 +577,13 @@ impl Role for Starting {
     type Serving = Watching;
 
     async fn serve(self, cx: &Context) -> Result<Watching, WatchError> {
-        let client = client(self.config.kubeconfig.as_deref().map(std::path::Path::new)).await?;
         Ok(Watching {
             running: Some(Running {
                 config: self.config,
                 path: self.path,
                 metrics: self.metrics,
                 admin: cx.admin.clone(),
-                client,
+                client: self.client,
             }),
             discovered: false,
         })

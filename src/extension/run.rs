@@ -1,8 +1,9 @@
 //! `trellis extension`: the controller, the webhook server, the certificates and the
 //! heartbeat in one process, on the role skeleton ([`crate::serve::process`]).
 //!
-//! Start: the admin endpoint comes up (not ready), the Kubernetes client is built and the
-//! webhook address bound (a taken port fails the start); the certificates are read from
+//! Start: the Kubernetes client is built and the webhook address bound (an unusable
+//! kubeconfig or a taken port fails the start before anything is said to have started), the
+//! admin endpoint comes up (not ready); the certificates are read from
 //! (or first written to) their Secrets, retried with a growing pause while the API server
 //! does not answer; once a key pair is served the controller starts (it renders every webhook
 //! configuration with the CA bundle, so it waits for one), and once its watches have listed
@@ -42,6 +43,8 @@ const FIRST_CHECK_MAX_PAUSE: Duration = Duration::from_secs(10);
 
 /// Runs the extension until SIGTERM or SIGINT.
 pub async fn run(config: ExtensionConfig) -> Result<(), ExtensionError> {
+    let client = controller::client(config.kubeconfig.as_deref()).await?;
+    let bound = server::bind(config.webhook.address.0).await?;
     let own = Arc::new(ExtensionMetrics::new());
     let metrics = Arc::new(Metrics::extension(|r| own.register(r)));
     let spec = Spec {
@@ -57,15 +60,19 @@ pub async fn run(config: ExtensionConfig) -> Result<(), ExtensionError> {
         Ok(Starting {
             config: Arc::new(config),
             metrics: own,
+            client,
+            bound,
         })
     })
     .await
 }
 
-/// The extension before it serves.
+/// The extension before it serves: its client built, its webhook address bound.
 struct Starting {
     config: Arc<ExtensionConfig>,
     metrics: Arc<ExtensionMetrics>,
+    client: kube::Client,
+    bound: Bound,
 }
 
 impl Role for Starting {
@@ -73,9 +80,12 @@ impl Role for Starting {
     type Serving = Serving;
 
     async fn serve(self, cx: &Context) -> Result<Serving, ExtensionError> {
-        let Starting { config, metrics } = self;
-        let client = controller::client(config.kubeconfig.as_deref()).await?;
-        let bound = server::bind(config.webhook.address.0).await?;
+        let Starting {
+            config,
+            metrics,
+            client,
+            bound,
+        } = self;
         let (stop, stopped) = watch::channel(false);
         let mut tasks = JoinSet::new();
         tasks.spawn(run_all(

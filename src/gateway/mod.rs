@@ -1,8 +1,10 @@
 //! The seed ingress gateway: binds every listener and the admin endpoint, keeps the routing
 //! table current, serves connections, and drains on SIGTERM/SIGINT.
 //!
-//! Startup binds everything before it reports ready, so a configuration that cannot be
-//! served fails before any traffic is accepted. One file per listener protocol, wired onto
+//! Startup reads every file it needs (the routing table, the listeners' TLS material, the
+//! WireGuard key, the resolver's configuration) and binds everything before it says that
+//! anything started or reports ready, so a configuration that cannot be served fails before
+//! any traffic is accepted, and without a success line before its error. One file per listener protocol, wired onto
 //! the shared serving layer ([`crate::serve`]): its accept loop, record, forward and drain,
 //! and the process skeleton (admin endpoint, signals, drain) it runs in.
 
@@ -106,6 +108,14 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
     });
     let certs = Arc::new(certs::Certs::new(listener_tls, metrics.clone())?);
     certs.set_table(tables.snapshot().table());
+    let key = wireguard_key(&config)?;
+    // The process's one resolver, shared by every worker: backends named by DNS and
+    // CONNECT targets.
+    let resolver = Resolver::start(
+        &config.resolver_settings(),
+        crate::net::fds::lookup_budget(),
+    )
+    .map_err(|e| GatewayError::Resolver(e.to_string()))?;
     crate::serve::memory::release_free_memory();
     let drain = DrainTimes {
         delay: config.timeouts.drain_delay(),
@@ -116,7 +126,42 @@ pub async fn run(config: GatewayConfig) -> Result<(), GatewayError> {
         hangup: true,
         ..Spec::new(metrics.clone(), config.admin.address.0, drain)
     };
-    process::run(spec, move || Bound::bind(config, metrics, tables, certs)).await
+    let loaded = Loaded {
+        config,
+        metrics,
+        tables,
+        certs,
+        key,
+        resolver,
+    };
+    process::run(spec, move || Bound::bind(loaded)).await
+}
+
+/// The `wireguard` listener's private key (at most one listener has one) and its file.
+fn wireguard_key(
+    config: &GatewayConfig,
+) -> Result<Option<(crate::route::WgKey, std::path::PathBuf)>, GatewayError> {
+    for l in &config.listeners {
+        if let ListenerKind::WireGuard {
+            private_key_file, ..
+        } = l.kind()
+        {
+            let key = crate::route::read_key_file(private_key_file)?;
+            return Ok(Some((key, private_key_file.to_owned())));
+        }
+    }
+    Ok(None)
+}
+
+/// What the gateway read before it binds anything.
+struct Loaded {
+    config: GatewayConfig,
+    metrics: Arc<Metrics>,
+    tables: Arc<Tables>,
+    certs: Arc<certs::Certs>,
+    /// The `wireguard` listener's key and its file, if the gateway has one.
+    key: Option<(crate::route::WgKey, std::path::PathBuf)>,
+    resolver: Resolver,
 }
 
 /// The gateway with every listener bound, before the admin endpoint is.
@@ -125,10 +170,20 @@ struct Bound {
     metrics: Arc<Metrics>,
     tables: Arc<Tables>,
     certs: Arc<certs::Certs>,
+    resolver: Resolver,
     /// Each worker's sockets.
     per_worker: Vec<Vec<(Arc<Listener>, std::net::TcpListener)>>,
-    /// The `wireguard` listener's device and key file, if the gateway has one.
-    tunnels: Option<(crate::tunnel::Tunnels, std::path::PathBuf)>,
+    /// The `wireguard` listener's device and key file, if the gateway has one, with the
+    /// listener's name and address (said once the gateway starts).
+    tunnels: Option<Tunnel>,
+}
+
+/// The gateway's WireGuard device.
+struct Tunnel {
+    tunnels: crate::tunnel::Tunnels,
+    key_file: std::path::PathBuf,
+    listener: String,
+    address: std::net::SocketAddr,
 }
 
 impl Bound {
@@ -136,12 +191,15 @@ impl Bound {
     /// worker, so each worker thread accepts and serves its own connections. Each address is
     /// claimed first without SO_REUSEPORT, which fails if any other process listens there: an
     /// instance started twice would otherwise share the port with the first.
-    fn bind(
-        config: GatewayConfig,
-        metrics: Arc<Metrics>,
-        tables: Arc<Tables>,
-        certs: Arc<certs::Certs>,
-    ) -> Result<Self, GatewayError> {
+    fn bind(loaded: Loaded) -> Result<Self, GatewayError> {
+        let Loaded {
+            config,
+            metrics,
+            tables,
+            certs,
+            key,
+            resolver,
+        } = loaded;
         let workers = config.workers.max(1);
         let mut per_worker: Vec<Vec<(Arc<Listener>, std::net::TcpListener)>> =
             (0..workers).map(|_| Vec::new()).collect();
@@ -169,35 +227,28 @@ impl Bound {
         }
         // The listeners listen now: nobody else can claim their addresses.
         drop(claims);
-        // The `wireguard` listener (at most one): its key and its UDP socket.
-        let mut wireguard = None;
-        for l in &config.listeners {
-            if let ListenerKind::WireGuard {
-                private_key_file, ..
-            } = l.kind()
-            {
-                let key = crate::route::read_key_file(private_key_file)?;
-                let sock = socket::bind_udp(l.address).map_err(|source| {
-                    StartError::bind(format!("listener {}", l.name), l.address, source)
-                })?;
-                let address = sock.local_addr().map_or(l.address, |a| a);
-                tracing::info!(listener = %l.name, %address, protocol = "wireguard", "listening");
-                wireguard = Some((sock, key, private_key_file.to_owned()));
-            }
+        // The `wireguard` listener (at most one, its key read already): its UDP socket.
+        let mut tunnels = None;
+        let wireguard = config.listeners.iter().find(|l| !l.kind().is_tcp());
+        if let (Some(l), Some((key, key_file))) = (wireguard, key) {
+            let sock = socket::bind_udp(l.address).map_err(|source| {
+                StartError::bind(format!("listener {}", l.name), l.address, source)
+            })?;
+            let address = sock.local_addr().map_or(l.address, |a| a);
+            let sock = tokio::net::UdpSocket::from_std(sock).map_err(StartError::Signals)?;
+            tunnels = Some(Tunnel {
+                tunnels: crate::tunnel::Tunnels::gateway(sock, key, metrics.tunnel.clone()),
+                key_file,
+                listener: l.name.0.clone(),
+                address,
+            });
         }
-        let tunnels = match wireguard {
-            Some((sock, key, key_file)) => {
-                let sock = tokio::net::UdpSocket::from_std(sock).map_err(StartError::Signals)?;
-                let t = crate::tunnel::Tunnels::gateway(sock, key, metrics.tunnel.clone());
-                Some((t, key_file))
-            }
-            None => None,
-        };
         Ok(Bound {
             config,
             metrics,
             tables,
             certs,
+            resolver,
             per_worker,
             tunnels,
         })
@@ -210,7 +261,7 @@ impl Role for Bound {
 
     fn routes(&self) -> Option<admin::RoutesJson> {
         let json_tables = self.tables.clone();
-        let live_tunnels = self.tunnels.as_ref().map(|(t, _)| t.clone());
+        let live_tunnels = self.tunnels.as_ref().map(|t| t.tunnels.clone());
         Some(Box::new(move || match &live_tunnels {
             Some(t) => {
                 let status = t.status();
@@ -230,6 +281,7 @@ impl Role for Bound {
             metrics,
             tables,
             certs,
+            resolver,
             per_worker,
             tunnels,
         } = self;
@@ -248,10 +300,10 @@ impl Role for Bound {
             config.routes.check_interval,
             hup_rx.clone(),
         )));
-        if let Some((t, key_file)) = &tunnels {
+        if let Some(t) = &tunnels {
             tasks.push(tokio::spawn(tunnel::keep_current(
-                t.clone(),
-                key_file.clone(),
+                t.tunnels.clone(),
+                t.key_file.clone(),
                 tables.subscribe(),
                 watches,
                 config.routes.check_interval,
@@ -259,13 +311,6 @@ impl Role for Bound {
             )));
         }
 
-        // The process's one resolver, shared by every worker: backends named by DNS and
-        // CONNECT targets.
-        let resolver = Resolver::start(
-            &config.resolver_settings(),
-            crate::net::fds::lookup_budget(),
-        )
-        .map_err(|e| GatewayError::Resolver(e.to_string()))?;
         let dialer = Direct {
             zone: config.zone.clone(),
             connect_timeout: config.timeouts.connect,
@@ -288,29 +333,40 @@ impl Role for Bound {
             drain: cx.drain.clone(),
             dialer,
             certs,
-            tunnels: tunnels.map(|(t, _)| t),
+            tunnels: tunnels.as_ref().map(|t| t.tunnels.clone()),
         });
         let stop_rx = shared.drain.listeners_stop();
         let (exit_tx, exit_rx) = watch::channel(false);
         tasks.push(tokio::spawn(crate::serve::memory::return_after_floods(
             shared.drain.tracker.clone(),
         )));
+        let listening: Vec<(Arc<Listener>, String)> = per_worker
+            .first()
+            .into_iter()
+            .flatten()
+            .map(|(l, sock)| {
+                let address = sock
+                    .local_addr()
+                    .map_or_else(|_| l.address.to_string(), |a| a.to_string());
+                (l.clone(), address)
+            })
+            .collect();
         let mut threads = Vec::new();
         for (i, sockets) in per_worker.into_iter().enumerate() {
-            if i == 0 {
-                for (l, sock) in &sockets {
-                    let address = sock
-                        .local_addr()
-                        .map_or_else(|_| l.address.to_string(), |a| a.to_string());
-                    tracing::info!(listener = %l.name, address, protocol = l.kind().as_str(), workers, "listening");
-                }
-            }
             let (shared, stop_rx, exit_rx) = (shared.clone(), stop_rx.clone(), exit_rx.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("trellis-w{i}"))
                 .spawn(move || worker(sockets, shared, stop_rx, exit_rx))
                 .map_err(StartError::Signals)?;
             threads.push(thread);
+        }
+        // Nothing can fail the start any more: what started is said now.
+        tables.say_started();
+        for (l, address) in listening {
+            tracing::info!(listener = %l.name, address, protocol = l.kind().as_str(), workers, "listening");
+        }
+        if let Some(t) = &tunnels {
+            tracing::info!(listener = t.listener, address = %t.address, protocol = "wireguard", "listening");
         }
         cx.admin.set_ready(true);
         tracing::info!(

@@ -117,7 +117,8 @@ struct ReadState {
 }
 
 impl Tables {
-    /// Loads the initial table; an invalid table is an error (nothing to fall back to).
+    /// Loads the initial table; an invalid table is an error (nothing to fall back to). Says
+    /// nothing: see [`Tables::say_started`].
     pub(crate) fn load(file: &Path, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
         Self::load_with_clock(file, metrics, Arc::new(SystemTime::now))
     }
@@ -141,14 +142,8 @@ impl Tables {
             .table_routes
             .set(snapshot.table().routes().len() as i64);
         metrics.reload(Reload::Applied.label());
-        tracing::info!(
-            result = Reload::Applied.label(),
-            trigger = "start",
-            generation = 1,
-            routes = snapshot.table().routes().len(),
-            hash = snapshot.loaded.hash,
-            "routing table applied"
-        );
+        // Said by `say_started` once the gateway starts: a gateway that then refuses to
+        // start (a key it cannot read) must not have said that a table is in force.
         let snapshot = Arc::new(snapshot);
         Ok(Tables {
             current: ArcSwap::new(snapshot.clone()),
@@ -206,6 +201,20 @@ impl Tables {
                 })
                 .set(i64::from(missing));
         }
+    }
+
+    /// Says that the table loaded at start is in force: called once the gateway has
+    /// everything it needs to start.
+    pub(crate) fn say_started(&self) {
+        let snapshot = self.snapshot();
+        tracing::info!(
+            result = Reload::Applied.label(),
+            trigger = "start",
+            generation = snapshot.generation,
+            routes = snapshot.table().routes().len(),
+            hash = snapshot.loaded.hash,
+            "routing table applied"
+        );
     }
 
     /// The table new connections use now.

@@ -113,6 +113,13 @@ fn iface_address(iface: &crate::config::node::Interface) -> Result<std::net::IpA
 pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::node());
+    // The process's one resolver (the gateway's name, cached for its TTL), read before
+    // anything is bound or said to have started.
+    let resolver = Resolver::start(
+        &crate::net::resolve::ResolverSettings::default(),
+        fds::lookup_budget(),
+    )
+    .map_err(|e| NodeError::Resolver(e.to_string()))?;
     // No drain delay: the node's clients are local and its address is not behind a load
     // balancer that needs time to notice.
     let drain = DrainTimes {
@@ -120,44 +127,37 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
         timeout: config.timeouts.drain,
     };
     let spec = Spec::new(metrics.clone(), config.admin.address.0, drain);
-    process::run(spec, move || Ok(Starting { config, metrics })).await
+    process::run(spec, move || Starting::bind(config, metrics, resolver)).await
 }
 
-/// The node before it serves: it binds its listeners once the admin endpoint is up.
+/// The node with its listeners bound and netlink open, before the admin endpoint is.
 struct Starting {
     config: Arc<NodeConfig>,
     metrics: Arc<Metrics>,
+    resolver: Resolver,
+    /// The managed address's link and its change events, when `interface` is configured.
+    link: Option<(link::LinkManager, tokio::sync::mpsc::Receiver<()>)>,
+    /// One listener per `listen` address.
+    listeners: Vec<(SocketAddr, std::net::TcpListener)>,
 }
 
-impl Role for Starting {
-    type Error = NodeError;
-    type Serving = Serving;
-
-    async fn serve(self, cx: &Context) -> Result<Serving, NodeError> {
-        let Starting { config, metrics } = self;
-        let readiness = Arc::new(Readiness::default());
-        let admin_state = cx.admin.clone();
-        // Link management first: the address should be in place before we report ready.
-        let link_task = match &config.interface {
-            None => {
-                readiness.address.store(true, Ordering::SeqCst);
-                None
-            }
+impl Starting {
+    /// Opens netlink (with `interface`) and binds every listener: a start that cannot have
+    /// them fails before the admin endpoint answers or anything is said to have started.
+    fn bind(
+        config: Arc<NodeConfig>,
+        metrics: Arc<Metrics>,
+        resolver: Resolver,
+    ) -> Result<Self, NodeError> {
+        let link = match &config.interface {
+            None => None,
             Some(iface) => {
                 let address = iface_address(iface)?;
                 let handle = link::connect().map_err(|e| NodeError::Link(e.to_string()))?;
                 let events = link::subscribe().map_err(|e| NodeError::Link(e.to_string()))?;
-                let manager = link::LinkManager::new(handle, &iface.name, address);
-                Some(tokio::spawn(manage_link(
-                    manager,
-                    iface.check_interval,
-                    events,
-                    readiness.clone(),
-                    admin_state.clone(),
-                )))
+                Some((link::LinkManager::new(handle, &iface.name, address), events))
             }
         };
-
         let keepalive = (
             config.keepalive.downstream.idle,
             config.keepalive.downstream.interval,
@@ -173,19 +173,39 @@ impl Role for Starting {
         let mut listeners = Vec::new();
         for &addr in &config.listen {
             let l = socket::bind_listener(addr, &options)
-                .and_then(TcpListener::from_std)
                 .map_err(|source| StartError::bind("listener", addr, source))?;
-            listeners.push(l);
+            listeners.push((addr, l));
         }
-        readiness.bound.store(true, Ordering::SeqCst);
-        readiness.publish(&admin_state);
+        Ok(Starting {
+            config,
+            metrics,
+            resolver,
+            link,
+            listeners,
+        })
+    }
+}
 
-        // The process's one resolver: the gateway's name, cached for its TTL.
-        let resolver = Resolver::start(
-            &crate::net::resolve::ResolverSettings::default(),
-            fds::lookup_budget(),
-        )
-        .map_err(|e| NodeError::Resolver(e.to_string()))?;
+impl Role for Starting {
+    type Error = NodeError;
+    type Serving = Serving;
+
+    async fn serve(self, cx: &Context) -> Result<Serving, NodeError> {
+        let Starting {
+            config,
+            metrics,
+            resolver,
+            link,
+            listeners,
+        } = self;
+        let readiness = Arc::new(Readiness::default());
+        let admin_state = cx.admin.clone();
+        let mut bound = Vec::new();
+        for (addr, l) in listeners {
+            let l = TcpListener::from_std(l)
+                .map_err(|source| StartError::bind("listener", addr, source))?;
+            bound.push(l);
+        }
         let node = Arc::new(Node::new(
             config.clone(),
             Arc::new(resolver),
@@ -196,11 +216,12 @@ impl Role for Starting {
         ));
         let listener_metrics = Arc::new(metrics.listener(LISTENER));
         let mut accept_tasks = Vec::new();
-        for l in listeners {
-            let address = l
-                .local_addr()
-                .map_or_else(|e| e.to_string(), |a| a.to_string());
-            tracing::info!(address, "listening");
+        let mut addresses = Vec::new();
+        for l in bound {
+            addresses.push(
+                l.local_addr()
+                    .map_or_else(|e| e.to_string(), |a| a.to_string()),
+            );
             let admission = Admission {
                 metrics: metrics.clone(),
                 listener: listener_metrics.clone(),
@@ -212,7 +233,27 @@ impl Role for Starting {
             let handle = move |accepted| node.clone().handle(accepted);
             accept_tasks.push(tokio::spawn(accept_loop(l, admission, stop, handle)));
         }
+        // Link management: ready once the address is in place too.
+        let link_task = match (link, &config.interface) {
+            (Some((manager, events)), Some(iface)) => Some(tokio::spawn(manage_link(
+                manager,
+                iface.check_interval,
+                events,
+                readiness.clone(),
+                admin_state.clone(),
+            ))),
+            _ => {
+                readiness.address.store(true, Ordering::SeqCst);
+                None
+            }
+        };
+        // Nothing can fail the start any more: what started is said now.
+        for address in addresses {
+            tracing::info!(address, "listening");
+        }
         tracing::info!(upstream = %format!("{}:{}", config.upstream.address.host, config.upstream.address.port), "node serving");
+        readiness.bound.store(true, Ordering::SeqCst);
+        readiness.publish(&admin_state);
         Ok(Serving {
             readiness,
             admin: admin_state,
