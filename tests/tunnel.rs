@@ -159,6 +159,26 @@ admin: {{address: \"{admin}\"}}
     }
 }
 
+/// The JSON lines of a log.
+fn json_lines(logs: &str) -> Vec<serde_json::Value> {
+    logs.lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The first access-log line of a log (the agent's) for which `pred` holds, waited for.
+fn wait_access_line(
+    logs: impl Fn() -> String,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    wait_for(Duration::from_secs(10), || {
+        json_lines(&logs())
+            .into_iter()
+            .find(|l| l["target"] == "trellis::access" && pred(l))
+    })
+    .unwrap_or_else(|| panic!("no matching access line in:\n{}", logs()))
+}
+
 /// A gateway with an `egress-connect` and a `wireguard` listener and one shoot whose route
 /// tunnels `allowed` to the agent.
 struct Lab {
@@ -325,28 +345,40 @@ async fn egress_reaches_a_server_behind_the_agent_byte_exact_each_way_with_half_
     drop(agent);
 }
 
+/// Each failed tunnel dial is answered as it failed, counted under its reason, and logged
+/// in the access log under that same reason (`error:<reason>`), on the gateway and on the
+/// agent.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refused_port_is_502_outside_the_agents_networks_is_502_and_counted_no_agent_is_504() {
     let lab = Lab::start();
+    let gw_failures = |reason: &str| {
+        lab.gw.metric(&format!(
+            "trellis_tunnel_dial_failures_total{{route=\"shoot--local--a\",reason=\"{reason}\"}}"
+        ))
+    };
     // No agent yet: no live peer.
     let (_, answer) = lab.connect("127.0.0.1:9").await;
     assert_eq!(status(&answer), 504, "{}", String::from_utf8_lossy(&answer));
-    assert_eq!(
-        lab.gw.metric(
-            "trellis_tunnel_dial_failures_total{route=\"shoot--local--a\",reason=\"no_live_peer\"}"
-        ),
-        1.0
-    );
+    assert_eq!(gw_failures("no_live_peer"), 1.0);
+    let line = lab
+        .gw
+        .wait_access_log(|l| l["target_name"] == "127.0.0.1:9");
+    assert_eq!(line["reason"], "error:no_live_peer", "{line}");
 
     let agent = lab.agent("[\"127.0.0.1/32\"]");
     // Nothing listens there: the agent's dial is refused, the inner SYN reset.
-    let closed = free_port();
-    let (_, answer) = lab.connect(&format!("127.0.0.1:{closed}")).await;
+    let closed = format!("127.0.0.1:{}", free_port());
+    let (_, answer) = lab.connect(&closed).await;
     assert_eq!(status(&answer), 502, "{}", String::from_utf8_lossy(&answer));
     assert_eq!(
         agent.metric("trellis_tunnel_dial_failures_total{route=\"agent\",reason=\"refused\"}"),
         1.0
     );
+    assert_eq!(gw_failures("refused"), 1.0);
+    let line = lab.gw.wait_access_log(|l| l["target_name"] == closed);
+    assert_eq!(line["reason"], "error:refused", "{line}");
+    let line = wait_access_line(|| agent.logs(), |l| l["target_name"] == closed);
+    assert_eq!(line["reason"], "error:refused", "{line}");
 
     // Allowed by the route, outside the agent's networks: reset by the agent, counted.
     let (other, _) = counting_echo_at("127.0.0.2", b"").await;
@@ -356,6 +388,11 @@ async fn a_refused_port_is_502_outside_the_agents_networks_is_502_and_counted_no
         agent.metric("trellis_tunnel_packets_dropped_total{reason=\"not_allowed\"}"),
         1.0
     );
+    assert_eq!(gw_failures("refused"), 2.0);
+    let line = lab
+        .gw
+        .wait_access_log(|l| l["target_name"] == other.to_string());
+    assert_eq!(line["reason"], "error:refused", "{line}");
 }
 
 /// Writes `data` and reads as many bytes back from an echo.
