@@ -166,6 +166,14 @@ fn json_lines(logs: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The lines of a log whose message is `message`.
+fn lines_saying(logs: &str, message: &str) -> Vec<serde_json::Value> {
+    json_lines(logs)
+        .into_iter()
+        .filter(|l| l["message"] == message)
+        .collect()
+}
+
 /// The first access-log line of a log (the agent's) for which `pred` holds, waited for.
 fn wait_access_line(
     logs: impl Fn() -> String,
@@ -393,6 +401,41 @@ async fn a_refused_port_is_502_outside_the_agents_networks_is_502_and_counted_no
         .gw
         .wait_access_log(|l| l["target_name"] == other.to_string());
     assert_eq!(line["reason"], "error:refused", "{line}");
+}
+
+/// An agent whose gateway never answers logs boringtun's handshake retries with its route
+/// (`agent`) and the gateway's key.
+#[test]
+fn an_unanswered_agent_logs_boringtuns_retries_with_route_and_peer() {
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let (agent_keys, gw_keys) = (keys(), keys());
+    let agent = Agent::start(
+        &agent_keys,
+        &gw_keys.public,
+        silent.local_addr().unwrap(),
+        "[\"127.0.0.0/8\"]",
+    );
+    let retried = wait_for(Duration::from_secs(20), || {
+        lines_saying(&agent.logs(), "HANDSHAKE(REKEY_TIMEOUT)")
+            .into_iter()
+            .next()
+    });
+    let Some(retried) = retried else {
+        panic!("no retry logged:\n{}", agent.logs());
+    };
+    assert_eq!(
+        (
+            &retried["target"],
+            &retried["span"]["route"],
+            &retried["span"]["peer"]
+        ),
+        (
+            &"boringtun::noise::timers".into(),
+            &"agent".into(),
+            &gw_keys.public.as_str().into()
+        ),
+        "{retried}"
+    );
 }
 
 /// Writes `data` and reads as many bytes back from an echo.

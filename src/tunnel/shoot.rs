@@ -178,7 +178,7 @@ fn initiate_peer(
     force: bool,
     io: &mut impl Io,
 ) {
-    if let TunnResult::WriteToNetwork(out) = p.tunn.format_handshake_initiation(buf, force) {
+    if let TunnResult::WriteToNetwork(out) = p.format_handshake_initiation(buf, force) {
         match to {
             Some(to) => io.send(to, out),
             None => io.dropped(Drop::NoEndpoint),
@@ -288,7 +288,7 @@ impl Shoot {
         };
         let mut inner: Option<(usize, IpAddr)> = None;
         let buf = scratch(buf, datagram.len().max(PACKET));
-        match p.tunn.decapsulate(Some(from.ip()), datagram, buf) {
+        match p.decapsulate(Some(from.ip()), datagram, buf) {
             TunnResult::Done => {}
             TunnResult::Err(e) => return Err(e),
             TunnResult::WriteToNetwork(out) => {
@@ -299,7 +299,7 @@ impl Shoot {
                     return Err(WireGuardError::UnderLoad);
                 }
                 io.send(from, out);
-                while let TunnResult::WriteToNetwork(out) = p.tunn.decapsulate(None, &[], buf) {
+                while let TunnResult::WriteToNetwork(out) = p.decapsulate(None, &[], buf) {
                     io.send(from, out);
                 }
             }
@@ -477,7 +477,7 @@ impl Shoot {
         let Shoot { peers, buf, .. } = self;
         let p = &mut peers[i];
         let buf = scratch(buf, (packet.len() + 32).max(SMALL));
-        match p.tunn.encapsulate(packet, buf) {
+        match p.encapsulate(packet, buf) {
             TunnResult::WriteToNetwork(out) => match p.endpoint {
                 Some(to) => io.send(to, out),
                 None => io.dropped(Drop::NoEndpoint),
@@ -495,7 +495,7 @@ impl Shoot {
         let buf = scratch(buf, PACKET);
         for p in peers.iter_mut() {
             let to = p.endpoint.or(p.recovery_to);
-            match p.tunn.update_timers(buf) {
+            match p.update_timers(buf) {
                 TunnResult::WriteToNetwork(out) => match to {
                     Some(to) => io.send(to, out),
                     None => io.dropped(Drop::NoEndpoint),

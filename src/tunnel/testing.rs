@@ -157,6 +157,7 @@ fn gateway_side(gw_key: WgKey, agent_pub: WgKey, allowed: &[&str]) -> Side {
     let keys = Keys::new(gw_key);
     let allowed: Vec<Net> = allowed.iter().map(|s| net(s)).collect();
     let peer = Peer::new(
+        "shoot--a",
         &keys.secret,
         agent_pub,
         allowed.into(),
@@ -195,6 +196,7 @@ impl Pair {
         let keys = Keys::new(agent_key);
         let gw_pub = public(gw_key);
         let mut peer = Peer::new(
+            "agent",
             &keys.secret,
             gw_pub,
             vec![net("0.0.0.0/0"), net("::/0")].into(),
@@ -415,6 +417,72 @@ fn a_handshake_makes_both_ends_live_and_a_dial_connects_end_to_end() {
     }
     assert_eq!(got, payload);
     assert!(p.wire.drops.is_empty(), "{:?}", p.wire.drops);
+}
+
+/// The lines written in the JSON log format (`--log-format json`) while `f` runs, at every
+/// level.
+fn json_logs(f: impl FnOnce()) -> Vec<serde_json::Value> {
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// boringtun's own lines (target `boringtun::…`, here its handshake on both ends), as
+/// (route, peer) from the span the JSON format prints with each.
+fn boringtun_lines(lines: &[serde_json::Value]) -> Vec<(&serde_json::Value, (String, String))> {
+    lines
+        .iter()
+        .filter(|l| {
+            l["target"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("boringtun"))
+        })
+        .map(|l| {
+            let field = |f: &str| l["span"][f].as_str().unwrap_or("-").to_owned();
+            (l, (field("route"), field("peer")))
+        })
+        .collect()
+}
+
+/// Every line boringtun writes while handling packets names the route and the peer.
+#[test]
+fn boringtuns_lines_name_their_route_and_peer() {
+    let lines = json_logs(|| Pair::new().handshake());
+    let on_gw = ("shoot--a".to_owned(), public(key(2)).to_base64());
+    let on_agent = ("agent".to_owned(), public(key(1)).to_base64());
+    let boringtun = boringtun_lines(&lines);
+    assert!(
+        boringtun.iter().any(|(_, about)| *about == on_gw),
+        "{lines:?}"
+    );
+    assert!(
+        boringtun.iter().any(|(_, about)| *about == on_agent),
+        "{lines:?}"
+    );
+    for (line, about) in &boringtun {
+        assert!(*about == on_gw || *about == on_agent, "{line}");
+    }
 }
 
 #[test]
@@ -709,6 +777,27 @@ fn handshakes_beyond_the_device_limit_get_cookie_replies() {
 mod stepped {
     use super::*;
     use std::time::Duration;
+
+    /// boringtun's timer warnings (an unanswered handshake retried) name the route and the
+    /// peer too.
+    #[test]
+    fn boringtuns_timer_warnings_name_their_route_and_peer() {
+        let lines = json_logs(|| {
+            let mut p = Pair::new();
+            p.handshake();
+            // The agent's rekey 120 s in goes unanswered.
+            p.wire.gw_cut = true;
+            p.step(Duration::from_secs(130));
+        });
+        let on_agent = ("agent".to_owned(), public(key(1)).to_base64());
+        let retried = boringtun_lines(&lines)
+            .into_iter()
+            .find(|(l, _)| l["message"] == "HANDSHAKE(REKEY_TIMEOUT)");
+        let Some((line, about)) = retried else {
+            panic!("no retry in {lines:?}");
+        };
+        assert_eq!((&line["level"], about), (&"WARN".into(), on_agent));
+    }
 
     #[test]
     fn persistent_keepalives_flow_every_25_seconds() {
