@@ -133,6 +133,15 @@ admin: {{address: \"{admin}\"}}
         std::fs::read_to_string(self.dir.path("agent.log")).unwrap_or_default()
     }
 
+    /// Sends the agent signal `sig` (`STOP` freezes it, as a node that stopped answering).
+    fn signal(&self, sig: &str) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill")
+            .args([&format!("-{sig}"), &pid])
+            .status();
+        assert!(sent.unwrap().success());
+    }
+
     /// Waits until `/ready` answers 200 (the tunnel is up).
     fn wait_ready(&self, limit: Duration) -> bool {
         wait_for(limit, || {
@@ -401,6 +410,64 @@ async fn a_refused_port_is_502_outside_the_agents_networks_is_502_and_counted_no
         .gw
         .wait_access_log(|l| l["target_name"] == other.to_string());
     assert_eq!(line["reason"], "error:refused", "{line}");
+}
+
+/// The gateway logs a peer's session coming up once (route, peer, endpoint), however many
+/// packets follow; boringtun's warnings about the peer (here: data sent to an agent that
+/// froze goes unanswered, and boringtun starts a handshake) name the route and the peer; and
+/// the dial that went unanswered is logged under the reason it is counted under.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_up_is_logged_once_and_boringtuns_warnings_name_route_and_peer() {
+    let lab = Lab::start();
+    let agent = lab.agent("[\"127.0.0.0/8\"]");
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    for round in 0..3u8 {
+        let (mut tls, answer) = lab.connect(&target.to_string()).await;
+        assert_eq!(answer, OK);
+        let data = vec![round; 100_000];
+        assert_eq!(echo_round(&mut tls, &data).await, data);
+    }
+    let (route, peer) = ("shoot--local--a", lab.agent_keys.public.as_str());
+    let ups = lines_saying(&lab.gw.logs(), "tunnel session up");
+    assert_eq!(ups.len(), 1, "{ups:?}");
+    assert_eq!(
+        (&ups[0]["route"], &ups[0]["peer"]),
+        (&route.into(), &peer.into())
+    );
+    let endpoint: SocketAddr = ups[0]["endpoint"].as_str().unwrap().parse().unwrap();
+    assert!(endpoint.ip().is_loopback(), "{endpoint}");
+    // The agent logs its own session with the gateway, once.
+    let ups = lines_saying(&agent.logs(), "tunnel session up");
+    assert_eq!(ups.len(), 1, "{ups:?}");
+    assert_eq!(ups[0]["peer"], lab.gw_keys.public.as_str());
+
+    agent.signal("STOP");
+    let (_, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(status(&answer), 504, "{}", String::from_utf8_lossy(&answer));
+    assert_eq!(
+        lab.gw.metric(
+            "trellis_tunnel_dial_failures_total{route=\"shoot--local--a\",reason=\"timeout\"}"
+        ),
+        1.0
+    );
+    // The one connection no tunnel stream was opened for.
+    let line = lab.gw.wait_access_log(|l| l["tunnel_peer"] == "-");
+    assert_eq!(line["reason"], "error:timeout", "{line}");
+    // boringtun starts a handshake 15 s after the unanswered data, and warns.
+    let warned = wait_for(Duration::from_secs(40), || {
+        json_lines(&lab.gw.logs()).into_iter().find(|l| {
+            l["level"] == "WARN" && l["target"].as_str().unwrap_or("").starts_with("boringtun")
+        })
+    });
+    let Some(warned) = warned else {
+        panic!("no warning from boringtun:\n{}", lab.gw.logs());
+    };
+    assert_eq!(
+        (&warned["span"]["route"], &warned["span"]["peer"]),
+        (&route.into(), &peer.into()),
+        "{warned}"
+    );
+    agent.signal("CONT");
 }
 
 /// An agent whose gateway never answers logs boringtun's handshake retries with its route

@@ -80,6 +80,9 @@ pub(crate) struct Peer {
     pub(crate) tunn: Tunn,
     /// The span boringtun's log lines about this peer are written in.
     span: tracing::Span,
+    /// Whether its session was live when last looked at (a change is reported once, see
+    /// [`super::shoot::Session`]).
+    pub(crate) up: bool,
     /// The inner source addresses it may send from (and the targets it is chosen for).
     pub(crate) allowed: Box<[Net]>,
     /// Where its last authenticated packet came from (or the configured endpoint).
@@ -149,6 +152,7 @@ impl Peer {
         );
         Peer {
             span: span(route, &key),
+            up: false,
             key,
             tunn,
             allowed,

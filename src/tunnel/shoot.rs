@@ -79,6 +79,18 @@ impl Drop {
     }
 }
 
+/// A change of a peer's session, reported once per change ([`Io::session`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Session {
+    /// It has a live session, and had none.
+    Up,
+    /// Its session lapsed (no handshake within REJECT_AFTER_TIME, or boringtun gave up).
+    Lapsed {
+        /// How long since its last authenticated packet.
+        silent: Option<Duration>,
+    },
+}
+
 /// Where a shoot's datagrams go, and what it reports.
 pub(crate) trait Io {
     /// Sends one datagram (a full socket drops it and reports [`Drop::Busy`] itself).
@@ -89,6 +101,8 @@ pub(crate) trait Io {
     fn handshake(&mut self, _route: &str, _peer: &WgKey) {}
     /// A recovery handshake was sent to a peer of `route`.
     fn recovery(&mut self, _route: &str) {}
+    /// Peer `peer` of `route` came up or lapsed.
+    fn session(&mut self, _route: &str, _peer: &Peer, _change: Session) {}
 }
 
 /// Which end of the tunnel the shoot is.
@@ -323,6 +337,12 @@ impl Shoot {
             p.recovery_to = None;
             io.handshake(&name, &p.key);
         }
+        // A responder's session is live from the initiator's first packet on it, after the
+        // handshake; once up, only the timer looks again (a bool per packet).
+        if !p.up && p.live(now) {
+            p.up = true;
+            io.session(&name, p, Session::Up);
+        }
         if let Some((len, src)) = inner {
             if !p.allows(src) {
                 io.dropped(Drop::AllowedIps);
@@ -524,6 +544,11 @@ impl Shoot {
                         initiate_peer(p, buf, now, to, false, io);
                     }
                 }
+            }
+            if p.up && !p.live(now) {
+                p.up = false;
+                let silent = p.heard_at.map(|at| now.saturating_duration_since(at));
+                io.session(&self.name, p, Session::Lapsed { silent });
             }
         }
         self.silent.retain(|_, until| *until > now);

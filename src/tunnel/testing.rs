@@ -12,8 +12,8 @@ use std::time::Instant;
 use smoltcp::socket::tcp;
 
 use super::device::{self, Keys, Maps, Recovery, ShootCell, lock};
-use super::peer::{Endpoint, Peer};
-use super::shoot::{Dialed, Drop, Io, Mode, Shoot};
+use super::peer::{Endpoint, Peer, REJECT_AFTER};
+use super::shoot::{Dialed, Drop, Io, Mode, Session, Shoot};
 use crate::route::{Net, WgKey};
 
 const GW: &str = "10.0.0.1:51820";
@@ -39,6 +39,9 @@ struct Wire {
     gw_cut: bool,
     handshakes: usize,
     recoveries: usize,
+    /// Session changes each side reported.
+    gw_sessions: Vec<Session>,
+    agent_sessions: Vec<Session>,
 }
 
 /// An [`Io`] that keeps every datagram sent and every drop.
@@ -121,6 +124,13 @@ impl Io for SideIo<'_> {
     }
     fn recovery(&mut self, _: &str) {
         self.wire.recoveries += 1;
+    }
+    fn session(&mut self, _: &str, _: &Peer, change: Session) {
+        if self.from == addr(GW) {
+            self.wire.gw_sessions.push(change);
+        } else {
+            self.wire.agent_sessions.push(change);
+        }
     }
 }
 
@@ -483,6 +493,84 @@ fn boringtuns_lines_name_their_route_and_peer() {
     for (line, about) in &boringtun {
         assert!(*about == on_gw || *about == on_agent, "{line}");
     }
+}
+
+/// A peer's session coming up and lapsing is reported once per change, on each side: not
+/// per packet, not across a rekey. The lapse comes REJECT_AFTER_TIME after the last
+/// handshake of an agent that cannot get through, with the time since its last packet.
+#[test]
+fn a_session_coming_up_and_lapsing_is_reported_once_per_change() {
+    use std::time::Duration;
+    let mut p = Pair::new();
+    p.handshake();
+    assert_eq!(p.wire.gw_sessions, [Session::Up]);
+    assert_eq!(p.wire.agent_sessions, [Session::Up]);
+
+    // Traffic, and the agent's rekey 120 s in: still the one change.
+    let h = p.dial("10.250.0.10:443", Dialed::Connected);
+    let data: Vec<u8> = (0..5_000u32).map(|i| i as u8).collect();
+    assert_eq!(transfer(&mut p, h, &data, None), data);
+    let first = p.wire.handshakes;
+    p.step(Duration::from_secs(125));
+    assert!(p.wire.handshakes > first, "rekeyed");
+    let rekeyed = lock(&p.gw.cell).peers[0].handshake_at.unwrap();
+    assert_eq!(p.wire.gw_sessions, [Session::Up]);
+    assert_eq!(p.wire.agent_sessions, [Session::Up]);
+
+    // 30 s later the agent's last packet reaches the gateway; then nothing does.
+    p.step(Duration::from_secs(30));
+    let d = p.agent_keepalive();
+    p.deliver_to_gw(p.agent_addr, &d);
+    let last = p.now;
+    p.wire.gw_cut = true;
+    // Lapsed (REJECT_AFTER_TIME after the rekey, or sooner where boringtun gives up on a
+    // handshake of its own) in one of these seconds, and reported with the time since that
+    // packet (not since the handshake, which came about 35 s before it).
+    let mut lapsed = None;
+    for _ in 0..300 {
+        p.step(Duration::from_secs(1));
+        if lapsed.is_none() && p.wire.gw_sessions.len() > 1 {
+            lapsed = Some(p.now);
+        }
+    }
+    let [
+        Session::Up,
+        Session::Lapsed {
+            silent: Some(silent),
+        },
+    ] = p.wire.gw_sessions[..]
+    else {
+        panic!("{:?}", p.wire.gw_sessions);
+    };
+    let by = lapsed.unwrap() - last;
+    assert!(
+        silent <= by && silent + Duration::from_secs(1) >= by,
+        "{silent:?} since the last packet, lapsed by {by:?}"
+    );
+    assert!(by <= rekeyed + REJECT_AFTER - last + Duration::from_secs(1));
+    assert_eq!(
+        p.wire.agent_sessions.len(),
+        2,
+        "{:?}",
+        p.wire.agent_sessions
+    );
+
+    // Reachable again, a new handshake (the agent's lane starts one, forced): up once more.
+    p.wire.gw_cut = false;
+    let cell = p.agent.cell.clone();
+    let now = p.now;
+    lock(&cell).initiate(now, 0, Some(Endpoint::Udp(addr(GW))), &mut p.agent_io());
+    p.run();
+    p.step(Duration::from_secs(30));
+    assert_eq!(p.wire.gw_sessions.len(), 3, "{:?}", p.wire.gw_sessions);
+    assert_eq!(p.wire.gw_sessions[2], Session::Up);
+    assert_eq!(
+        p.wire.agent_sessions.len(),
+        3,
+        "{:?}",
+        p.wire.agent_sessions
+    );
+    assert_eq!(p.wire.agent_sessions[2], Session::Up);
 }
 
 #[test]
