@@ -133,6 +133,15 @@ admin: {{address: \"{admin}\"}}
         std::fs::read_to_string(self.dir.path("agent.log")).unwrap_or_default()
     }
 
+    /// Sends the agent signal `sig` (`STOP` freezes it, as a node that stopped answering).
+    fn signal(&self, sig: &str) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill")
+            .args([&format!("-{sig}"), &pid])
+            .status();
+        assert!(sent.unwrap().success());
+    }
+
     /// Waits until `/ready` answers 200 (the tunnel is up).
     fn wait_ready(&self, limit: Duration) -> bool {
         wait_for(limit, || {
@@ -157,6 +166,34 @@ admin: {{address: \"{admin}\"}}
             prefix,
         )
     }
+}
+
+/// The JSON lines of a log.
+fn json_lines(logs: &str) -> Vec<serde_json::Value> {
+    logs.lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The lines of a log whose message is `message`.
+fn lines_saying(logs: &str, message: &str) -> Vec<serde_json::Value> {
+    json_lines(logs)
+        .into_iter()
+        .filter(|l| l["message"] == message)
+        .collect()
+}
+
+/// The first access-log line of a log (the agent's) for which `pred` holds, waited for.
+fn wait_access_line(
+    logs: impl Fn() -> String,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    wait_for(Duration::from_secs(10), || {
+        json_lines(&logs())
+            .into_iter()
+            .find(|l| l["target"] == "trellis::access" && pred(l))
+    })
+    .unwrap_or_else(|| panic!("no matching access line in:\n{}", logs()))
 }
 
 /// A gateway with an `egress-connect` and a `wireguard` listener and one shoot whose route
@@ -325,28 +362,40 @@ async fn egress_reaches_a_server_behind_the_agent_byte_exact_each_way_with_half_
     drop(agent);
 }
 
+/// Each failed tunnel dial is answered as it failed, counted under its reason, and logged
+/// in the access log under that same reason (`error:<reason>`), on the gateway and on the
+/// agent.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refused_port_is_502_outside_the_agents_networks_is_502_and_counted_no_agent_is_504() {
     let lab = Lab::start();
+    let gw_failures = |reason: &str| {
+        lab.gw.metric(&format!(
+            "trellis_tunnel_dial_failures_total{{route=\"shoot--local--a\",reason=\"{reason}\"}}"
+        ))
+    };
     // No agent yet: no live peer.
     let (_, answer) = lab.connect("127.0.0.1:9").await;
     assert_eq!(status(&answer), 504, "{}", String::from_utf8_lossy(&answer));
-    assert_eq!(
-        lab.gw.metric(
-            "trellis_tunnel_dial_failures_total{route=\"shoot--local--a\",reason=\"no_live_peer\"}"
-        ),
-        1.0
-    );
+    assert_eq!(gw_failures("no_live_peer"), 1.0);
+    let line = lab
+        .gw
+        .wait_access_log(|l| l["target_name"] == "127.0.0.1:9");
+    assert_eq!(line["reason"], "error:no_live_peer", "{line}");
 
     let agent = lab.agent("[\"127.0.0.1/32\"]");
     // Nothing listens there: the agent's dial is refused, the inner SYN reset.
-    let closed = free_port();
-    let (_, answer) = lab.connect(&format!("127.0.0.1:{closed}")).await;
+    let closed = format!("127.0.0.1:{}", free_port());
+    let (_, answer) = lab.connect(&closed).await;
     assert_eq!(status(&answer), 502, "{}", String::from_utf8_lossy(&answer));
     assert_eq!(
         agent.metric("trellis_tunnel_dial_failures_total{route=\"agent\",reason=\"refused\"}"),
         1.0
     );
+    assert_eq!(gw_failures("refused"), 1.0);
+    let line = lab.gw.wait_access_log(|l| l["target_name"] == closed);
+    assert_eq!(line["reason"], "error:refused", "{line}");
+    let line = wait_access_line(|| agent.logs(), |l| l["target_name"] == closed);
+    assert_eq!(line["reason"], "error:refused", "{line}");
 
     // Allowed by the route, outside the agent's networks: reset by the agent, counted.
     let (other, _) = counting_echo_at("127.0.0.2", b"").await;
@@ -355,6 +404,104 @@ async fn a_refused_port_is_502_outside_the_agents_networks_is_502_and_counted_no
     assert_eq!(
         agent.metric("trellis_tunnel_packets_dropped_total{reason=\"not_allowed\"}"),
         1.0
+    );
+    assert_eq!(gw_failures("refused"), 2.0);
+    let line = lab
+        .gw
+        .wait_access_log(|l| l["target_name"] == other.to_string());
+    assert_eq!(line["reason"], "error:refused", "{line}");
+}
+
+/// The gateway logs a peer's session coming up once (route, peer, endpoint), however many
+/// packets follow; boringtun's warnings about the peer (here: data sent to an agent that
+/// froze goes unanswered, and boringtun starts a handshake) name the route and the peer; and
+/// the dial that went unanswered is logged under the reason it is counted under.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_up_is_logged_once_and_boringtuns_warnings_name_route_and_peer() {
+    let lab = Lab::start();
+    let agent = lab.agent("[\"127.0.0.0/8\"]");
+    let (target, _) = counting_echo_at("127.0.0.1", b"").await;
+    for round in 0..3u8 {
+        let (mut tls, answer) = lab.connect(&target.to_string()).await;
+        assert_eq!(answer, OK);
+        let data = vec![round; 100_000];
+        assert_eq!(echo_round(&mut tls, &data).await, data);
+    }
+    let (route, peer) = ("shoot--local--a", lab.agent_keys.public.as_str());
+    let ups = lines_saying(&lab.gw.logs(), "tunnel session up");
+    assert_eq!(ups.len(), 1, "{ups:?}");
+    assert_eq!(
+        (&ups[0]["route"], &ups[0]["peer"]),
+        (&route.into(), &peer.into())
+    );
+    let endpoint: SocketAddr = ups[0]["endpoint"].as_str().unwrap().parse().unwrap();
+    assert!(endpoint.ip().is_loopback(), "{endpoint}");
+    // The agent logs its own session with the gateway, once.
+    let ups = lines_saying(&agent.logs(), "tunnel session up");
+    assert_eq!(ups.len(), 1, "{ups:?}");
+    assert_eq!(ups[0]["peer"], lab.gw_keys.public.as_str());
+
+    agent.signal("STOP");
+    let (_, answer) = lab.connect(&target.to_string()).await;
+    assert_eq!(status(&answer), 504, "{}", String::from_utf8_lossy(&answer));
+    assert_eq!(
+        lab.gw.metric(
+            "trellis_tunnel_dial_failures_total{route=\"shoot--local--a\",reason=\"timeout\"}"
+        ),
+        1.0
+    );
+    // The one connection no tunnel stream was opened for.
+    let line = lab.gw.wait_access_log(|l| l["tunnel_peer"] == "-");
+    assert_eq!(line["reason"], "error:timeout", "{line}");
+    // boringtun starts a handshake 15 s after the unanswered data, and warns.
+    let warned = wait_for(Duration::from_secs(40), || {
+        json_lines(&lab.gw.logs()).into_iter().find(|l| {
+            l["level"] == "WARN" && l["target"].as_str().unwrap_or("").starts_with("boringtun")
+        })
+    });
+    let Some(warned) = warned else {
+        panic!("no warning from boringtun:\n{}", lab.gw.logs());
+    };
+    assert_eq!(
+        (&warned["span"]["route"], &warned["span"]["peer"]),
+        (&route.into(), &peer.into()),
+        "{warned}"
+    );
+    agent.signal("CONT");
+}
+
+/// An agent whose gateway never answers logs boringtun's handshake retries with its route
+/// (`agent`) and the gateway's key.
+#[test]
+fn an_unanswered_agent_logs_boringtuns_retries_with_route_and_peer() {
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let (agent_keys, gw_keys) = (keys(), keys());
+    let agent = Agent::start(
+        &agent_keys,
+        &gw_keys.public,
+        silent.local_addr().unwrap(),
+        "[\"127.0.0.0/8\"]",
+    );
+    let retried = wait_for(Duration::from_secs(20), || {
+        lines_saying(&agent.logs(), "HANDSHAKE(REKEY_TIMEOUT)")
+            .into_iter()
+            .next()
+    });
+    let Some(retried) = retried else {
+        panic!("no retry logged:\n{}", agent.logs());
+    };
+    assert_eq!(
+        (
+            &retried["target"],
+            &retried["span"]["route"],
+            &retried["span"]["peer"]
+        ),
+        (
+            &"boringtun::noise::timers".into(),
+            &"agent".into(),
+            &gw_keys.public.as_str().into()
+        ),
+        "{retried}"
     );
 }
 

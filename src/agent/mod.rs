@@ -321,7 +321,8 @@ async fn serve(agent: Arc<Agent>, incoming: Incoming) {
             // Resets the inner connection or leaves it unanswered.
             let _ = tunnels.accepted(&cell, &accept, failure.answer());
             record.backend = e.backend().map(str::to_owned);
-            record.finish(Reason::from(&e), Stats::default());
+            // Logged under the metric's reason.
+            record.finish(Reason::Dial(failure.as_str()), Stats::default());
             return;
         }
     };
@@ -355,6 +356,7 @@ mod tests {
             backend: "10.0.0.1:80".into(),
             reason,
             timed_out: reason == ConnectFailure::Timeout,
+            tunnel: None,
         }
     }
 

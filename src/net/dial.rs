@@ -126,6 +126,9 @@ pub(crate) enum DialError {
         reason: ConnectFailure,
         /// Whether the budget ran out (the last failure was a timeout).
         timed_out: bool,
+        /// Why a dial through a tunnel failed (its `trellis_tunnel_dial_failures_total`
+        /// reason, which the access log writes as it is); `None` for a direct dial.
+        tunnel: Option<&'static str>,
     },
     /// An upstream proxy could not be reached or refused the tunnel.
     #[error("upstream {}: {detail}", reason.as_str())]
@@ -144,6 +147,10 @@ impl DialError {
     pub(crate) fn kind(&self) -> &'static str {
         match self {
             DialError::NoBackends { .. } => "no_backends",
+            DialError::Failed {
+                tunnel: Some(reason),
+                ..
+            } => reason,
             DialError::Failed {
                 timed_out: true, ..
             } => "connect_timeout",
@@ -342,6 +349,7 @@ impl Direct {
             timed_out: reason == ConnectFailure::Timeout || Instant::now() >= deadline,
             reason,
             backend: last.1,
+            tunnel: None,
         })
     }
 }

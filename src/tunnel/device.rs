@@ -72,10 +72,17 @@ impl Keys {
         peer_index(&self.secret.to_bytes(), peer)
     }
 
-    /// A peer under this key, sharing the device's handshake limiter (one budget for the
-    /// device; a replayed initiation cannot push one peer into cookies on its own).
-    pub(crate) fn new_peer(&self, key: WgKey, allowed: &[Net], keepalive: Option<u16>) -> Peer {
+    /// A peer of `route` under this key, sharing the device's handshake limiter (one budget
+    /// for the device; a replayed initiation cannot push one peer into cookies on its own).
+    pub(crate) fn new_peer(
+        &self,
+        route: &str,
+        key: WgKey,
+        allowed: &[Net],
+        keepalive: Option<u16>,
+    ) -> Peer {
         Peer::new(
+            route,
             &self.secret,
             key,
             allowed.into(),

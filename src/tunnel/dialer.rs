@@ -81,6 +81,7 @@ impl Dialer for ViaTunnel<'_> {
                     backend: addr.to_string(),
                     reason,
                     timed_out: reason == ConnectFailure::Timeout,
+                    tunnel: Some(e.as_str()),
                 })
             }
         }

@@ -171,17 +171,11 @@ impl Tunnels {
             .into_iter()
             .filter_map(|a| Net::new(a, 0).ok())
             .collect();
+            let route: Arc<str> = "agent".into();
             let peer = state
                 .keys
-                .new_peer(side.gateway, &everything, side.keepalive);
-            let shoot = Shoot::new(
-                "agent".into(),
-                vec![peer],
-                &side.addresses,
-                mode,
-                now,
-                seed(),
-            );
+                .new_peer(&route, side.gateway, &everything, side.keepalive);
+            let shoot = Shoot::new(route, vec![peer], &side.addresses, mode, now, seed());
             let cell: ShootCell = Arc::new(Mutex::new(shoot));
             let mut maps = Maps::default();
             maps.insert(&state.keys, cell.clone());
@@ -235,7 +229,7 @@ impl Tunnels {
                     p.endpoint = Some(to);
                 }
                 if let TunnResult::WriteToNetwork(out) =
-                    p.tunn.format_handshake_initiation(&mut buf, true)
+                    p.format_handshake_initiation(&mut buf, true)
                 {
                     io.send(to, out);
                 }

@@ -209,7 +209,7 @@ mod tests {
         let keys = Keys::new(key(GW));
         let peers = replicas
             .iter()
-            .map(|(b, allowed)| keys.new_peer(public(key(*b)), &[net(allowed)], None))
+            .map(|(b, allowed)| keys.new_peer("shoot--a", public(key(*b)), &[net(allowed)], None))
             .collect();
         let ip: IpAddr = "192.168.128.1".parse().unwrap();
         let now = Instant::now();

@@ -194,7 +194,7 @@ impl Changes<'_> {
                         if s.peer_position(k).is_none()
                             && let Some(a) = allowed.get(k)
                         {
-                            s.peers.push(keys.new_peer(*k, a, None));
+                            s.peers.push(keys.new_peer(&name, *k, a, None));
                         }
                     }
                     // The table's order: a peer's index is the same in /routes and metrics.
@@ -208,7 +208,7 @@ impl Changes<'_> {
                     let peers = tunnel
                         .peers
                         .iter()
-                        .map(|tp| keys.new_peer(tp.public_key, &tp.allowed_ips, None))
+                        .map(|tp| keys.new_peer(&name, tp.public_key, &tp.allowed_ips, None))
                         .collect();
                     let shoot = Shoot::new(
                         name.clone(),

@@ -17,9 +17,9 @@ use tokio::net::UdpSocket;
 use tokio::sync::{Notify, mpsc};
 
 use super::device::{self, Keys, Maps, Recovery, ShootCell, lock};
-use super::peer::Endpoint;
+use super::peer::{Endpoint, Peer};
 use super::queues::Streams;
-use super::shoot::{Accept, Dialed, Drop, Io, Mode};
+use super::shoot::{Accept, Dialed, Drop, Io, Mode, Session};
 use crate::admin::metrics::{ReasonLabel, RouteResultLabels, TunnelMetrics};
 use crate::route::WgKey;
 
@@ -93,6 +93,28 @@ impl Io for UdpIo<'_> {
 
     fn recovery(&mut self, route: &str) {
         self.count(route, "recovery");
+    }
+
+    fn session(&mut self, route: &str, peer: &Peer, change: Session) {
+        let key = peer.key.to_base64();
+        let endpoint = peer
+            .endpoint
+            .map_or_else(|| "-".to_owned(), |e| e.to_string());
+        match change {
+            Session::Up => {
+                tracing::info!(route, peer = %key, %endpoint, "tunnel session up");
+            }
+            Session::Lapsed { silent } => {
+                let last_packet_seconds_ago = silent.map(|d| d.as_secs());
+                tracing::info!(
+                    route,
+                    peer = %key,
+                    %endpoint,
+                    last_packet_seconds_ago,
+                    "tunnel session lapsed"
+                );
+            }
+        }
     }
 }
 

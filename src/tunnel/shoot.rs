@@ -79,6 +79,18 @@ impl Drop {
     }
 }
 
+/// A change of a peer's session, reported once per change ([`Io::session`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Session {
+    /// It has a live session, and had none.
+    Up,
+    /// Its session lapsed (no handshake within REJECT_AFTER_TIME, or boringtun gave up).
+    Lapsed {
+        /// How long since its last authenticated packet.
+        silent: Option<Duration>,
+    },
+}
+
 /// Where a shoot's datagrams go, and what it reports.
 pub(crate) trait Io {
     /// Sends one datagram (a full socket drops it and reports [`Drop::Busy`] itself).
@@ -89,6 +101,8 @@ pub(crate) trait Io {
     fn handshake(&mut self, _route: &str, _peer: &WgKey) {}
     /// A recovery handshake was sent to a peer of `route`.
     fn recovery(&mut self, _route: &str) {}
+    /// Peer `peer` of `route` came up or lapsed.
+    fn session(&mut self, _route: &str, _peer: &Peer, _change: Session) {}
 }
 
 /// Which end of the tunnel the shoot is.
@@ -178,7 +192,7 @@ fn initiate_peer(
     force: bool,
     io: &mut impl Io,
 ) {
-    if let TunnResult::WriteToNetwork(out) = p.tunn.format_handshake_initiation(buf, force) {
+    if let TunnResult::WriteToNetwork(out) = p.format_handshake_initiation(buf, force) {
         match to {
             Some(to) => io.send(to, out),
             None => io.dropped(Drop::NoEndpoint),
@@ -288,7 +302,7 @@ impl Shoot {
         };
         let mut inner: Option<(usize, IpAddr)> = None;
         let buf = scratch(buf, datagram.len().max(PACKET));
-        match p.tunn.decapsulate(Some(from.ip()), datagram, buf) {
+        match p.decapsulate(Some(from.ip()), datagram, buf) {
             TunnResult::Done => {}
             TunnResult::Err(e) => return Err(e),
             TunnResult::WriteToNetwork(out) => {
@@ -299,7 +313,7 @@ impl Shoot {
                     return Err(WireGuardError::UnderLoad);
                 }
                 io.send(from, out);
-                while let TunnResult::WriteToNetwork(out) = p.tunn.decapsulate(None, &[], buf) {
+                while let TunnResult::WriteToNetwork(out) = p.decapsulate(None, &[], buf) {
                     io.send(from, out);
                 }
             }
@@ -322,6 +336,12 @@ impl Shoot {
             p.recovery_at = None;
             p.recovery_to = None;
             io.handshake(&name, &p.key);
+        }
+        // A responder's session is live from the initiator's first packet on it, after the
+        // handshake; once up, only the timer looks again (a bool per packet).
+        if !p.up && p.live(now) {
+            p.up = true;
+            io.session(&name, p, Session::Up);
         }
         if let Some((len, src)) = inner {
             if !p.allows(src) {
@@ -477,7 +497,7 @@ impl Shoot {
         let Shoot { peers, buf, .. } = self;
         let p = &mut peers[i];
         let buf = scratch(buf, (packet.len() + 32).max(SMALL));
-        match p.tunn.encapsulate(packet, buf) {
+        match p.encapsulate(packet, buf) {
             TunnResult::WriteToNetwork(out) => match p.endpoint {
                 Some(to) => io.send(to, out),
                 None => io.dropped(Drop::NoEndpoint),
@@ -495,7 +515,7 @@ impl Shoot {
         let buf = scratch(buf, PACKET);
         for p in peers.iter_mut() {
             let to = p.endpoint.or(p.recovery_to);
-            match p.tunn.update_timers(buf) {
+            match p.update_timers(buf) {
                 TunnResult::WriteToNetwork(out) => match to {
                     Some(to) => io.send(to, out),
                     None => io.dropped(Drop::NoEndpoint),
@@ -524,6 +544,11 @@ impl Shoot {
                         initiate_peer(p, buf, now, to, false, io);
                     }
                 }
+            }
+            if p.up && !p.live(now) {
+                p.up = false;
+                let silent = p.heard_at.map(|at| now.saturating_duration_since(at));
+                io.session(&self.name, p, Session::Lapsed { silent });
             }
         }
         self.silent.retain(|_, until| *until > now);

@@ -12,8 +12,8 @@ use std::time::Instant;
 use smoltcp::socket::tcp;
 
 use super::device::{self, Keys, Maps, Recovery, ShootCell, lock};
-use super::peer::{Endpoint, Peer};
-use super::shoot::{Dialed, Drop, Io, Mode, Shoot};
+use super::peer::{Endpoint, Peer, REJECT_AFTER};
+use super::shoot::{Dialed, Drop, Io, Mode, Session, Shoot};
 use crate::route::{Net, WgKey};
 
 const GW: &str = "10.0.0.1:51820";
@@ -39,6 +39,9 @@ struct Wire {
     gw_cut: bool,
     handshakes: usize,
     recoveries: usize,
+    /// Session changes each side reported.
+    gw_sessions: Vec<Session>,
+    agent_sessions: Vec<Session>,
 }
 
 /// An [`Io`] that keeps every datagram sent and every drop.
@@ -122,6 +125,13 @@ impl Io for SideIo<'_> {
     fn recovery(&mut self, _: &str) {
         self.wire.recoveries += 1;
     }
+    fn session(&mut self, _: &str, _: &Peer, change: Session) {
+        if self.from == addr(GW) {
+            self.wire.gw_sessions.push(change);
+        } else {
+            self.wire.agent_sessions.push(change);
+        }
+    }
 }
 
 struct Side {
@@ -157,6 +167,7 @@ fn gateway_side(gw_key: WgKey, agent_pub: WgKey, allowed: &[&str]) -> Side {
     let keys = Keys::new(gw_key);
     let allowed: Vec<Net> = allowed.iter().map(|s| net(s)).collect();
     let peer = Peer::new(
+        "shoot--a",
         &keys.secret,
         agent_pub,
         allowed.into(),
@@ -195,6 +206,7 @@ impl Pair {
         let keys = Keys::new(agent_key);
         let gw_pub = public(gw_key);
         let mut peer = Peer::new(
+            "agent",
             &keys.secret,
             gw_pub,
             vec![net("0.0.0.0/0"), net("::/0")].into(),
@@ -415,6 +427,150 @@ fn a_handshake_makes_both_ends_live_and_a_dial_connects_end_to_end() {
     }
     assert_eq!(got, payload);
     assert!(p.wire.drops.is_empty(), "{:?}", p.wire.drops);
+}
+
+/// The lines written in the JSON log format (`--log-format json`) while `f` runs, at every
+/// level.
+fn json_logs(f: impl FnOnce()) -> Vec<serde_json::Value> {
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// boringtun's own lines (target `boringtun::…`, here its handshake on both ends), as
+/// (route, peer) from the span the JSON format prints with each.
+fn boringtun_lines(lines: &[serde_json::Value]) -> Vec<(&serde_json::Value, (String, String))> {
+    lines
+        .iter()
+        .filter(|l| {
+            l["target"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("boringtun"))
+        })
+        .map(|l| {
+            let field = |f: &str| l["span"][f].as_str().unwrap_or("-").to_owned();
+            (l, (field("route"), field("peer")))
+        })
+        .collect()
+}
+
+/// Every line boringtun writes while handling packets names the route and the peer.
+#[test]
+fn boringtuns_lines_name_their_route_and_peer() {
+    let lines = json_logs(|| Pair::new().handshake());
+    let on_gw = ("shoot--a".to_owned(), public(key(2)).to_base64());
+    let on_agent = ("agent".to_owned(), public(key(1)).to_base64());
+    let boringtun = boringtun_lines(&lines);
+    assert!(
+        boringtun.iter().any(|(_, about)| *about == on_gw),
+        "{lines:?}"
+    );
+    assert!(
+        boringtun.iter().any(|(_, about)| *about == on_agent),
+        "{lines:?}"
+    );
+    for (line, about) in &boringtun {
+        assert!(*about == on_gw || *about == on_agent, "{line}");
+    }
+}
+
+/// A peer's session coming up and lapsing is reported once per change, on each side: not
+/// per packet, not across a rekey. The lapse comes REJECT_AFTER_TIME after the last
+/// handshake of an agent that cannot get through, with the time since its last packet.
+#[test]
+fn a_session_coming_up_and_lapsing_is_reported_once_per_change() {
+    use std::time::Duration;
+    let mut p = Pair::new();
+    p.handshake();
+    assert_eq!(p.wire.gw_sessions, [Session::Up]);
+    assert_eq!(p.wire.agent_sessions, [Session::Up]);
+
+    // Traffic, and the agent's rekey 120 s in: still the one change.
+    let h = p.dial("10.250.0.10:443", Dialed::Connected);
+    let data: Vec<u8> = (0..5_000u32).map(|i| i as u8).collect();
+    assert_eq!(transfer(&mut p, h, &data, None), data);
+    let first = p.wire.handshakes;
+    p.step(Duration::from_secs(125));
+    assert!(p.wire.handshakes > first, "rekeyed");
+    let rekeyed = lock(&p.gw.cell).peers[0].handshake_at.unwrap();
+    assert_eq!(p.wire.gw_sessions, [Session::Up]);
+    assert_eq!(p.wire.agent_sessions, [Session::Up]);
+
+    // 30 s later the agent's last packet reaches the gateway; then nothing does.
+    p.step(Duration::from_secs(30));
+    let d = p.agent_keepalive();
+    p.deliver_to_gw(p.agent_addr, &d);
+    let last = p.now;
+    p.wire.gw_cut = true;
+    // Lapsed (REJECT_AFTER_TIME after the rekey, or sooner where boringtun gives up on a
+    // handshake of its own) in one of these seconds, and reported with the time since that
+    // packet (not since the handshake, which came about 35 s before it).
+    let mut lapsed = None;
+    for _ in 0..300 {
+        p.step(Duration::from_secs(1));
+        if lapsed.is_none() && p.wire.gw_sessions.len() > 1 {
+            lapsed = Some(p.now);
+        }
+    }
+    let [
+        Session::Up,
+        Session::Lapsed {
+            silent: Some(silent),
+        },
+    ] = p.wire.gw_sessions[..]
+    else {
+        panic!("{:?}", p.wire.gw_sessions);
+    };
+    let by = lapsed.unwrap() - last;
+    assert!(
+        silent <= by && silent + Duration::from_secs(1) >= by,
+        "{silent:?} since the last packet, lapsed by {by:?}"
+    );
+    assert!(by <= rekeyed + REJECT_AFTER - last + Duration::from_secs(1));
+    assert_eq!(
+        p.wire.agent_sessions.len(),
+        2,
+        "{:?}",
+        p.wire.agent_sessions
+    );
+
+    // Reachable again, a new handshake (the agent's lane starts one, forced): up once more.
+    p.wire.gw_cut = false;
+    let cell = p.agent.cell.clone();
+    let now = p.now;
+    lock(&cell).initiate(now, 0, Some(Endpoint::Udp(addr(GW))), &mut p.agent_io());
+    p.run();
+    p.step(Duration::from_secs(30));
+    assert_eq!(p.wire.gw_sessions.len(), 3, "{:?}", p.wire.gw_sessions);
+    assert_eq!(p.wire.gw_sessions[2], Session::Up);
+    assert_eq!(
+        p.wire.agent_sessions.len(),
+        3,
+        "{:?}",
+        p.wire.agent_sessions
+    );
+    assert_eq!(p.wire.agent_sessions[2], Session::Up);
 }
 
 #[test]
@@ -709,6 +865,27 @@ fn handshakes_beyond_the_device_limit_get_cookie_replies() {
 mod stepped {
     use super::*;
     use std::time::Duration;
+
+    /// boringtun's timer warnings (an unanswered handshake retried) name the route and the
+    /// peer too.
+    #[test]
+    fn boringtuns_timer_warnings_name_their_route_and_peer() {
+        let lines = json_logs(|| {
+            let mut p = Pair::new();
+            p.handshake();
+            // The agent's rekey 120 s in goes unanswered.
+            p.wire.gw_cut = true;
+            p.step(Duration::from_secs(130));
+        });
+        let on_agent = ("agent".to_owned(), public(key(1)).to_base64());
+        let retried = boringtun_lines(&lines)
+            .into_iter()
+            .find(|(l, _)| l["message"] == "HANDSHAKE(REKEY_TIMEOUT)");
+        let Some((line, about)) = retried else {
+            panic!("no retry in {lines:?}");
+        };
+        assert_eq!((&line["level"], about), (&"WARN".into(), on_agent));
+    }
 
     #[test]
     fn persistent_keepalives_flow_every_25_seconds() {
