@@ -162,7 +162,9 @@ A configuration meant for a pod names files that exist only there: give each vol
 pod mounts, e.g.
   trellis check --mount /etc/trellis/config=./config --mount /etc/trellis/tls=./tls \\
     ./config/gateway.yaml
-or check the configuration alone with --skip-files.",
+or check the configuration alone with --skip-files. Files a kubeconfig names itself
+(client-certificate, certificate-authority, ...) are read where it says, not through
+--mount.",
         trellis::config::KINDS.join(", ")
     )
 }

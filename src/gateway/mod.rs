@@ -288,6 +288,7 @@ impl Role for Bound {
         // One file-system watcher for every watched file; SIGHUP reaches each watcher.
         let watches = DirWatches::new();
         let hup_rx = cx.hangup.clone();
+        let started = tables.snapshot();
         let mut tasks = vec![tokio::spawn(tables.clone().watch(
             watches.clone(),
             config.routes.check_interval,
@@ -361,7 +362,7 @@ impl Role for Bound {
             threads.push(thread);
         }
         // Nothing can fail the start any more: what started is said now.
-        tables.say_started();
+        Tables::say_started(&started);
         for (l, address) in listening {
             tracing::info!(listener = %l.name, address, protocol = l.kind().as_str(), workers, "listening");
         }

@@ -203,10 +203,10 @@ impl Tables {
         }
     }
 
-    /// Says that the table loaded at start is in force: called once the gateway has
-    /// everything it needs to start.
-    pub(crate) fn say_started(&self) {
-        let snapshot = self.snapshot();
+    /// Says that the table loaded at start (`snapshot`, taken before the table watcher
+    /// runs, which may apply a newer one meanwhile) is in force: called once the gateway
+    /// has everything it needs to start.
+    pub(crate) fn say_started(snapshot: &Snapshot) {
         tracing::info!(
             result = Reload::Applied.label(),
             trigger = "start",
