@@ -175,15 +175,6 @@ fn a_network_with_host_bits_is_refused_at_its_field_in_every_kind() {
     }
 }
 
-/// The log lines of the gateway's table loads with `message`, as JSON objects.
-fn table_lines(gw: &Gateway, message: &str) -> Vec<serde_json::Value> {
-    gw.logs()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|l| l["message"] == message)
-        .collect()
-}
-
 /// A table the gateway reloads (the controller writes its tables to the file the gateway
 /// watches) with a network with host bits set is rejected at the value, and the last good
 /// table stays; with the network as meant, the next table is applied.
@@ -200,7 +191,11 @@ async fn a_reloaded_table_with_host_bits_is_rejected_and_the_last_good_one_kept(
     let bad = with("\"10.0.0.0/8\", \"192.168.1.1/16\"");
     gw.write_routes(&bad);
     let rejected = wait_for(Duration::from_secs(10), || {
-        table_lines(&gw, "routing table rejected; keeping the last good table").pop()
+        lines_saying(
+            &gw.logs(),
+            "routing table rejected; keeping the last good table",
+        )
+        .pop()
     })
     .unwrap_or_else(|| panic!("{}", gw.logs()));
     let (line, column) = position(&bad, "\"192.168.1.1/16\"");
@@ -211,7 +206,7 @@ async fn a_reloaded_table_with_host_bits_is_rejected_and_the_last_good_one_kept(
     assert!(error.contains(&want), "{want:?} in {error}");
     assert_eq!(rejected["generation"], 1, "the table kept: {rejected}");
     assert!(
-        table_lines(&gw, "routing table applied")
+        lines_saying(&gw.logs(), "routing table applied")
             .iter()
             .all(|l| l["generation"] == 1),
         "{}",
@@ -219,7 +214,7 @@ async fn a_reloaded_table_with_host_bits_is_rejected_and_the_last_good_one_kept(
     );
     gw.write_routes(&with("\"10.0.0.0/8\", \"192.168.0.0/16\""));
     wait_for(Duration::from_secs(10), || {
-        table_lines(&gw, "routing table applied")
+        lines_saying(&gw.logs(), "routing table applied")
             .into_iter()
             .find(|l| l["generation"] == 2)
     })

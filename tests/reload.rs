@@ -301,15 +301,6 @@ async fn removed_routes_drop_their_metric_series() {
     assert!(text.contains("route=\"keep\""), "{text}");
 }
 
-/// The log lines of reloads with `message`, as JSON objects.
-fn reload_lines(gw: &Gateway, message: &str) -> Vec<serde_json::Value> {
-    gw.logs()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|l| l["message"] == message)
-        .collect()
-}
-
 /// Every reload says its outcome with the generation and route count in force: applied,
 /// unchanged (at info level on SIGHUP, at debug level on the periodic re-read) and
 /// rejected.
@@ -339,7 +330,7 @@ async fn every_reload_logs_its_outcome_generation_and_route_count() {
         "",
         "routes: {file: routes.yaml, checkInterval: 200ms}",
     );
-    let start = &reload_lines(&gw, "routing table applied")[0];
+    let start = &lines_saying(&gw.logs(), "routing table applied")[0];
     assert_eq!(
         (&start["trigger"], &start["generation"], &start["routes"]),
         (&"start".into(), &1.into(), &1.into()),
@@ -348,7 +339,7 @@ async fn every_reload_logs_its_outcome_generation_and_route_count() {
     // SIGHUP with the file as it is: said at info level.
     gw.signal("HUP");
     let unchanged = |gw: &Gateway, trigger: &str| {
-        reload_lines(gw, "routing table unchanged")
+        lines_saying(&gw.logs(), "routing table unchanged")
             .into_iter()
             .filter(|l| l["trigger"] == trigger)
             .collect::<Vec<_>>()
@@ -368,7 +359,7 @@ async fn every_reload_logs_its_outcome_generation_and_route_count() {
 
     gw.write_routes(&two);
     let line = wait_for(Duration::from_secs(10), || {
-        reload_lines(&gw, "routing table applied")
+        lines_saying(&gw.logs(), "routing table applied")
             .into_iter()
             .find(|l| l["generation"] == 2)
     })
@@ -380,7 +371,11 @@ async fn every_reload_logs_its_outcome_generation_and_route_count() {
 
     gw.write_routes("routes: [");
     let line = wait_for(Duration::from_secs(10), || {
-        reload_lines(&gw, "routing table rejected; keeping the last good table").pop()
+        lines_saying(
+            &gw.logs(),
+            "routing table rejected; keeping the last good table",
+        )
+        .pop()
     })
     .unwrap_or_else(|| panic!("{}", gw.logs()));
     assert_eq!(line["level"], "ERROR");

@@ -168,21 +168,6 @@ admin: {{address: \"{admin}\"}}
     }
 }
 
-/// The JSON lines of a log.
-fn json_lines(logs: &str) -> Vec<serde_json::Value> {
-    logs.lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-/// The lines of a log whose message is `message`.
-fn lines_saying(logs: &str, message: &str) -> Vec<serde_json::Value> {
-    json_lines(logs)
-        .into_iter()
-        .filter(|l| l["message"] == message)
-        .collect()
-}
-
 /// The first access-log line of a log (the agent's) for which `pred` holds, waited for.
 fn wait_access_line(
     logs: impl Fn() -> String,

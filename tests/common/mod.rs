@@ -77,6 +77,21 @@ pub(crate) fn free_ports(n: usize) -> Vec<u16> {
         .collect()
 }
 
+/// The JSON lines of a log.
+pub(crate) fn json_lines(logs: &str) -> Vec<serde_json::Value> {
+    logs.lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The JSON lines of a log whose message is `message`.
+pub(crate) fn lines_saying(logs: &str, message: &str) -> Vec<serde_json::Value> {
+    json_lines(logs)
+        .into_iter()
+        .filter(|l| l["message"] == message)
+        .collect()
+}
+
 /// Polls `f` until it returns `Some` or `limit` passes.
 pub(crate) fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let start = Instant::now();
